@@ -141,6 +141,10 @@ def build(data_dir, methods=("dense", "bm25"), encoder=None, image_encoder=None,
     for kb in KBS:
         docs = load_kb(data_dir, kb)
         texts = [doc_contents(d, kb) for d in docs]
+        ends = (docs[0]["id"], docs[-1]["id"]) if docs else (None, None)
+        meta["kbs"][kb] = dict(n=len(docs), first=ends[0], last=ends[1])
+        if not docs:  # an empty KB (data/real has no images) gets no index files; search returns nothing
+            continue
         if "dense" in methods:
             encoder = encoder or Encoder()
             faiss.write_index(faiss_index(encoder.encode(texts, progress=progress)), str(tmp / f"{kb}.faiss"))
@@ -153,7 +157,6 @@ def build(data_dir, methods=("dense", "bm25"), encoder=None, image_encoder=None,
             clip = ClipEncoder(image_encoder)
             faiss.write_index(faiss_index(clip.encode_images([d["path"] for d in docs])), str(tmp / "image.clip.faiss"))
             meta["image_encoder"] = image_encoder
-        meta["kbs"][kb] = dict(n=len(docs), first=docs[0]["id"], last=docs[-1]["id"])
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     if out.exists():
         import shutil
@@ -175,31 +178,37 @@ class Retriever:
         self.method, self.docs, self.dense, self.bm25, self.clip = method, {}, {}, {}, None
         for kb in KBS:
             self.docs[kb] = load_kb(data_dir, kb)
-            m = self.meta["kbs"][kb]
-            if (len(self.docs[kb]), self.docs[kb][0]["id"], self.docs[kb][-1]["id"]) != (m["n"], m["first"], m["last"]):
+            m, docs = self.meta["kbs"][kb], self.docs[kb]
+            ends = (docs[0]["id"], docs[-1]["id"]) if docs else (None, None)
+            if (len(docs), *ends) != (m["n"], m["first"], m["last"]):
                 raise DataError(f"{idx}: index is stale for the {kb} KB (built for {m['n']} docs, KB has "
-                                f"{len(self.docs[kb])}); rerun `python retrievers.py build --data {data_dir}`")
+                                f"{len(docs)}); rerun `python retrievers.py build --data {data_dir}`")
+            if not docs:
+                continue
             if "dense" in need:
                 self.dense[kb] = to_gpu(faiss.read_index(str(idx / f"{kb}.faiss")))
             if "bm25" in need:
                 self.bm25[kb] = import_bm25s().BM25.load(str(idx / f"{kb}.bm25"))
         if "dense" in need:
-            self.encoder = encoder or Encoder(self.meta["encoder"])
+            self.encoder = encoder or Encoder(self.meta.get("encoder"))  # absent when every KB is empty
         if self.meta.get("image_encoder"):
             self.clip = (ClipEncoder(self.meta["image_encoder"]), to_gpu(faiss.read_index(str(idx / "image.clip.faiss"))))
 
     def _rank(self, queries, kb, k):
         """Per query, a list of (doc index, score), best first."""
         k = min(k, len(self.docs[kb]))
+        if k == 0:  # an empty KB
+            return [[] for _ in queries]
+        wide = min(4 * k, len(self.docs[kb]))  # fused runs go deeper, but never past the KB (bm25s refuses, faiss pads -1)
         runs = []
         if self.dense.get(kb) is not None:
-            scores, ids = self.dense[kb].search(self.encoder.encode(queries), k if self.method == "dense" else 4 * k)  # [q, k]
+            scores, ids = self.dense[kb].search(self.encoder.encode(queries), k if self.method == "dense" else wide)  # [q, k]
             runs.append([list(zip(i.tolist(), s.tolist())) for i, s in zip(ids, scores)])
         if self.bm25.get(kb) is not None:
-            ids, scores = self.bm25[kb].retrieve(bm25_tokenize(queries), k=k if self.method == "bm25" else 4 * k, show_progress=False)
+            ids, scores = self.bm25[kb].retrieve(bm25_tokenize(queries), k=k if self.method == "bm25" else wide, show_progress=False)
             runs.append([list(zip(i.tolist(), s.tolist())) for i, s in zip(ids, scores)])
         if kb == "image" and self.clip is not None:
-            scores, ids = self.clip[1].search(self.clip[0].encode(queries), 4 * k)
+            scores, ids = self.clip[1].search(self.clip[0].encode(queries), wide)
             runs.append([list(zip(i.tolist(), s.tolist())) for i, s in zip(ids, scores)])
         if len(runs) == 1:
             return runs[0]
