@@ -29,7 +29,9 @@ counts. All rates are percentages (x100), as the paper reports F1-Recall:
   route_exact             % of questions with routing accuracy 1: the KB sequence equals the gold one and the model
                           stopped right after it
   gold_hit                % of gold steps t whose gold doc_id is in steps[t].retrieved (positions aligned, so a
-                          comparison whose two lookups come in swapped order misses both); None without gold steps
+                          comparison whose two lookups come in swapped order misses both); None without gold steps.
+                          A gold step with an empty sub_question (data/real's HotpotQA: supporting paragraphs with
+                          no order) counts when any step retrieved its doc_id
   policy_tokens           mean n_policy_tokens; time_generate, time_retrieve: mean seconds per question
   confusion               routing confusion matrix (below), counts
   by_type                 the metrics above (without confusion) per question type
@@ -47,6 +49,8 @@ Confusion matrix: one entry per gold decision t = 0..G. The gold label is gold_s
 predicted label is steps[t].kb for t < P, "stop" at t = P when the model stopped, else "missing" (a format failure,
 or the trajectory had already ended). Retrievals after the gold stop (t > G) have no gold decision, so they are not
 in the matrix (routing_acc and retrievals count them).
+Without gold steps the gold route is "stop at once": right for no-retrieval questions, meaningless for data/real's
+r1_* splits (released without decompositions, pattern "unknown"), where only the answer metrics count.
 """
 import io
 import json
@@ -106,9 +110,12 @@ def routing_accuracy(t):
 
 
 def gold_hits(t):
-    """One bool per gold step: its gold document is among the documents retrieved at the same position."""
+    """One bool per gold step: its gold document is among the documents retrieved at the same position. A gold step
+    with no sub-question (HotpotQA's supporting paragraphs: no decomposition, so no order) counts at any position."""
     steps = t["steps"]
-    return [i < len(steps) and s["doc_id"] in steps[i]["retrieved"] for i, s in enumerate(t.get("gold_steps") or [])]
+    anywhere = {d for s in steps for d in s["retrieved"]}
+    return [s["doc_id"] in anywhere if not s.get("sub_question") else i < len(steps) and s["doc_id"] in steps[i]["retrieved"]
+            for i, s in enumerate(t.get("gold_steps") or [])]
 
 
 def confusion(trajs):

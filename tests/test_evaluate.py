@@ -68,6 +68,18 @@ def test_gold_hits_are_aligned_by_position():
     assert gold_hits(swapped) == [False, False]
 
 
+def test_gold_steps_without_sub_question_hit_at_any_position():
+    # HotpotQA-style gold (data/real): supporting paragraphs, no sub-question, so no order; found in swapped order
+    t = traj("k", "hotpotqa", ["y"], ["text", "text"], ["text", "text"], "y")
+    for g in t["gold_steps"]:
+        g["sub_question"], g["answer"] = "", ""
+    t["steps"][0]["retrieved"], t["steps"][1]["retrieved"] = ["k-d1"], ["k-d0"]
+    assert gold_hits(t) == [True, True]
+    t["steps"] = t["steps"][:1]  # only one retrieval: the paragraph it found counts, the other misses
+    assert gold_hits(t) == [False, True]
+    assert routing_accuracy(t) == approx(1 / 3)  # text, then a stop where a second text step was due
+
+
 def test_score_overall():
     s = score(SET)
     assert s["n"] == 7
