@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean real
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements-cpu.txt
@@ -57,6 +57,19 @@ demo: $(OUT)/stepgrpo/final/config.json
 		--n_questions $(EVAL_N) --out $(OUT)/eval/step-grpo
 	$(PY) evaluate.py --combine $(OUT)/eval/prompt-only/results.json $(OUT)/eval/sft/results.json \
 		$(OUT)/eval/step-grpo/results.json --data $(DATA) --split test --out $(OUT)/results
+
+# Real benchmarks, read in place from SHARED (never copied): HotpotQA, MuSiQue, WikiTableQuestions and R1-Router's
+# question sets in one data folder (text + table KBs, empty image KB), then its indexes.
+SHARED ?= ../shared/data
+REAL := data/real
+
+$(REAL)/real.json: corpus.py .venv/.stamp
+	$(PY) corpus.py --import_real $(SHARED) --out $(REAL)
+
+$(REAL)/index/meta.json: retrievers.py $(REAL)/real.json
+	$(PY) retrievers.py build --data $(REAL)
+
+real: $(REAL)/index/meta.json
 
 test: .venv/.stamp $(MODEL)/config.json
 	$(PY) -m pytest -q
