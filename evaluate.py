@@ -214,6 +214,22 @@ def markdown(results, title):
                       "## Routing", "", *routing, "", "## F1-Recall by question type", "", *per_type, ""])
 
 
+def seed_table(results):
+    """Rows named '<row>@s<seed>/<method>' (one training seed each) -> markdown of mean +- sample std over seeds."""
+    groups = defaultdict(list)
+    for name, s in results.items():
+        groups[re.sub(r"@s\d+", "", name)].append(s)
+    rows = []
+    for name, ss in groups.items():
+        cells = []
+        for k, digits in (("f1_recall", 1), ("em", 1), ("routing_acc", 1), ("retrievals", 2)):
+            v = [x[k] for x in ss if x[k] is not None]
+            sd = (sum((a - sum(v) / len(v)) ** 2 for a in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else None
+            cells.append("-" if not v else _fmt(sum(v) / len(v), digits) + ("" if sd is None else f" ± {_fmt(sd, digits)}"))
+        rows.append([name, len(ss), *cells])
+    return _table(["row", "seeds", "F1-Recall", "EM", "routing acc", "retrievals/q"], rows)
+
+
 def print_table(md):
     print(md)
 
@@ -287,6 +303,8 @@ def write_report(results, out_dir, title="R1-Router evaluation"):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(results, title)
+    if any(re.search(r"@s\d+", name) for name in results):  # training seeds: mean +- std first
+        md = "\n".join([f"# {title}: mean ± std over training seeds", "", *seed_table(results), "", md])
     _atomic_write(out / "results.json", json.dumps(results, indent=2, allow_nan=False) + "\n")
     _atomic_write(out / "table.md", md)
     _atomic_write(out / "metrics.png", metrics_chart(results, title))
