@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test bench clean real
+.PHONY: setup demo ablation test bench clean real
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements-cpu.txt
@@ -32,31 +32,52 @@ $(DATA)/index/meta.json: retrievers.py $(DATA)/world.json
 # mini-world -> indexes -> golden trajectories -> SFT -> Step-GRPO -> evaluation of prompt-only, SFT and Step-GRPO.
 SYNTH_TRAIN ?= 400
 SFT_STEPS ?= 20
-GRPO_STEPS ?= 4
+GRPO_STEPS ?= 6
 EVAL_N ?= 100
 OUT := out/demo
+SFT_FLAGS = --model $(MODEL) --data $(DATA)/traj --max_steps $(SFT_STEPS) --batch_size 1 --grad_accum 8 --lr 2e-4 \
+	--warmup_steps 2 --eval_every 0 --save_every 0 --keep 1 --cpu_bf16
+GRPO_FLAGS = --data $(DATA) --train_steps $(GRPO_STEPS) --batch_questions 8 -n 4 --lr 2e-5 --micro_batch 2 \
+	--save_every 0 --keep 1 --cpu_bf16
+EVAL_FLAGS = --data $(DATA) --split test --n_questions $(EVAL_N)
 
 $(DATA)/traj/train.jsonl: synth.py rollout.py $(DATA)/index/meta.json $(MODEL)/config.json
 	$(PY) synth.py --data $(DATA) --out $(DATA)/traj --limit $(SYNTH_TRAIN)
 
 $(OUT)/sft/final/config.json: $(DATA)/traj/train.jsonl sft.py
-	$(PY) sft.py --model $(MODEL) --data $(DATA)/traj --out $(OUT)/sft --max_steps $(SFT_STEPS) --batch_size 1 \
-		--grad_accum 8 --lr 2e-4 --warmup_steps 2 --eval_every 0 --save_every 0 --keep 1
+	$(PY) sft.py $(SFT_FLAGS) --out $(OUT)/sft
 
 $(OUT)/stepgrpo/final/config.json: $(OUT)/sft/final/config.json stepgrpo.py
-	$(PY) stepgrpo.py --model $(OUT)/sft/final --data $(DATA) --out $(OUT)/stepgrpo --train_steps $(GRPO_STEPS) \
-		--batch_questions 4 -n 4 --lr 5e-6 --micro_batch 2 --save_every 0 --keep 1
+	$(PY) stepgrpo.py $(GRPO_FLAGS) --model $(OUT)/sft/final --out $(OUT)/stepgrpo
 
 # each stage above is a file target: re-running `make demo` after an interruption skips what is done
 demo: $(OUT)/stepgrpo/final/config.json
 	$(PY) corpus.py --check $(DATA)
-	$(PY) evaluate.py --model $(MODEL) --name prompt-only --data $(DATA) --split test --n_questions $(EVAL_N) --out $(OUT)/eval/prompt-only
-	$(PY) evaluate.py --model $(OUT)/sft/final --name sft --methods routed --data $(DATA) --split test \
-		--n_questions $(EVAL_N) --out $(OUT)/eval/sft
-	$(PY) evaluate.py --model $(OUT)/stepgrpo/final --name step-grpo --methods routed --data $(DATA) --split test \
-		--n_questions $(EVAL_N) --out $(OUT)/eval/step-grpo
+	$(PY) evaluate.py --model $(MODEL) --name prompt-only $(EVAL_FLAGS) --out $(OUT)/eval/prompt-only
+	$(PY) evaluate.py --model $(OUT)/sft/final --name sft --methods routed oracle $(EVAL_FLAGS) --out $(OUT)/eval/sft
+	$(PY) evaluate.py --model $(OUT)/stepgrpo/final --name step-grpo --methods routed $(EVAL_FLAGS) --out $(OUT)/eval/step-grpo
 	$(PY) evaluate.py --combine $(OUT)/eval/prompt-only/results.json $(OUT)/eval/sft/results.json \
 		$(OUT)/eval/step-grpo/results.json --data $(DATA) --split test --out $(OUT)/results
+
+# The ablation table (README "Ablation"): SFT, outcome GRPO, Step-GRPO on-policy and teacher-prefix for each training
+# seed, each scored routed on the test split (SFT also with oracle routing); the untrained baselines once (greedy
+# decoding is deterministic). Resumable: finished runs and reports are skipped.
+SEEDS ?= 1 2 3
+ABL := out/ablation
+ablation: $(DATA)/traj/train.jsonl
+	@set -e; start=$$(date +%s); for s in $(SEEDS); do d=$(ABL)/s$$s; \
+	  test -e $$d/sft/final || $(PY) sft.py $(SFT_FLAGS) --seed $$s --out $$d/sft; \
+	  test -e $$d/outcome/final || $(PY) stepgrpo.py $(GRPO_FLAGS) --model $$d/sft/final --seed $$s --reward outcome --out $$d/outcome; \
+	  test -e $$d/onpolicy/final || $(PY) stepgrpo.py $(GRPO_FLAGS) --model $$d/sft/final --seed $$s --out $$d/onpolicy; \
+	  test -e $$d/teacher/final || $(PY) stepgrpo.py $(GRPO_FLAGS) --model $$d/sft/final --seed $$s --rollout teacher_prefix --out $$d/teacher; \
+	  test -f $$d/eval-sft/results.json || $(PY) evaluate.py --model $$d/sft/final --name sft@s$$s --methods routed oracle $(EVAL_FLAGS) --out $$d/eval-sft; \
+	  for r in outcome onpolicy teacher; do test -f $$d/eval-$$r/results.json || \
+	    $(PY) evaluate.py --model $$d/$$r/final --name $$r@s$$s --methods routed $(EVAL_FLAGS) --out $$d/eval-$$r; done; \
+	done; \
+	test -f $(ABL)/baselines/results.json || $(PY) evaluate.py --model $(MODEL) --name prompt-only \
+	  --methods routed no_retrieval single_rag iterretgen $(EVAL_FLAGS) --out $(ABL)/baselines; \
+	$(PY) evaluate.py --combine $(ABL)/baselines/results.json $(ABL)/s*/eval-*/results.json --data $(DATA) --split test --out $(ABL)/table; \
+	echo "ablation: $$(( ($$(date +%s) - start) / 60 )) min (this invocation)"
 
 # Real benchmarks, read in place from SHARED (never copied): HotpotQA, MuSiQue, WikiTableQuestions and R1-Router's
 # question sets in one data folder (text + table KBs, empty image KB), then its indexes.
