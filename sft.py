@@ -70,7 +70,6 @@ def get_args(argv=None):
     ap.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decays the LR to lr * this")
     ap.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
     ap.add_argument("--activation_checkpointing", action="store_true")
-    ap.add_argument("--cpu_bf16", action="store_true", help="CPU: bf16 autocast forward (1.6x faster on AVX512-BF16)")
     ap.add_argument("--eval_every", type=int, default=50, help="dev loss every N steps and at the end (0: never)")
     ap.add_argument("--eval_rows", type=int, default=256, help="evaluate on the first N dev rows (0: all)")
     ap.add_argument("--save_every", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
@@ -111,11 +110,11 @@ def collate(rows, pad_id, device):
         labels[i, :len(x)] = torch.where(torch.tensor(m, dtype=torch.bool), torch.tensor(x), -100)
     return ids.to(device), labels.to(device)
 
-def loss_sum(model, ids, labels, cpu_bf16=False):
+def loss_sum(model, ids, labels):
     """Sum of the next-token NLLs over label positions (fp32) and their count. ids, labels: [B, T].
     No attention mask: padding is on the right and attention is causal, so real tokens never see it."""
     sel = labels[:, 1:] != -100  # [B, T-1] position t predicts token t + 1
-    logits = trainutil.selected_logits(model, ids, sel, cpu_bf16=cpu_bf16)  # [N, V]
+    logits = trainutil.selected_logits(model, ids, sel)  # [N, V]
     return F.cross_entropy(logits.float(), labels[:, 1:][sel], reduction="sum"), sel.sum()
 
 def lr_at(step, args, total):
@@ -142,7 +141,7 @@ def evaluate(model, rows, args, rank, world, pad_id, device):
     B, tot = args.batch_size, torch.zeros(2, device=device)  # [loss sum, token count]
     for b in range(math.ceil(len(rows) / (B * world))):
         chunk = rows[(b * world + rank) * B:(b * world + rank + 1) * B]
-        s, n = loss_sum(model, *collate(chunk or rows[:1], pad_id, device), args.cpu_bf16)
+        s, n = loss_sum(model, *collate(chunk or rows[:1], pad_id, device))
         tot += torch.stack([s, n.float()]) * (1.0 if chunk else 0.0)
     dist.all_reduce(tot)
     model.train()
@@ -218,7 +217,7 @@ def main(argv=None):
             g["lr"] = lr
         loss_acc = torch.zeros((), device=device)
         for ids, labels in micro:
-            s, _ = loss_sum(model, ids, labels, args.cpu_bf16)
+            s, _ = loss_sum(model, ids, labels)
             (s * world / n_loss).backward()  # FSDP averages gradients over ranks: * world makes it a global sum
             loss_acc += s.detach()
         gnorm = trainutil.clip_grad_norm(model, args.grad_clip)

@@ -100,8 +100,6 @@ def get_args(argv=None):
     ap.add_argument("--save_every", type=int, default=10)
     ap.add_argument("--keep", type=int, default=2, help="newest checkpoints kept")
     ap.add_argument("--activation_checkpointing", action="store_true")
-    ap.add_argument("--cpu_bf16", action="store_true", help="CPU: bf16 autocast forward (1.6x faster on AVX512-BF16); "
-                    "the engine samples in fp32, so ratios carry bf16 rounding")
     ap.add_argument("--check_sync", action="store_true", help="after each sync, log the max |engine - trainer| logprob")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wandb_project", default="r1router-nano")
@@ -162,10 +160,10 @@ def group_advantages(spans, rewards, outcomes, mode="step"):
 
 #### loss
 
-def token_logprobs(model, ids, attn, sel, cpu_bf16=False):
+def token_logprobs(model, ids, attn, sel):
     """Logprob of each selected next token and the entropy of its prediction, both [N], where sel [B, T-1] marks the
     positions (t predicts token t + 1) that are policy tokens: lm_head and softmax run on those alone."""
-    logp = trainutil.selected_logits(model, ids, sel, attn, cpu_bf16).log_softmax(-1)  # [N, V]
+    logp = trainutil.selected_logits(model, ids, sel, attn).log_softmax(-1)  # [N, V]
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)  # [N]
     return logp.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1), entropy
@@ -330,14 +328,14 @@ def main(argv=None):
         refs = []
         with torch.no_grad():
             for ids, attn, sel, *_ in micro:
-                refs.append(token_logprobs(ref, ids, attn, sel, args.cpu_bf16)[0] if use_ref else None)
+                refs.append(token_logprobs(ref, ids, attn, sel)[0] if use_ref else None)
         timing["reference_s"] = time.perf_counter() - t
         # ---- policy update(s)
         t = time.perf_counter()
         acc = torch.zeros(6, dtype=torch.float64, device=device)  # [loss, kl sum, clipped, entropy sum, tokens, grad norm]
         for _ in range(args.ppo_epochs):
             for (ids, attn, sel, old, adv, seq, weight), ref_lp in zip(micro, refs):
-                logp, ent = token_logprobs(model, ids, attn, sel, args.cpu_bf16)  # [N] each
+                logp, ent = token_logprobs(model, ids, attn, sel)  # [N] each
                 ref_lp = logp.detach() if ref_lp is None else ref_lp  # no reference: KL term 0
                 loss, kl, clipped = grpo_loss(logp, old, ref_lp, adv, seq, args.clip_eps, args.kl_coef, args.loss_norm,
                                               denom, len(ids))

@@ -3,8 +3,7 @@ trainutil.py: the FSDP2 set-up, checkpoints and logging that sft.py and stepgrpo
 
 Same code with or without torchrun: a single process is an FSDP2 world of one (a gloo/nccl group over an in-memory
 store), so the sharding, mixed-precision, state-dict and clipping paths are the ones a multi-rank run takes.
-GPU: NCCL, bf16 compute with fp32 master weights and fp32 gradient reduction, flash-attn 2 when installed. CPU: gloo,
-fp32 (or bf16 autocast with --cpu_bf16).
+GPU: NCCL, bf16 compute with fp32 master weights and fp32 gradient reduction, flash-attn 2 when installed. CPU: gloo, fp32.
 
 Checkpoint layout (in --out):
     step_<N>/          Hugging Face folder (config, safetensors, tokenizer) that transformers and vLLM load as is,
@@ -97,15 +96,13 @@ def clip_grad_norm(model, max_norm):
             g.mul_(max_norm / (norm + 1e-6))
     return norm
 
-def selected_logits(model, ids, sel, attn=None, cpu_bf16=False):
+def selected_logits(model, ids, sel, attn=None):
     """Logits [N, V] of only the N positions where sel [B, T-1] is True (position t predicts token t + 1).
     A forward hook on the final norm keeps just those hidden states, so lm_head (with a 49k vocabulary the costliest
-    matmul) runs on them alone; it acts inside the root forward, where FSDP has gathered lm_head.
-    cpu_bf16: bf16 autocast on CPU (fp32 master weights; 1.6x faster fwd+bwd on AVX512-BF16). GPUs get bf16 from FSDP."""
+    matmul) runs on them alone; it acts inside the root forward, where FSDP has gathered lm_head."""
     hook = model.model.norm.register_forward_hook(lambda mod, inp, h: h[:, :-1][sel][None])  # [B, T, H] -> [1, N, H]
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_bf16 and ids.device.type == "cpu"):
-            return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[0].float()  # [N, V]
+        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[0].float()  # [N, V]
     finally:
         hook.remove()
 
