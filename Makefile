@@ -36,9 +36,9 @@ GRPO_STEPS ?= 6
 EVAL_N ?= 100
 OUT := out/demo
 SFT_FLAGS = --model $(MODEL) --data $(DATA)/traj --max_steps $(SFT_STEPS) --batch_size 1 --grad_accum 8 --lr 2e-4 \
-	--warmup_steps 2 --eval_every 0 --save_every 0 --keep 1 --cpu_bf16
-GRPO_FLAGS = --data $(DATA) --train_steps $(GRPO_STEPS) --batch_questions 8 -n 4 --lr 2e-5 --micro_batch 2 \
-	--save_every 0 --keep 1 --cpu_bf16
+	--warmup_steps 2 --eval_every 0 --save_every 0 --keep 1
+GRPO_FLAGS = --data $(DATA) --train_steps $(GRPO_STEPS) --batch_questions 4 -n 4 --lr 2e-5 --micro_batch 2 \
+	--save_every 0 --keep 1
 EVAL_FLAGS = --data $(DATA) --split test --n_questions $(EVAL_N)
 
 $(DATA)/traj/train.jsonl: synth.py rollout.py $(DATA)/index/meta.json $(MODEL)/config.json

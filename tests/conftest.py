@@ -5,6 +5,7 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: plenty for the tiny test model, and 2-rank runs fit beside other jobs
 
 def tiny_world_args(out, seed=0):
     return argparse.Namespace(world="mini", out=str(out), seed=seed, n_people=60, n_cities=12, n_countries=4, n_orgs=15,
