@@ -107,7 +107,8 @@ def next_turn(fmt, user_text=None):
 def truncate(tok, ids, logprobs, stop, eos):
     """Cut after the first EOS, then after the first token that completes a stop string (HF pads finished rows)."""
     if eos in ids:
-        ids, logprobs = ids[:ids.index(eos) + 1], logprobs[:ids.index(eos) + 1]
+        n = ids.index(eos) + 1
+        ids, logprobs = ids[:n], logprobs[:n]
     if not any(s in tok.decode(ids) for s in stop):
         return ids, logprobs
     lo, hi = 1, len(ids)  # a stop string, once decoded, stays in every longer prefix: binary-search the first one
@@ -119,11 +120,10 @@ def truncate(tok, ids, logprobs, stop, eos):
 class Batched:
     """For engines that run one batch at a time: poll() generates everything submitted since the last poll."""
     def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=()):
-        self.queue = getattr(self, "queue", [])
-        self.queue.append((key, prompt, (max_tokens, temperature, top_p, tuple(stop))))
+        self.__dict__.setdefault("queue", []).append((key, prompt, (max_tokens, temperature, top_p, tuple(stop))))
 
     def poll(self):
-        queue, self.queue, out = getattr(self, "queue", []), [], []
+        queue, self.queue, out = self.__dict__.get("queue", []), [], []
         for params in dict.fromkeys(p for _, _, p in queue):  # one generate call per distinct sampling setting
             batch = [(k, pr) for k, pr, p in queue if p == params]
             out += [(k, *r) for (k, _), r in zip(batch, self.generate([pr for _, pr in batch], *params))]
@@ -162,9 +162,9 @@ class VLLMEngine:
             for o in engine.step():
                 if o.finished:
                     key, stop = self.pending.pop(o.request_id)
-                    self.computed["prefill"] += len(o.prompt_token_ids) - (o.num_cached_tokens or 0)
-                    self.computed["decode"] += len(o.outputs[0].token_ids)
                     ids = list(o.outputs[0].token_ids)
+                    self.computed["prefill"] += len(o.prompt_token_ids) - (o.num_cached_tokens or 0)
+                    self.computed["decode"] += len(ids)
                     lps = [lp[t].logprob for t, lp in zip(ids, o.outputs[0].logprobs)]
                     res.append((key, *truncate(self.tok, ids, lps, stop, self.tok.eos_token_id)))
         return res
