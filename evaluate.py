@@ -56,6 +56,7 @@ import io
 import json
 import os
 import re
+import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -224,8 +225,8 @@ def seed_table(results):
         cells = []
         for k, digits in (("f1_recall", 1), ("em", 1), ("routing_acc", 1), ("retrievals", 2)):
             v = [x[k] for x in ss if x[k] is not None]
-            sd = (sum((a - sum(v) / len(v)) ** 2 for a in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else None
-            cells.append("-" if not v else _fmt(sum(v) / len(v), digits) + ("" if sd is None else f" ± {_fmt(sd, digits)}"))
+            sd = f" ± {_fmt(statistics.stdev(v), digits)}" if len(v) > 1 else ""
+            cells.append(_fmt(statistics.mean(v), digits) + sd if v else "-")
         rows.append([name, len(ss), *cells])
     return _table(["row", "seeds", "F1-Recall", "EM", "routing acc", "retrievals/q"], rows)
 

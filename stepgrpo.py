@@ -163,7 +163,7 @@ def group_advantages(spans, rewards, outcomes, mode="step"):
 def token_logprobs(model, ids, attn, sel):
     """Logprob of each selected next token and the entropy of its prediction, both [N], where sel [B, T-1] marks the
     positions (t predicts token t + 1) that are policy tokens: lm_head and softmax run on those alone."""
-    logp = trainutil.selected_logits(model, ids, sel, attn).log_softmax(-1)  # [N, V]
+    logp = trainutil.selected_logits(model, ids, sel, attn).float().log_softmax(-1)  # [N, V]
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)  # [N]
     return logp.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1), entropy

@@ -102,7 +102,7 @@ def selected_logits(model, ids, sel, attn=None):
     matmul) runs on them alone; it acts inside the root forward, where FSDP has gathered lm_head."""
     hook = model.model.norm.register_forward_hook(lambda mod, inp, h: h[:, :-1][sel][None])  # [B, T, H] -> [1, N, H]
     try:
-        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[0].float()  # [N, V]
+        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[0]  # [N, V]
     finally:
         hook.remove()
 
