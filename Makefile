@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo ablation test bench clean real
+.PHONY: setup demo ablation test bench clean real real-eval
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements-cpu.txt
@@ -31,8 +31,8 @@ $(DATA)/index/meta.json: retrievers.py $(DATA)/world.json
 # The main job, end to end on the embedded default (CPU budgets; raise them on GPUs):
 # mini-world -> indexes -> golden trajectories -> SFT -> Step-GRPO -> evaluation of prompt-only, SFT and Step-GRPO.
 SYNTH_TRAIN ?= 400
-SFT_STEPS ?= 20
-GRPO_STEPS ?= 6
+SFT_STEPS ?= 18
+GRPO_STEPS ?= 3
 EVAL_N ?= 100
 OUT := out/demo
 SFT_FLAGS = --model $(MODEL) --data $(DATA)/traj --max_steps $(SFT_STEPS) --batch_size 1 --grad_accum 8 --lr 2e-4 \
@@ -54,7 +54,7 @@ $(OUT)/stepgrpo/final/config.json: $(OUT)/sft/final/config.json stepgrpo.py
 demo: $(OUT)/stepgrpo/final/config.json
 	$(PY) corpus.py --check $(DATA)
 	$(PY) evaluate.py --model $(MODEL) --name prompt-only $(EVAL_FLAGS) --out $(OUT)/eval/prompt-only
-	$(PY) evaluate.py --model $(OUT)/sft/final --name sft --methods routed oracle $(EVAL_FLAGS) --out $(OUT)/eval/sft
+	$(PY) evaluate.py --model $(OUT)/sft/final --name sft --methods routed $(EVAL_FLAGS) --out $(OUT)/eval/sft
 	$(PY) evaluate.py --model $(OUT)/stepgrpo/final --name step-grpo --methods routed $(EVAL_FLAGS) --out $(OUT)/eval/step-grpo
 	$(PY) evaluate.py --combine $(OUT)/eval/prompt-only/results.json $(OUT)/eval/sft/results.json \
 		$(OUT)/eval/step-grpo/results.json --data $(DATA) --split test --out $(OUT)/results
@@ -91,6 +91,36 @@ $(REAL)/index/meta.json: retrievers.py $(REAL)/real.json
 	$(PY) retrievers.py build --data $(REAL)
 
 real: $(REAL)/index/meta.json
+
+# Evaluation on the real splits (README "Real data"): prompt-only SmolLM2, the main job's SFT and Step-GRPO checkpoints
+# (trained on the mini-world only), and both continued on the real MuSiQue training split (golden trajectories from
+# its decompositions); scored on held-out MuSiQue, HotpotQA and WikiTableQuestions, one table per split.
+REAL_N ?= 50
+REAL_SPLITS ?= musique hotpotqa wtq
+REAL_OUT := out/real
+REAL_SFT_STEPS ?= 6
+REAL_GRPO_STEPS ?= 2
+
+$(REAL)/traj/musique_train.jsonl: $(REAL)/index/meta.json synth.py
+	$(PY) synth.py --data $(REAL) --out $(REAL)/traj --splits musique_train
+
+$(REAL_OUT)/sft/final/config.json: $(REAL)/traj/musique_train.jsonl $(OUT)/sft/final/config.json
+	$(PY) sft.py --model $(OUT)/sft/final --data $(REAL)/traj --train_splits musique_train --max_steps $(REAL_SFT_STEPS) \
+		--batch_size 1 --grad_accum 8 --lr 1e-4 --warmup_steps 1 --eval_every 0 --save_every 0 --keep 1 --out $(REAL_OUT)/sft
+
+$(REAL_OUT)/stepgrpo/final/config.json: $(REAL_OUT)/sft/final/config.json
+	$(PY) stepgrpo.py --model $(REAL_OUT)/sft/final --data $(REAL) --split musique_train --train_steps $(REAL_GRPO_STEPS) \
+		--batch_questions 4 -n 4 --lr 2e-5 --micro_batch 1 --save_every 0 --keep 1 --out $(REAL_OUT)/stepgrpo
+
+real-eval: $(REAL_OUT)/stepgrpo/final/config.json $(OUT)/stepgrpo/final/config.json
+	@set -e; start=$$(date +%s); for sp in $(REAL_SPLITS); do e=$(REAL_OUT)/eval-$$sp; \
+	  test -f $$e/prompt-only/results.json || $(PY) evaluate.py --model $(MODEL) --name prompt-only --methods no_retrieval single_rag \
+	    --data $(REAL) --split $$sp --n_questions $(REAL_N) --out $$e/prompt-only; \
+	  for m in sft:$(OUT)/sft step-grpo:$(OUT)/stepgrpo real-sft:$(REAL_OUT)/sft real-step-grpo:$(REAL_OUT)/stepgrpo; do \
+	    n=$${m%%:*}; test -f $$e/$$n/results.json || $(PY) evaluate.py --model $${m#*:}/final --name $$n --methods routed \
+	      --data $(REAL) --split $$sp --n_questions $(REAL_N) --max_active 32 --out $$e/$$n; done; \
+	  $(PY) evaluate.py --combine $$e/*/results.json --data $(REAL) --split $$sp --out $(REAL_OUT)/table-$$sp; \
+	done; echo "real-eval: $$(( ($$(date +%s) - start) / 60 )) min (this invocation)"
 
 test: .venv/.stamp $(MODEL)/config.json
 	$(PY) -m pytest -q

@@ -352,6 +352,7 @@ if __name__ == "__main__":
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--max_active", type=int, default=64, help="trajectories in flight (lower it for long evidence: KV cache)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="report folder (default out/eval/<name>-<split>)")
     ap.add_argument("--combine", nargs="+", default=None, help="merge these results.json files into one report (--out)")
@@ -378,7 +379,7 @@ if __name__ == "__main__":
     if not (Path(args.model) / "config.json").exists():
         sys.exit(f"error: {args.model}: not a model folder (run `python rollout.py prepare` for the default)")
     engine = rollout.make_engine(args.backend, args.model, seed=args.seed)
-    settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature)
+    settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, max_active=args.max_active)
     results = {}
     from tqdm import tqdm
     for method in tqdm(args.methods, desc=f"evaluating {name} on {len(qs)} {args.split} questions"):

@@ -21,6 +21,7 @@ sampled are exactly the ids trained on; sft.py renders golden trajectories throu
     python rollout.py bench --n_questions 32 -n 4               # loop vs raw vLLM, vLLM vs HF, weight-sync time
 """
 import argparse
+import itertools
 import os
 import re
 import sys
@@ -288,6 +289,7 @@ class Settings:
     temperature: float = 1.0
     top_p: float = 1.0
     route_mode: str = "model"   # model | oracle (gold KB at each gold step) | all (every KB, IterRetGen-style)
+    max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
 
 def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_prompt=SYSTEM_PROMPT):
     """questions: rows of corpus.load_questions. Returns len(questions) * n trajectory dicts (question-major)."""
@@ -353,7 +355,8 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
 
     # event loop: trajectories in `ready` need their next request (after a search, if their route named a KB)
     handlers = dict(route=on_route, answer=on_answer, final=on_final)
-    ready, busy, t_gen, t_ret, t0 = list(range(len(trajs))), 0, 0.0, 0.0, time.perf_counter()
+    waiting = iter(range(len(trajs)))  # a new trajectory starts whenever one ends
+    ready, busy, t_gen, t_ret, t0 = list(itertools.islice(waiting, s.max_active)), 0, 0.0, 0.0, time.perf_counter()
     while ready or busy:
         t = time.perf_counter()
         search([trajs[i] for i in ready if trajs[i]["phase"] == "search"])
@@ -366,8 +369,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         for i, ids, lps in engine.poll():
             busy -= 1
             handlers[trajs[i]["phase"]](trajs[i], ids, lps)
-            if trajs[i]["phase"] != "done":
-                ready.append(i)
+            ready += [i] if trajs[i]["phase"] != "done" else list(itertools.islice(waiting, 1))
         t_gen += time.perf_counter() - t
     for x in trajs:
         tr = x.pop("tr")

@@ -57,6 +57,8 @@ def get_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct", help="HF causal LM folder to start from")
     ap.add_argument("--data", default="data/mini/traj", help="folder with train.jsonl and dev.jsonl (synth.py)")
+    ap.add_argument("--train_splits", nargs="+", default=["train"], help="<data>/<split>.jsonl files trained on, mixed")
+    ap.add_argument("--dev_split", default="dev", help="<data>/<split>.jsonl for the dev loss")
     ap.add_argument("--out", default="out/sft")
     ap.add_argument("--batch_size", type=int, default=1, help="rows per micro-batch per rank (raise it on GPU)")
     ap.add_argument("--grad_accum", type=int, default=16, help="micro-batches per optimizer step")
@@ -159,15 +161,15 @@ def main(argv=None):
     start = trainutil.resolve_start(args.model, out, args.resume)
     try:
         config = AutoConfig.from_pretrained(start)
-        train = load_rows(Path(args.data) / "train.jsonl", args.max_len, config.vocab_size)
-        dev = load_rows(Path(args.data) / "dev.jsonl", args.max_len, config.vocab_size) if args.eval_every else []
+        train = [r for sp in args.train_splits for r in load_rows(Path(args.data) / f"{sp}.jsonl", args.max_len, config.vocab_size)]
+        dev = load_rows(Path(args.data) / f"{args.dev_split}.jsonl", args.max_len, config.vocab_size) if args.eval_every else []
     except (corpus.DataError, OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     dev = dev[:args.eval_rows or None]
     G = args.batch_size * args.grad_accum * world  # rows per optimizer step, over all ranks
     steps_per_epoch = len(train) // G
     if steps_per_epoch == 0:
-        sys.exit(f"error: {args.data}/train.jsonl has {len(train)} rows, fewer than one global batch ({G})")
+        sys.exit(f"error: {args.data}/{{{','.join(args.train_splits)}}}.jsonl have {len(train)} rows, fewer than one global batch ({G})")
     total = args.max_steps or args.epochs * steps_per_epoch
     own_group = trainutil.init_group(world)
     torch.manual_seed(args.seed)

@@ -22,6 +22,9 @@ Rollouts (--rollout):
   teacher_prefix  R1-Router's released code: the golden trajectory (rollout.GoldPolicy, real retrieval) up to
                   each step is a prompt; n completions of that one step form a group; A = norm(r) within it.
 --reward outcome: A_ij = norm(R_i) for every span (plain GRPO); onpolicy only.
+--credit split (extension, onpolicy): each route span is cut at its "<ret>" tag into two spans normalised on their
+                own, think + sub-question (format + 0.5 w_route cos + hit) and the retriever name (0.5 w_route [KB =
+                gold KB]), so the sub-question's score does not move the KB choice and vice versa.
 
 Step rewards (weights are flags; route_reward and answer_reward are reward.py's, i.e. R1-Router's):
   route step t   w_format [parses] + w_route (0.5 cos(sub-question, gold's) + 0.5 [KB = gold KB]) + w_hit [gold doc
@@ -64,7 +67,7 @@ def get_args(argv=None):
     ap.add_argument("--model", default="out/sft/final", help="policy to start from (an HF folder, e.g. the SFT checkpoint)")
     ap.add_argument("--ref_model", default=None, help="frozen reference for the KL term (default: --model)")
     ap.add_argument("--data", default="data/mini", help="corpus.py folder: questions, KBs and indexes")
-    ap.add_argument("--split", default="train")
+    ap.add_argument("--split", nargs="+", default=["train"], help="question splits trained on, mixed")
     ap.add_argument("--out", default="out/stepgrpo")
     ap.add_argument("--resume", action="store_true", help="continue from <out>/latest")
     # rollout
@@ -86,6 +89,8 @@ def get_args(argv=None):
     ap.add_argument("--w_answer", type=float, default=1.0)
     ap.add_argument("--w_outcome", type=float, default=1.0, help="teacher_prefix: weight of the final answer's reward")
     ap.add_argument("--outcome", default="f1_recall", choices=["f1_recall", "em"])
+    ap.add_argument("--credit", default="span", choices=["span", "split"],
+                    help="split (extension, onpolicy): the KB-match half of the route reward is credited to the <ret> tokens alone")
     # optimisation
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--clip_eps", type=float, default=0.2)
@@ -137,6 +142,25 @@ def span_rewards(x, encode, w):
         out.append(r)
     metric = reward.exact_match if w.outcome_metric == "em" else reward.f1_recall
     return out, (metric(x["final_answer"] or "", x["answers"]) if x["format_ok"] else 0.0)
+
+def split_route_spans(x, rewards, w, tok):
+    """--credit split: cut every parsed route span at its <ret> tag into ("route_q": think + sub-question, rewarded
+    with format + 0.5 w_route cos + hit) and ("route_kb": the <ret> value, rewarded with 0.5 w_route [KB = gold KB])."""
+    spans, out, gold = [], [], x["gold_steps"]
+    for j, (sp, r) in enumerate(zip(x["spans"], rewards)):
+        ids = x["ids"][sp["start"]:sp["end"]]
+        pos = tok.decode(ids).find("<ret>")
+        if sp["kind"] != "route" or pos < 0 or (not x["format_ok"] and j == len(x["spans"]) - 1):
+            spans.append(sp)
+            out.append(r)
+            continue
+        mid = max(k for k in range(len(ids) + 1) if len(tok.decode(ids[:k])) <= pos)  # first token of "<ret>"
+        t = sp["step"]
+        took = t < len(x["steps"])
+        r_kb = w.route * 0.5 * float((x["steps"][t]["kb"] if took else None) == (gold[t]["kb"] if t < len(gold) else None))
+        spans += [dict(sp, kind="route_q", end=sp["start"] + mid), dict(sp, kind="route_kb", start=sp["start"] + mid)]
+        out += [r - r_kb, r_kb]
+    return spans, out
 
 def norm(v, eps=1e-4):
     v = np.asarray(v, dtype=np.float64)
@@ -190,20 +214,27 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=args.route_tokens,
                          answer_tokens=args.answer_tokens, temperature=args.temperature)
     trajs = rollout.rollout(engine, retriever, qs, n=args.group_size, s=s, seed=seed)
-    seqs, stats = [], dict(route_r=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[],
+    seqs, stats = [], dict(route_r=[], kb_acc=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[],
                            retrieve_s=sum(x["timings"]["retrieve"] for x in trajs))
     for g in range(len(qs)):
         group = trajs[g * args.group_size:(g + 1) * args.group_size]
         scored = [span_rewards(x, encode, w) for x in group]
-        adv = group_advantages([x["spans"] for x in group], [r for r, _ in scored], [o for _, o in scored], args.reward)
-        for x, (r, o), a in zip(group, scored, adv):
+        spans, rs = [x["spans"] for x in group], [r for r, _ in scored]
+        if args.credit == "split":
+            spans, rs = zip(*[split_route_spans(x, r, w, engine.tok) for x, r in zip(group, rs)])
+        adv = group_advantages(spans, rs, [o for _, o in scored], args.reward)
+        for x, sps, (r, o), a in zip(group, spans, scored, adv):
             tok_adv = [0.0] * len(x["ids"])
-            for sp, a_j in zip(x["spans"], a):
+            for sp, a_j in zip(sps, a):
                 tok_adv[sp["start"]:sp["end"]] = [a_j] * (sp["end"] - sp["start"])
             seqs.append(dict(ids=x["ids"], mask=x["mask"], old=x["logprobs"], adv=tok_adv))
             stats["route_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "route"]
             stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
             stats["outcome"].append(o)
+            n_routes = sum(sp["kind"] == "route" for sp in x["spans"]) - (not x["format_ok"] and x["spans"][-1]["kind"] == "route")
+            gkb = [g["kb"] for g in x["gold_steps"]]
+            stats["kb_acc"] += [float((x["steps"][t]["kb"] if t < len(x["steps"]) else None) == (gkb[t] if t < len(gkb) else None))
+                                for t in range(n_routes)]
             stats["format_ok"].append(float(x["format_ok"]))
             stats["retrievals"].append(len(x["steps"]))
             stats["tokens"].append(x["n_policy_tokens"])
@@ -213,7 +244,7 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
     s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=1024, answer_tokens=1024)
     t = time.perf_counter()
     golds = rollout.rollout(rollout.GoldPolicy(engine.tok, qs), retriever, qs, s=s)
-    stats = dict(route_r=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[], retrieve_s=time.perf_counter() - t)
+    stats = dict(route_r=[], kb_acc=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[], retrieve_s=time.perf_counter() - t)
     prompts = [(x, sp) for x in golds for sp in x["spans"]]  # each golden prefix is its own group
     seqs = []
     for kind, stop, max_tok in (("route", "</ret>", args.route_tokens), ("answer", "</answer>", args.answer_tokens)):
@@ -231,6 +262,8 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                     g = gold[t_] if t_ < len(gold) else None
                     r = w.format * p.ok + w.route * reward.route_reward(p, g and g["sub_question"], g and g["kb"], encode)
                     stats["route_r"].append(r)
+                    if p.ok:
+                        stats["kb_acc"].append(float(p.kb == (g and g["kb"])))
                 else:
                     p = reward.parse_answer(text)
                     golds_ = [gold[t_]["answer"]] if sp["kind"] == "answer" else x["answers"]
@@ -271,7 +304,7 @@ def main(argv=None):
     start = trainutil.resolve_start(args.model, out, args.resume)
     import retrievers
     try:
-        questions = corpus.load_questions(args.data, args.split)
+        questions = [q for sp in args.split for q in corpus.load_questions(args.data, sp)]
         ret = retrievers.RemoteRetriever(args.retriever) if args.retriever.startswith("http") else retrievers.Retriever(args.data, args.retriever)
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
@@ -314,6 +347,7 @@ def main(argv=None):
         seqs, st = make_batch(engine, ret, mine, args, encoder.encode, w, seed=args.seed + 7919 * step + 104729 * rank)
         timing["rollout_s"] = time.perf_counter() - t
         timing["retrieve_s"] = st.pop("retrieve_s")
+        seqs.sort(key=lambda s: len(s["ids"]))  # micro-batches of similar lengths pad less; the loss is a global sum
         # every rank must run the same number of micro-batches (FSDP all-gathers inside each forward)
         n_micro = torch.tensor([math.ceil(len(seqs) / args.micro_batch)], device=device)
         dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
@@ -360,7 +394,7 @@ def main(argv=None):
             timing["sync_max_diff"] = diff.item()  # equal on every rank: the sum over ranks / world below gives it back
         step += 1
         # ---- log (means over all ranks)
-        keys = ["route_r", "answer_r", "outcome", "format_ok", "retrievals", "tokens"]
+        keys = ["route_r", "kb_acc", "answer_r", "outcome", "format_ok", "retrievals", "tokens"]
         sums = torch.tensor([v for k in keys for v in (sum(st[k]), len(st[k]))] + list(timing.values()), dtype=torch.float64, device=device)
         dist.all_reduce(sums)
         dist.all_reduce(acc)
@@ -393,10 +427,11 @@ def plot_curves(out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     recs = [json.loads(l) for l in open(Path(out) / "log.jsonl")]
-    panels = [("outcome", "outcome reward"), ("route_r", "route-step reward"), ("answer_r", "answer-step reward"),
-              ("format_ok", "well-formed trajectories"), ("kl", "KL to reference (k3)"), ("entropy", "entropy"),
+    panels = [("outcome", "outcome reward"), ("route_r", "route-step reward"), ("kb_acc", "KB choice = gold's"),
+              ("answer_r", "answer-step reward"), ("format_ok", "well-formed trajectories"), ("entropy", "entropy"),
+              ("kl", "KL to reference (k3)"),
               ("retrievals", "retrieval calls / trajectory"), ("tokens", "policy tokens / trajectory")]
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    fig, axes = plt.subplots(3, 3, figsize=(14, 10))
     for ax, (k, title) in zip(axes.flat, panels):
         pts = [(r["step"], r[k]) for r in recs if r.get(k) is not None]
         if pts:

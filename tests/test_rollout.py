@@ -58,6 +58,15 @@ def test_gold_policy_through_the_loop_builds_exact_masks_and_spans(tiny_index, r
     hits = [g["doc_id"] in s["retrieved"] for q, x in zip(qs, trajs) for g, s in zip(q["steps"], x["steps"])]
     assert sum(hits) / len(hits) > 0.9
 
+    class Counting(rollout.GoldPolicy):  # records the most requests ever in flight at once
+        peak = 0
+        def poll(self):
+            self.peak = max(self.peak, len(self.__dict__.get("queue", [])))
+            return super().poll()
+    eng = Counting(tok, qs)
+    capped = rollout.rollout(eng, retriever, qs, s=rollout.Settings(max_active=4))
+    assert eng.peak == 4 and [x["ids"] for x in capped] == [x["ids"] for x in trajs]  # same trajectories, 4 at a time
+
 def test_max_steps_forces_the_final_answer(tiny_index, retriever, hf_engine):
     qs = [q for q in corpus.load_questions(tiny_index, "train") if q["type"] == "3hop"][:3]
     trajs = rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs), retriever, qs, s=rollout.Settings(max_steps=2))

@@ -67,6 +67,30 @@ def test_span_rewards_follow_the_formulas():
     bad = traj([], [("route", 0)], None, ok=False)
     assert stepgrpo.span_rewards(bad, enc, w) == ([0.0], 0.0)
 
+def test_split_credit_cuts_route_spans_at_the_ret_tag():
+    from transformers import AutoTokenizer
+    import rollout
+    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
+    w = stepgrpo.Weights(format=0.2, route=1.0, hit=0.0, answer=1.0)
+    route = tok.encode(reward.format_route("X is a city.", "Which country is X in?", "table") + "<|im_end|>")
+    answer = tok.encode("<think>t</think>\n<answer>Uldoria</answer><|im_end|>")
+    x = traj([dict(sub_question="Which country is X in?", kb="table", retrieved=["d9"], answer="Uldoria")], [], "Uldoria")
+    x["ids"] = [7, 7] + route + [7] + answer
+    x["spans"] = [dict(kind="route", step=0, start=2, end=2 + len(route)),
+                  dict(kind="answer", step=0, start=3 + len(route), end=3 + len(route) + len(answer))]
+    r, _ = stepgrpo.span_rewards(x, BowEncoder(), w)
+    spans, rs = stepgrpo.split_route_spans(x, r, w, tok)
+    assert [s["kind"] for s in spans] == ["route_q", "route_kb", "answer"]
+    q, kb = spans[0], spans[1]
+    assert q["start"] == 2 and q["end"] == kb["start"] and kb["end"] == 2 + len(route)  # contiguous, whole span
+    assert tok.decode(x["ids"][kb["start"]:kb["end"]]).startswith("<ret>Table Retriever</ret>")
+    assert "<ret>" not in tok.decode(x["ids"][q["start"]:q["end"]])
+    assert rs[1] == 0.0 and rs[0] == pytest.approx(r[0]) == pytest.approx(0.2 + 0.5)  # wrong KB: all reward is the cosine's
+    x["steps"][0]["kb"] = "text"
+    r, _ = stepgrpo.span_rewards(x, BowEncoder(), w)
+    _, rs = stepgrpo.split_route_spans(x, r, w, tok)
+    assert rs[:2] == pytest.approx([0.2 + 0.5, 0.5]) and rs[2] == r[1]
+
 def test_loss_matches_a_direct_computation():
     torch.manual_seed(0)
     lens = [4, 1, 3]  # policy tokens of three sequences, flattened as collate() does
