@@ -144,6 +144,7 @@ class VLLMEngine:
                        distributed_executor_backend="uni", gpu_memory_utilization=gpu_memory_utilization,
                        block_size=32 if on_cpu else None)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
         self.tok = self.llm.get_tokenizer()
+        self.max_len = max_model_len  # prompt + new tokens; rollout() ends a longer trajectory instead of submitting it
         self.pending, self.n_requests = {}, 0  # vLLM request id -> (caller's key, stop strings)
         self.computed = dict(prefill=0, decode=0)  # tokens the model actually ran (prompt tokens not in the prefix cache)
 
@@ -306,6 +307,9 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
     def fail(x, what):
         x.update(format_ok=False, error=what, phase="done")
 
+    def too_long(ids, max_tokens):
+        return getattr(engine, "max_len", None) is not None and len(ids) + max_tokens > engine.max_len
+
     def on_route(x, ids, lps):
         step = len(x["steps"])
         x["tr"].add_policy(ids, lps, "route", step)
@@ -361,11 +365,17 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         t = time.perf_counter()
         search([trajs[i] for i in ready if trajs[i]["phase"] == "search"])
         t_ret += time.perf_counter() - t
+        sent = []
         for i in ready:
             x = trajs[i]
             max_tokens, stop = (s.route_tokens, ["</ret>"]) if x["phase"] == "route" else (s.answer_tokens, ["</answer>"])
+            if too_long(x["tr"].ids, max_tokens):  # long evidence (tables): the trajectory ends, the batch goes on
+                fail(x, f"step {len(x['steps']) + 1} {x['phase']}: {len(x['tr'].ids)} context + {max_tokens} new tokens "
+                        f"exceed the engine's max_len {engine.max_len}")
+                continue
             engine.submit(i, x["tr"].ids, max_tokens, s.temperature, s.top_p, stop)
-        busy, ready, t = busy + len(ready), [], time.perf_counter()
+            sent.append(i)
+        busy, ready, t = busy + len(sent), list(itertools.islice(waiting, len(ready) - len(sent))), time.perf_counter()
         for i, ids, lps in engine.poll():
             busy -= 1
             handlers[trajs[i]["phase"]](trajs[i], ids, lps)
@@ -399,8 +409,15 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
                           gold_steps=q.get("steps", []), steps=steps, final_answer=None, format_ok=True, error="",
                           tr=tr, timings=dict(generate=0.0, retrieve=t_ret)))
     t = time.perf_counter()
-    outs = engine.generate([x["tr"].ids for x in trajs], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed)
-    for x, (ids, lps) in zip(trajs, outs):
+    limit = getattr(engine, "max_len", None)
+    fits = [x for x in trajs if limit is None or len(x["tr"].ids) + s.answer_tokens <= limit]
+    for x in trajs:
+        if limit is not None and len(x["tr"].ids) + s.answer_tokens > limit:  # all the evidence does not fit: no answer
+            n = len(x.pop("tr").ids)
+            x.update(format_ok=False, error=f"{n} context + {s.answer_tokens} new tokens exceed the engine's max_len {limit}",
+                     ids=[], mask=[], logprobs=[], spans=[], n_policy_tokens=0)
+    outs = engine.generate([x["tr"].ids for x in fits], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed)
+    for x, (ids, lps) in zip(fits, outs):
         x["timings"]["generate"] = (time.perf_counter() - t) / len(trajs)
         tr = x.pop("tr")
         tr.add_policy(ids, lps, "final", 0)

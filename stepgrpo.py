@@ -232,7 +232,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
             stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
             stats["outcome"].append(o)
             n_routes = sum(sp["kind"] == "route" for sp in x["spans"]) - (not x["format_ok"] and x["spans"][-1]["kind"] == "route")
-            gkb = [g["kb"] for g in x["gold_steps"]]
+            gkb = [st_["kb"] for st_ in x["gold_steps"]]
             stats["kb_acc"] += [float((x["steps"][t]["kb"] if t < len(x["steps"]) else None) == (gkb[t] if t < len(gkb) else None))
                                 for t in range(n_routes)]
             stats["format_ok"].append(float(x["format_ok"]))
@@ -296,8 +296,8 @@ def collate(seqs, pad_id, device):
 def main(argv=None):
     args = get_args(argv)
     rank, world, device, print0 = trainutil.env_rank()
-    if args.rollout == "teacher_prefix" and args.reward == "outcome":
-        sys.exit("error: --reward outcome needs --rollout onpolicy (teacher_prefix groups hold one step each)")
+    if args.rollout == "teacher_prefix" and (args.reward == "outcome" or args.credit == "split"):
+        sys.exit("error: --reward outcome and --credit split need --rollout onpolicy (teacher_prefix groups hold one step each)")
     if args.batch_questions % world:
         sys.exit(f"error: --batch_questions {args.batch_questions} must be divisible by the world size {world}")
     out = Path(args.out)

@@ -67,6 +67,30 @@ def test_gold_policy_through_the_loop_builds_exact_masks_and_spans(tiny_index, r
     capped = rollout.rollout(eng, retriever, qs, s=rollout.Settings(max_active=4))
     assert eng.peak == 4 and [x["ids"] for x in capped] == [x["ids"] for x in trajs]  # same trajectories, 4 at a time
 
+def test_a_trajectory_that_outgrows_the_context_ends_alone(tiny_index, retriever, hf_engine, monkeypatch):
+    qs = corpus.load_questions(tiny_index, "train")[:8]
+    full = rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs), retriever, qs)
+    eng = rollout.GoldPolicy(hf_engine.tok, qs)
+    eng.max_len = 96 + sorted(len(x["ids"]) for x in full)[4] - 40  # about half the trajectories fit
+    capped = rollout.rollout(eng, retriever, qs, s=rollout.Settings(max_active=3))
+    for x, y in zip(full, capped):
+        if len(x["ids"]) - (x["spans"][-1]["end"] - x["spans"][-1]["start"]) + 96 <= eng.max_len:  # ok up to its last turn
+            assert y["ids"] == x["ids"] and y["format_ok"]
+        else:
+            assert not y["format_ok"] and f"exceed the engine's max_len {eng.max_len}" in y["error"]
+            assert len(y["ids"]) + 96 > eng.max_len and x["ids"][:len(y["ids"])] == y["ids"]
+    assert 0 < sum(y["format_ok"] for y in capped) < len(qs)
+    full = rollout.answer_directly(hf_engine, retriever, qs, kbs=("text", "table", "image"), s=rollout.Settings(answer_tokens=8))
+    prompt_len = sorted(len(x["ids"]) - x["n_policy_tokens"] for x in full)
+    monkeypatch.setattr(hf_engine, "max_len", prompt_len[4] + 8, raising=False)  # the 5 shortest prompts fit
+    direct = rollout.answer_directly(hf_engine, retriever, qs, kbs=("text", "table", "image"), s=rollout.Settings(answer_tokens=8))
+    for x, y in zip(full, direct):
+        n = len(x["ids"]) - x["n_policy_tokens"]  # the prompt
+        if n + 8 <= hf_engine.max_len:
+            assert y["ids"][:n] == x["ids"][:n] and y["n_policy_tokens"] > 0
+        else:
+            assert not y["format_ok"] and "exceed the engine's max_len" in y["error"] and y["ids"] == []
+
 def test_max_steps_forces_the_final_answer(tiny_index, retriever, hf_engine):
     qs = [q for q in corpus.load_questions(tiny_index, "train") if q["type"] == "3hop"][:3]
     trajs = rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs), retriever, qs, s=rollout.Settings(max_steps=2))
