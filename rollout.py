@@ -292,6 +292,10 @@ class Settings:
     route_mode: str = "model"   # model | oracle (gold KB at each gold step) | all (every KB, IterRetGen-style)
     max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
 
+def fits(engine, ids, max_tokens):
+    """Whether a prompt plus max_tokens new tokens fits the engine's context (engines without max_len: always)."""
+    return getattr(engine, "max_len", None) is None or len(ids) + max_tokens <= engine.max_len
+
 def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_prompt=SYSTEM_PROMPT):
     """questions: rows of corpus.load_questions. Returns len(questions) * n trajectory dicts (question-major)."""
     fmt = ChatFormat(engine.tok, system_prompt.format(max_steps=s.max_steps))
@@ -307,8 +311,6 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
     def fail(x, what):
         x.update(format_ok=False, error=what, phase="done")
 
-    def too_long(ids, max_tokens):
-        return getattr(engine, "max_len", None) is not None and len(ids) + max_tokens > engine.max_len
 
     def on_route(x, ids, lps):
         step = len(x["steps"])
@@ -369,7 +371,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         for i in ready:
             x = trajs[i]
             max_tokens, stop = (s.route_tokens, ["</ret>"]) if x["phase"] == "route" else (s.answer_tokens, ["</answer>"])
-            if too_long(x["tr"].ids, max_tokens):  # long evidence (tables): the trajectory ends, the batch goes on
+            if not fits(engine, x["tr"].ids, max_tokens):  # long evidence (tables): the trajectory ends, the batch goes on
                 fail(x, f"step {len(x['steps']) + 1} {x['phase']}: {len(x['tr'].ids)} context + {max_tokens} new tokens "
                         f"exceed the engine's max_len {engine.max_len}")
                 continue
@@ -409,15 +411,15 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
                           gold_steps=q.get("steps", []), steps=steps, final_answer=None, format_ok=True, error="",
                           tr=tr, timings=dict(generate=0.0, retrieve=t_ret)))
     t = time.perf_counter()
-    limit = getattr(engine, "max_len", None)
-    fits = [x for x in trajs if limit is None or len(x["tr"].ids) + s.answer_tokens <= limit]
-    for x in trajs:
-        if limit is not None and len(x["tr"].ids) + s.answer_tokens > limit:  # all the evidence does not fit: no answer
+    fit = [fits(engine, x["tr"].ids, s.answer_tokens) for x in trajs]
+    ok = [x for x, f in zip(trajs, fit) if f]
+    for x, f in zip(trajs, fit):
+        if not f:  # all the evidence does not fit the context: no answer
             n = len(x.pop("tr").ids)
-            x.update(format_ok=False, error=f"{n} context + {s.answer_tokens} new tokens exceed the engine's max_len {limit}",
+            x.update(format_ok=False, error=f"{n} context + {s.answer_tokens} new tokens exceed the engine's max_len {engine.max_len}",
                      ids=[], mask=[], logprobs=[], spans=[], n_policy_tokens=0)
-    outs = engine.generate([x["tr"].ids for x in fits], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed)
-    for x, (ids, lps) in zip(fits, outs):
+    outs = engine.generate([x["tr"].ids for x in ok], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed)
+    for x, (ids, lps) in zip(ok, outs):
         x["timings"]["generate"] = (time.perf_counter() - t) / len(trajs)
         tr = x.pop("tr")
         tr.add_policy(ids, lps, "final", 0)

@@ -143,10 +143,15 @@ def span_rewards(x, encode, w):
     metric = reward.exact_match if w.outcome_metric == "em" else reward.f1_recall
     return out, (metric(x["final_answer"] or "", x["answers"]) if x["format_ok"] else 0.0)
 
+def kbs_at(x, t):
+    """(KB the trajectory chose at route step t, the gold KB there); None stands for "stop"."""
+    return (x["steps"][t]["kb"] if t < len(x["steps"]) else None,
+            x["gold_steps"][t]["kb"] if t < len(x["gold_steps"]) else None)
+
 def split_route_spans(x, rewards, w, tok):
     """--credit split: cut every parsed route span at its <ret> tag into ("route_q": think + sub-question, rewarded
     with format + 0.5 w_route cos + hit) and ("route_kb": the <ret> value, rewarded with 0.5 w_route [KB = gold KB])."""
-    spans, out, gold = [], [], x["gold_steps"]
+    spans, out = [], []
     for j, (sp, r) in enumerate(zip(x["spans"], rewards)):
         ids = x["ids"][sp["start"]:sp["end"]]
         pos = tok.decode(ids).find("<ret>")
@@ -155,9 +160,8 @@ def split_route_spans(x, rewards, w, tok):
             out.append(r)
             continue
         mid = max(k for k in range(len(ids) + 1) if len(tok.decode(ids[:k])) <= pos)  # first token of "<ret>"
-        t = sp["step"]
-        took = t < len(x["steps"])
-        r_kb = w.route * 0.5 * float((x["steps"][t]["kb"] if took else None) == (gold[t]["kb"] if t < len(gold) else None))
+        pred, gold = kbs_at(x, sp["step"])
+        r_kb = w.route * 0.5 * float(pred == gold)
         spans += [dict(sp, kind="route_q", end=sp["start"] + mid), dict(sp, kind="route_kb", start=sp["start"] + mid)]
         out += [r - r_kb, r_kb]
     return spans, out
@@ -232,9 +236,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
             stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
             stats["outcome"].append(o)
             n_routes = sum(sp["kind"] == "route" for sp in x["spans"]) - (not x["format_ok"] and x["spans"][-1]["kind"] == "route")
-            gkb = [st_["kb"] for st_ in x["gold_steps"]]
-            stats["kb_acc"] += [float((x["steps"][t]["kb"] if t < len(x["steps"]) else None) == (gkb[t] if t < len(gkb) else None))
-                                for t in range(n_routes)]
+            stats["kb_acc"] += [float(pred == gold) for pred, gold in (kbs_at(x, t) for t in range(n_routes))]
             stats["format_ok"].append(float(x["format_ok"]))
             stats["retrievals"].append(len(x["steps"]))
             stats["tokens"].append(x["n_policy_tokens"])
