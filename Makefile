@@ -63,13 +63,16 @@ demo: $(OUT)/stepgrpo/final/config.json
 # seed, each scored routed on the test split (SFT also with oracle routing); the untrained baselines once (greedy
 # decoding is deterministic). Resumable: finished runs and reports are skipped.
 SEEDS ?= 1 2 3
+# teacher-prefix groups hold one golden step each (~6 groups of 4 per question): 1 question a step matches on-policy's
+# update tokens at 4 questions (~12k vs ~14k), and keeps the table within 2 hours
+TEACHER_FLAGS ?= --batch_questions 1
 ABL := out/ablation
 ablation: $(DATA)/traj/train.jsonl
 	@set -e; start=$$(date +%s); for s in $(SEEDS); do d=$(ABL)/s$$s; \
 	  test -e $$d/sft/final || $(PY) sft.py $(SFT_FLAGS) --seed $$s --out $$d/sft; \
 	  test -e $$d/outcome/final || $(PY) stepgrpo.py $(GRPO_FLAGS) --model $$d/sft/final --seed $$s --reward outcome --out $$d/outcome; \
 	  test -e $$d/onpolicy/final || $(PY) stepgrpo.py $(GRPO_FLAGS) --model $$d/sft/final --seed $$s --out $$d/onpolicy; \
-	  test -e $$d/teacher/final || $(PY) stepgrpo.py $(GRPO_FLAGS) --model $$d/sft/final --seed $$s --rollout teacher_prefix --out $$d/teacher; \
+	  test -e $$d/teacher/final || $(PY) stepgrpo.py $(GRPO_FLAGS) --model $$d/sft/final --seed $$s --rollout teacher_prefix $(TEACHER_FLAGS) --out $$d/teacher; \
 	  test -f $$d/eval-sft/results.json || $(PY) evaluate.py --model $$d/sft/final --name sft@s$$s --methods routed oracle $(EVAL_FLAGS) --out $$d/eval-sft; \
 	  for r in outcome onpolicy teacher; do test -f $$d/eval-$$r/results.json || \
 	    $(PY) evaluate.py --model $$d/$$r/final --name $$r@s$$s --methods routed $(EVAL_FLAGS) --out $$d/eval-$$r; done; \
