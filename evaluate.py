@@ -3,10 +3,14 @@ evaluate.py: score R1-Router trajectories and write the report (results.json, ta
 
     python evaluate.py --model models/SmolLM2-135M-Instruct --data data/mini --split test     # all methods below
     python evaluate.py --methods routed oracle --n_questions 100 --backend hf --out out/eval/quick
+    python evaluate.py --model out/sft/final --methods --probe 8 --n_questions 100    # the route probe alone
 
 Methods (each on the same retrievers and model): routed (the model routes: R1-Router), no_retrieval, single_rag
 (the question searches every KB once; all evidence in one prompt), iterretgen (step-wise, but every sub-question
 searches every KB: fixed routing), oracle (the model's sub-questions, the gold KB at each gold step).
+
+--probe N: routing as a distribution (route_probe below): N routes sampled at every golden prefix, counted against
+the gold decision there; written to route_probe.json and routing_confusion_probe.png.
 
 Trajectories come from rollout.py (one dict per question sample:
 qid, sample, question, answers, type, gold_steps, steps [{sub_question, kb, retrieved, answer}], final_answer,
@@ -330,6 +334,30 @@ def run_method(method, engine, retriever, questions, settings, seed=0):
     mode = {"routed": "model", "iterretgen": "all", "oracle": "oracle"}[method]
     return rollout.rollout(engine, retriever, questions, 1, replace(settings, route_mode=mode), seed)
 
+def route_probe(engine, retriever, questions, settings, n=8, seed=0):
+    """Routing as a distribution (--probe): at every golden prefix (the gold trajectory up to one of its routing
+    steps, rollout.GoldPolicy through the real loop and retrieval) sample n routes at temperature 1 and count them in
+    a gold x sampled matrix over GOLD_LABELS x PRED_LABELS (a malformed route is "missing"). Greedy routing accuracy
+    moves only when a top choice flips; this moves with every shift of probability a policy-gradient step makes, and
+    it is what the route reward is the expectation of. Returns {"n", "probe_acc" (% of samples = gold), "by_gold"
+    (that % per gold label), "confusion"}."""
+    import rollout
+    from dataclasses import replace
+    s = replace(settings, route_tokens=1024, answer_tokens=1024, route_mode="model")
+    golds = rollout.rollout(rollout.GoldPolicy(engine.tok, questions), retriever, questions, 1, s, seed)
+    points = [(x["ids"][:sp["start"]], x["gold_steps"][sp["step"]]["kb"] if sp["step"] < len(x["gold_steps"]) else STOP)
+              for x in golds for sp in x["spans"] if sp["kind"] == "route"]  # (prompt ids, gold label)
+    outs = engine.generate([ids for ids, _ in points for _ in range(n)], settings.route_tokens, 1.0, 1.0, ["</ret>"], seed)
+    counts = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS]
+    for k, (ids, _) in enumerate(outs):
+        r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True))
+        pred = (STOP if r.stop else r.kb) if r.ok else MISSING
+        counts[GOLD_LABELS.index(points[k // n][1])][PRED_LABELS.index(pred)] += 1
+    rate = lambda rows: 100 * sum(counts[i][PRED_LABELS.index(GOLD_LABELS[i])] for i in rows) / max(1, sum(sum(counts[i]) for i in rows))
+    return {"n": n, "probe_acc": rate(range(len(GOLD_LABELS))),
+            "by_gold": {g: rate([i]) if sum(counts[i]) else None for i, g in enumerate(GOLD_LABELS)},
+            "confusion": {"rows": list(GOLD_LABELS), "cols": list(PRED_LABELS), "counts": counts}}
+
 if __name__ == "__main__":
     import argparse
     import sys
@@ -346,7 +374,8 @@ if __name__ == "__main__":
     ap.add_argument("--data", default="data/mini")
     ap.add_argument("--split", default="test")
     ap.add_argument("--n_questions", type=int, default=0, help="0 = the whole split")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--probe", type=int, default=0, help="route probe: N sampled routes at every golden prefix (0: off)")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port")
     ap.add_argument("--max_steps", type=int, default=3)
@@ -368,6 +397,8 @@ if __name__ == "__main__":
             results.update(part)
         print_table(write_report(results, args.out or "out/eval/summary", title=f"{args.data} {args.split}"))
         sys.exit(0)
+    if not args.methods and not args.probe:
+        sys.exit("error: nothing to do: give --methods and/or --probe N")
     name = args.name or Path(args.model).name
     out = Path(args.out or f"out/eval/{name}-{args.split}")
     try:
@@ -387,5 +418,13 @@ if __name__ == "__main__":
         trajs = run_method(method, engine, ret, qs, settings, args.seed)
         results[f"{name}/{method}"] = dict(score(trajs), seconds=round(time.perf_counter() - t, 1))
         write_jsonl(out / f"trajectories-{method}.jsonl", [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in trajs])
-    print_table(write_report(results, out, title=f"{name} on {args.data} {args.split} ({len(qs)} questions)"))
-    print(f"report written to {out}/ (results.json, table.md, metrics.png, routing_confusion_*.png)")
+    if args.probe:
+        out.mkdir(parents=True, exist_ok=True)
+        p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=args.model, split=args.split, questions=len(qs))
+        _atomic_write(out / "route_probe.json", json.dumps(p, indent=2) + "\n")
+        _atomic_write(out / "routing_confusion_probe.png", confusion_chart(p["confusion"], f"route probe ({args.probe} samples a prefix)", name))
+        print(f"route probe: {p['probe_acc']:.1f}% of sampled routes take the gold KB; by gold decision: "
+              + ", ".join(f"{g} {v:.1f}%" for g, v in p["by_gold"].items() if v is not None) + f"  ({out}/route_probe.json)")
+    if results:
+        print_table(write_report(results, out, title=f"{name} on {args.data} {args.split} ({len(qs)} questions)"))
+        print(f"report written to {out}/ (results.json, table.md, metrics.png, routing_confusion_*.png)")

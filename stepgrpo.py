@@ -22,9 +22,10 @@ Rollouts (--rollout):
   teacher_prefix  R1-Router's released code: the golden trajectory (rollout.GoldPolicy, real retrieval) up to
                   each step is a prompt; n completions of that one step form a group; A = norm(r) within it.
 --reward outcome: A_ij = norm(R_i) for every span (plain GRPO); onpolicy only.
---credit split (extension, onpolicy): each route span is cut at its "<ret>" tag into two spans normalised on their
-                own, think + sub-question (format + 0.5 w_route cos + hit) and the retriever name (0.5 w_route [KB =
-                gold KB]), so the sub-question's score does not move the KB choice and vice versa.
+--credit split (extension, onpolicy): each route span is cut into two parts normalised on their own: the
+                <sub-question> (0.5 w_route cos + hit) and the rest, i.e. the <think> that argues for a KB and the <ret>
+                that names it (format + 0.5 w_route [KB = gold KB]), so the sub-question's score does not move the KB
+                choice and vice versa.
 
 Step rewards (weights are flags; route_reward and answer_reward are reward.py's, i.e. R1-Router's):
   route step t   w_format [parses] + w_route (0.5 cos(sub-question, gold's) + 0.5 [KB = gold KB]) + w_hit [gold doc
@@ -149,20 +150,24 @@ def kbs_at(x, t):
             x["gold_steps"][t]["kb"] if t < len(x["gold_steps"]) else None)
 
 def split_route_spans(x, rewards, w, tok):
-    """--credit split: cut every parsed route span at its <ret> tag into ("route_q": think + sub-question, rewarded
-    with format + 0.5 w_route cos + hit) and ("route_kb": the <ret> value, rewarded with 0.5 w_route [KB = gold KB])."""
+    """--credit split: cut every parsed route span into ("route_q": the <sub-question>..</sub-question> tokens, rewarded
+    with 0.5 w_route cos + w_hit) and ("route_kb": the <think> before it and the <ret> after it, rewarded with format +
+    0.5 w_route [KB = gold KB]). The think argues for a KB before <ret> names it, so it is credited with the KB choice.
+    route_kb covers two token ranges: [start, end) and its "also" range."""
     spans, out = [], []
     for j, (sp, r) in enumerate(zip(x["spans"], rewards)):
         ids = x["ids"][sp["start"]:sp["end"]]
-        pos = tok.decode(ids).find("<ret>")
-        if sp["kind"] != "route" or pos < 0 or (not x["format_ok"] and j == len(x["spans"]) - 1):
+        text = tok.decode(ids)
+        a, b = text.find("<sub-question>"), text.find("</sub-question>")
+        if sp["kind"] != "route" or a < 0 or b < 0 or (not x["format_ok"] and j == len(x["spans"]) - 1):
             spans.append(sp)
             out.append(r)
             continue
-        mid = max(k for k in range(len(ids) + 1) if len(tok.decode(ids[:k])) <= pos)  # first token of "<ret>"
+        cut = lambda pos: max(k for k in range(len(ids) + 1) if len(tok.decode(ids[:k])) <= pos)  # token holding char pos
+        lo, hi = sp["start"] + cut(a), sp["start"] + cut(b + len("</sub-question>"))
         pred, gold = kbs_at(x, sp["step"])
-        r_kb = w.route * 0.5 * float(pred == gold)
-        spans += [dict(sp, kind="route_q", end=sp["start"] + mid), dict(sp, kind="route_kb", start=sp["start"] + mid)]
+        r_kb = w.format + w.route * 0.5 * float(pred == gold)
+        spans += [dict(sp, kind="route_q", start=lo, end=hi), dict(sp, kind="route_kb", end=lo, also=(hi, sp["end"]))]
         out += [r - r_kb, r_kb]
     return spans, out
 
@@ -185,6 +190,14 @@ def group_advantages(spans, rewards, outcomes, mode="step"):
         for (i, j), a in zip(members, norm([rewards[i][j] for i, j in members])):
             adv[i][j] += float(a)
     return adv
+
+def token_advantages(n_tokens, spans, adv):
+    """[n_tokens]: span j's advantage adv[j] on its token range (and its "also" range), 0 on every other token."""
+    out = [0.0] * n_tokens
+    for sp, a in zip(spans, adv):
+        for lo, hi in ((sp["start"], sp["end"]), sp.get("also", (0, 0))):
+            out[lo:hi] = [a] * (hi - lo)
+    return out
 
 #### loss
 
@@ -228,10 +241,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
             spans, rs = zip(*[split_route_spans(x, r, w, engine.tok) for x, r in zip(group, rs)])
         adv = group_advantages(spans, rs, [o for _, o in scored], args.reward)
         for x, sps, (r, o), a in zip(group, spans, scored, adv):
-            tok_adv = [0.0] * len(x["ids"])
-            for sp, a_j in zip(sps, a):
-                tok_adv[sp["start"]:sp["end"]] = [a_j] * (sp["end"] - sp["start"])
-            seqs.append(dict(ids=x["ids"], mask=x["mask"], old=x["logprobs"], adv=tok_adv))
+            seqs.append(dict(ids=x["ids"], mask=x["mask"], old=x["logprobs"], adv=token_advantages(len(x["ids"]), sps, a)))
             stats["route_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "route"]
             stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
             stats["outcome"].append(o)

@@ -208,3 +208,34 @@ def test_seed_table_mean_and_sample_std_over_training_seeds(tmp_path):
     assert "| sft/routed | 2 | 15.0 ± 7.1 | 28.6 ± 0.0 | 50.0 ± 0.0 | 1.29 ± 0.00 |" in md
     assert "| prompt-only/routed | 1 | 50.0 | 28.6 | 63.1 | 1.29 |" in md
     assert "| sft@s1/routed | 7 |" in md  # the per-seed rows stay in the main table
+
+
+def test_route_probe_samples_at_golden_prefixes(tiny_index):
+    """With the gold policy as the engine every sampled route is on the diagonal, n per gold decision; a policy whose
+    first step takes a wrong KB moves exactly those first-step counts off it."""
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    import corpus
+    import retrievers
+    import rollout
+    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
+    qs = [q for q in corpus.load_questions(tiny_index, "dev") if q["steps"]][:10]
+    ret = retrievers.Retriever(tiny_index, "bm25")
+    # the stop is asked for only below max_steps (3): after the third retrieval the final answer is forced
+    gold = Counter(s["kb"] for q in qs for s in q["steps"]) + Counter({"stop": sum(len(q["steps"]) < 3 for q in qs)})
+    p = evaluate.route_probe(rollout.GoldPolicy(tok, qs), ret, qs, rollout.Settings(), n=3)
+    rows, cols, counts = p["confusion"]["rows"], p["confusion"]["cols"], p["confusion"]["counts"]
+    assert p["probe_acc"] == 100 and all(v in (None, 100) for v in p["by_gold"].values())
+    for i, g in enumerate(rows):
+        assert counts[i][cols.index(g)] == 3 * gold[g] and sum(counts[i]) == 3 * gold[g]
+    swap = {"text": "image", "table": "image", "image": "text"}
+    wrong = [dict(q, steps=[dict(q["steps"][0], kb=swap[q["steps"][0]["kb"]]), *q["steps"][1:]]) for q in qs]
+    p = evaluate.route_probe(rollout.GoldPolicy(tok, wrong), ret, qs, rollout.Settings(), n=2)
+    counts = p["confusion"]["counts"]
+    moved = Counter((q["steps"][0]["kb"], swap[q["steps"][0]["kb"]]) for q in qs)
+    for (g, w), k in moved.items():
+        assert counts[rows.index(g)][cols.index(w)] == 2 * k
+    n_dec = sum(gold.values())
+    assert p["probe_acc"] == pytest.approx(100 * (n_dec - len(qs)) / n_dec)  # all but the first steps still right

@@ -67,12 +67,12 @@ def test_span_rewards_follow_the_formulas():
     bad = traj([], [("route", 0)], None, ok=False)
     assert stepgrpo.span_rewards(bad, enc, w) == ([0.0], 0.0)
 
-def test_split_credit_cuts_route_spans_at_the_ret_tag():
+def test_split_credit_separates_the_sub_question_from_the_kb_choice():
     from transformers import AutoTokenizer
     import rollout
     tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
     w = stepgrpo.Weights(format=0.2, route=1.0, hit=0.0, answer=1.0)
-    route = tok.encode(reward.format_route("X is a city.", "Which country is X in?", "table") + "<|im_end|>")
+    route = tok.encode(reward.format_route("A figure: the table retriever.", "Which country is X in?", "table") + "<|im_end|>")
     answer = tok.encode("<think>t</think>\n<answer>Uldoria</answer><|im_end|>")
     x = traj([dict(sub_question="Which country is X in?", kb="table", retrieved=["d9"], answer="Uldoria")], [], "Uldoria")
     x["ids"] = [7, 7] + route + [7] + answer
@@ -82,14 +82,19 @@ def test_split_credit_cuts_route_spans_at_the_ret_tag():
     spans, rs = stepgrpo.split_route_spans(x, r, w, tok)
     assert [s["kind"] for s in spans] == ["route_q", "route_kb", "answer"]
     q, kb = spans[0], spans[1]
-    assert q["start"] == 2 and q["end"] == kb["start"] and kb["end"] == 2 + len(route)  # contiguous, whole span
-    assert tok.decode(x["ids"][kb["start"]:kb["end"]]).startswith("<ret>Table Retriever</ret>")
-    assert "<ret>" not in tok.decode(x["ids"][q["start"]:q["end"]])
-    assert rs[1] == 0.0 and rs[0] == pytest.approx(r[0]) == pytest.approx(0.2 + 0.5)  # wrong KB: all reward is the cosine's
+    assert kb["start"] == 2 and kb["end"] == q["start"] and q["end"] == kb["also"][0] and kb["also"][1] == 2 + len(route)
+    dec = lambda lo, hi: tok.decode(x["ids"][lo:hi])
+    assert dec(q["start"], q["end"]).strip() == "<sub-question>Which country is X in?</sub-question>"
+    assert "table retriever" in dec(kb["start"], kb["end"]) and "<ret>Table Retriever</ret>" in dec(*kb["also"])
+    assert rs[1] == pytest.approx(0.2) and rs[0] == pytest.approx(r[0] - 0.2) == pytest.approx(0.5)  # wrong KB
     x["steps"][0]["kb"] = "text"
-    r, _ = stepgrpo.span_rewards(x, BowEncoder(), w)
-    _, rs = stepgrpo.split_route_spans(x, r, w, tok)
-    assert rs[:2] == pytest.approx([0.2 + 0.5, 0.5]) and rs[2] == r[1]
+    right = stepgrpo.split_route_spans(x, stepgrpo.span_rewards(x, BowEncoder(), w)[0], w, tok)[1]
+    assert right[:2] == pytest.approx([0.5, 0.2 + 0.5]) and right[2] == pytest.approx(0.2 + 1.0)
+    # two samples differing only in the KB: the advantage lands on both ranges of route_kb, none on the sub-question
+    adv = stepgrpo.group_advantages([spans, spans], [right, rs], [0.0, 0.0])[0]
+    tok_adv = stepgrpo.token_advantages(len(x["ids"]), spans, adv)
+    assert all(v > 0 for v in tok_adv[kb["start"]:kb["end"]] + tok_adv[kb["also"][0]:kb["also"][1]])
+    assert all(v == 0 for v in tok_adv[q["start"]:q["end"]] + tok_adv[:2] + tok_adv[kb["also"][1]:])
 
 def test_loss_matches_a_direct_computation():
     torch.manual_seed(0)
