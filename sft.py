@@ -17,8 +17,9 @@ store), so the sharding, mixed precision, state-dict and clipping paths are the 
 Global batch = batch_size x grad_accum x world rows; each epoch is a permutation seeded by seed + epoch; global
 step s of an epoch takes rows perm[s*G:(s+1)*G] (the tail < G rows of an epoch is dropped) and rank r the r-th
 slice of those; so the global batches depend on the global batch size only, not on how it is split.
-GPU: bf16 compute / fp32 master weights and gradient reduction (MixedPrecisionPolicy), flash-attn 2 if installed.
-CPU: fp32. On 2 cores two ranks are slower than one: FSDP on CPU is for correctness.
+--dtype bf16 (default): bf16 compute, fp32 master weights, gradient reduction and optimizer state (FSDP2
+MixedPrecisionPolicy), on CPU as on GPU; flash-attn 2 on GPU if installed. On 2 cores two ranks are slower than one:
+FSDP on CPU is for correctness.
 
 Outputs in --out:
     step_<N>/            a Hugging Face folder (config, safetensors, tokenizer): transformers and vLLM load it as is;
@@ -72,6 +73,8 @@ def get_args(argv=None):
     ap.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decays the LR to lr * this")
     ap.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
     ap.add_argument("--activation_checkpointing", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                    help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32)")
     ap.add_argument("--eval_every", type=int, default=50, help="dev loss every N steps and at the end (0: never)")
     ap.add_argument("--eval_rows", type=int, default=256, help="evaluate on the first N dev rows (0: all)")
     ap.add_argument("--save_every", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
@@ -178,7 +181,7 @@ def main(argv=None):
     # ---- model (FSDP2, fp32 master weights) and optimizer
     tok = AutoTokenizer.from_pretrained(start)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    model = trainutil.load_sharded(start, device, world, args.activation_checkpointing)
+    model = trainutil.load_sharded(start, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16")
     if args.optim == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     else:

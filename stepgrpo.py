@@ -106,6 +106,8 @@ def get_args(argv=None):
     ap.add_argument("--save_every", type=int, default=10)
     ap.add_argument("--keep", type=int, default=2, help="newest checkpoints kept")
     ap.add_argument("--activation_checkpointing", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                    help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32)")
     ap.add_argument("--check_sync", action="store_true", help="after each sync, log the max |engine - trainer| logprob")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wandb_project", default="r1router-nano")
@@ -328,9 +330,9 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
-    model = trainutil.load_sharded(start, device, world, args.activation_checkpointing)
+    model = trainutil.load_sharded(start, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16")
     use_ref = args.kl_coef > 0 or args.log_kl
-    ref = trainutil.load_sharded(args.ref_model or args.model, device, world, train=False) if use_ref else None
+    ref = trainutil.load_sharded(args.ref_model or args.model, device, world, train=False, bf16=args.dtype == "bf16") if use_ref else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
     step = 0
     if args.resume:

@@ -23,7 +23,8 @@ import sft
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOL = ROOT / rollout.DEFAULT_MODEL
-FAST = ["--max_len", "512", "--batch_size", "2", "--wandb_mode", "disabled", "--warmup_steps", "0"]
+# fp32: the by-hand and 1-vs-2-rank comparisons are tight; test_bf16_step and the resume test run the bf16 default
+FAST = ["--max_len", "512", "--batch_size", "2", "--wandb_mode", "disabled", "--warmup_steps", "0", "--dtype", "fp32"]
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -125,6 +126,19 @@ def test_first_step_is_sgd_on_the_global_token_mean(single_run, tiny_model, traj
             assert torch.allclose(w, expect, atol=1e-6, rtol=0), k
     assert max_diff(single_run / "step_1", tiny_model) > 1e-2  # the step really moved the weights
 
+def test_bf16_step_is_close_to_fp32(single_run, tiny_model, traj_dir, tmp_path):
+    """--dtype bf16 (the default): the same first step with bf16 compute. Loss and update are close to the fp32 run's
+    but not equal to it, so the bf16 path really ran; the checkpoint stays fp32 (master weights)."""
+    out = tmp_path / "bf16"
+    sft.main(["--model", str(tiny_model), "--data", str(traj_dir), "--out", str(out), "--grad_accum", "4", *FAST, *SGD,
+              "--max_steps", "1", "--dtype", "bf16"])
+    a, b = read_log(single_run)[0], read_log(out)[0]
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-2) and b["loss"] != a["loss"]
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
+    w = load_file(out / "step_1" / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in w.values())
+    assert max_diff(out / "step_1", single_run / "step_1") < 0.1 * max_diff(single_run / "step_1", tiny_model)
+
 def test_two_ranks_fsdp_equal_one_process(single_run, tiny_model, traj_dir, tmp_path):
     """torchrun, 2 gloo ranks x 2 micro-batches (and activation checkpointing) vs 1 process x 4: the same global
     batches. Plain SGD, so the weights compare tightly (measured ~1e-8; AdamW's first step lr*g/(|g|+eps) would
@@ -154,7 +168,7 @@ def test_resume_continues_exactly(tiny_model, traj_dir, tmp_path):
     epoch 0 and the new permutation of epoch 1 are both crossed. Data order, LR, optimizer moments and log continue
     exactly (bitwise)."""
     args = ["--model", str(tiny_model), "--data", str(traj_dir), "--grad_accum", "4", "--max_steps", "6",
-            "--save_every", "3", "--eval_every", "0", "--activation_checkpointing", *FAST, "--warmup_steps", "2"]
+            "--save_every", "3", "--eval_every", "0", "--activation_checkpointing", *FAST, "--warmup_steps", "2", "--dtype", "bf16"]
     a, b = tmp_path / "a", tmp_path / "b"
     sft.main([*args, "--out", str(a)])
     b.mkdir()
