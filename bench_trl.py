@@ -71,7 +71,7 @@ def run_ours():
     import rollout, stepgrpo, trainutil
     tok, qs, prompts, score = workload()
     trainutil.init_group(1)  # FSDP2 world of one, before the engine (as stepgrpo.py)
-    model = trainutil.load_sharded(args.model, torch.device("cpu"), 1)
+    model = trainutil.load_sharded(args.model, torch.device("cpu"), 1, bf16=False)  # fp32, as the TRL side (bf16=False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     engine = rollout.VLLMEngine(args.model, seed=args.seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -342,11 +342,9 @@ def route_probe(engine, retriever, questions, settings, n=8, seed=0):
     it is what the route reward is the expectation of. Returns {"n", "probe_acc" (% of samples = gold), "by_gold"
     (that % per gold label), "confusion"}."""
     import rollout
-    from dataclasses import replace
-    s = replace(settings, route_tokens=1024, answer_tokens=1024, route_mode="model")
-    golds = rollout.rollout(rollout.GoldPolicy(engine.tok, questions), retriever, questions, 1, s, seed)
-    points = [(x["ids"][:sp["start"]], x["gold_steps"][sp["step"]]["kb"] if sp["step"] < len(x["gold_steps"]) else STOP)
-              for x in golds for sp in x["spans"] if sp["kind"] == "route"]  # (prompt ids, gold label)
+    _, prefixes = rollout.golden_prefixes(engine.tok, retriever, questions, settings, seed)
+    points = [(ids, x["gold_steps"][sp["step"]]["kb"] if sp["step"] < len(x["gold_steps"]) else STOP)
+              for x, sp, ids in prefixes if sp["kind"] == "route"]  # (prompt ids, gold label)
     outs = engine.generate([ids for ids, _ in points for _ in range(n)], settings.route_tokens, 1.0, 1.0, ["</ret>"], seed)
     counts = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS]
     for k, (ids, _) in enumerate(outs):

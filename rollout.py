@@ -394,6 +394,15 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
 
 DIRECT_PROMPT = ("Answer the question. {evidence}Write <think>reasoning</think><answer>the short final answer</answer>.")
 
+def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None):
+    """The gold trajectory of each question (GoldPolicy through the real loop and retrieval, whatever its lengths),
+    and every point where the policy would write a span of it: [(trajectory, span, prompt ids up to that span)].
+    Step-GRPO's teacher_prefix groups and evaluate.py's route probe start from these."""
+    from dataclasses import replace
+    golds = rollout(GoldPolicy(tok, questions), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
+                                                                                   route_mode="model"), seed)
+    return golds, [(x, sp, x["ids"][:sp["start"]]) for x in golds for sp in x["spans"]]
+
 def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=None):
     """Baselines without routing: no retrieval (kbs=()), or single-shot RAG (the question itself searches every KB in
     `kbs` once, and all evidence goes in one user turn). Same trajectory dicts as rollout()."""

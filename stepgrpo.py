@@ -255,17 +255,15 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     return seqs, stats
 
 def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
-    s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=1024, answer_tokens=1024)
     t = time.perf_counter()
-    golds = rollout.rollout(rollout.GoldPolicy(engine.tok, qs), retriever, qs, s=s)
+    golds, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, rollout.Settings(max_steps=args.max_steps, topk=args.topk))
     stats = dict(route_r=[], kb_acc=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[], retrieve_s=time.perf_counter() - t)
-    prompts = [(x, sp) for x in golds for sp in x["spans"]]  # each golden prefix is its own group
-    seqs = []
+    seqs = []  # each golden prefix is its own group
     for kind, stop, max_tok in (("route", "</ret>", args.route_tokens), ("answer", "</answer>", args.answer_tokens)):
-        todo = [(x, sp) for x, sp in prompts if (sp["kind"] == "route") == (kind == "route")]
-        outs = engine.generate([x["ids"][:sp["start"]] for x, sp in todo for _ in range(args.group_size)],
+        todo = [(x, sp, prefix) for x, sp, prefix in prompts if (sp["kind"] == "route") == (kind == "route")]
+        outs = engine.generate([prefix for _, _, prefix in todo for _ in range(args.group_size)],
                                max_tok, args.temperature, 1.0, [stop], seed)
-        for k, (x, sp) in enumerate(todo):
+        for k, (x, sp, prefix) in enumerate(todo):
             group = outs[k * args.group_size:(k + 1) * args.group_size]
             t_, gold = sp["step"], x["gold_steps"]
             rs = []
@@ -288,7 +286,6 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                 stats["tokens"].append(len(ids))
                 rs.append(r)
             for (ids, lps), a in zip(group, norm(rs)):
-                prefix = x["ids"][:sp["start"]]
                 seqs.append(dict(ids=prefix + ids, mask=[0] * len(prefix) + [1] * len(ids),
                                  old=[0.0] * len(prefix) + list(lps), adv=[float(a)] * (len(prefix) + len(ids))))
     stats["retrievals"] = [len(x["steps"]) for x in golds]
