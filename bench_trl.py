@@ -88,7 +88,7 @@ def run_ours():
         t2 = time.perf_counter()
         denom = sum(len(ids) for ids, _ in outs)  # token normalisation over the whole batch
         for i in range(0, N, M):
-            ids, attn, sel, old, a, seq = stepgrpo.collate(seqs[i:i + M], pad, torch.device("cpu"))
+            ids, attn, _, sel, old, a, seq = stepgrpo.collate(seqs[i:i + M], pad, torch.device("cpu"))  # unpacked, as TRL
             logp, _ = stepgrpo.token_logprobs(model, ids, attn, sel)
             loss, _, _ = stepgrpo.grpo_loss(logp, old, logp.detach(), a, seq, 0.2, 0.0, "token", denom, len(ids))
             loss.backward()

@@ -99,7 +99,9 @@ def get_args(argv=None):
     ap.add_argument("--log_kl", action="store_true", help="run the reference to log the KL even when --kl_coef is 0")
     ap.add_argument("--loss_norm", default="token", choices=["token", "sequence"])
     ap.add_argument("--ppo_epochs", type=int, default=1, help="update passes over each batch of rollouts")
-    ap.add_argument("--micro_batch", type=int, default=4, help="sequences per forward/backward")
+    ap.add_argument("--micro_batch", type=int, default=4, help="sequences (packed rows) per forward/backward")
+    ap.add_argument("--share_prefix", action=argparse.BooleanOptionalAction, default=True,
+                    help="teacher_prefix: a group's n completions share one copy of their prompt in the update (tree mask)")
     ap.add_argument("--grad_clip", type=float, default=1.0)
     ap.add_argument("--weight_decay", type=float, default=0.0)
     ap.add_argument("--train_steps", type=int, default=20)
@@ -203,10 +205,11 @@ def token_advantages(n_tokens, spans, adv):
 
 #### loss
 
-def token_logprobs(model, ids, attn, sel):
+def token_logprobs(model, ids, attn, sel, pos=None):
     """Logprob of each selected next token and the entropy of its prediction, both [N], where sel [B, T-1] marks the
-    positions (t predicts token t + 1) that are policy tokens: lm_head and softmax run on those alone."""
-    logp = trainutil.selected_logits(model, ids, sel, attn).float().log_softmax(-1)  # [N, V]
+    positions (t predicts token t + 1) that are policy tokens: lm_head and softmax run on those alone.
+    attn: [B, T] padding mask, or [B, 1, T, T] tree mask with position ids pos [B, T] for packed groups."""
+    logp = trainutil.selected_logits(model, ids, sel, attn, pos).float().log_softmax(-1)  # [N, V]
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)  # [N]
     return logp.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1), entropy
@@ -285,22 +288,52 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                 stats["format_ok"].append(float(p.ok))
                 stats["tokens"].append(len(ids))
                 rs.append(r)
+            if args.share_prefix:
+                seqs.append(pack_group(prefix, group, norm(rs)))
+                continue
             for (ids, lps), a in zip(group, norm(rs)):
                 seqs.append(dict(ids=prefix + ids, mask=[0] * len(prefix) + [1] * len(ids),
                                  old=[0.0] * len(prefix) + list(lps), adv=[float(a)] * (len(prefix) + len(ids))))
     stats["retrievals"] = [len(x["steps"]) for x in golds]
     return seqs, stats
 
+def pack_group(prefix, group, adv):
+    """--share_prefix: the n completions of one prompt as one row, the prompt (but its last token) once and then, per
+    completion, that last token and the completion: a branch. seg gives each token's branch (-1: the shared prompt);
+    collate's tree mask lets a branch see the prompt and itself only, so the repeated last token makes each policy
+    token's left neighbour its true predecessor, and the row scores every completion exactly as n separate rows."""
+    L = len(prefix) - 1
+    row = dict(ids=list(prefix[:-1]), mask=[0] * L, old=[0.0] * L, adv=[0.0] * L, seg=[-1] * L, n_seq=len(group))
+    for i, ((ids, lps), a) in enumerate(zip(group, adv)):
+        for key, vals in (("ids", [prefix[-1], *ids]), ("mask", [0] + [1] * len(ids)), ("old", [0.0, *lps]),
+                          ("adv", [float(a)] * (1 + len(ids))), ("seg", [i] * (1 + len(ids)))):
+            row[key] += vals
+    return row
+
 def collate(seqs, pad_id, device):
-    """Right-pad to ids, attn [B, T]; sel [B, T-1] marks positions whose next token is a policy token; old logprobs,
-    advantages and sequence index of those tokens, flattened to [N] in sel's (row-major) order."""
+    """Right-pad to ids [B, T]; sel [B, T-1] marks positions whose next token is a policy token; old logprobs,
+    advantages and sequence index of those tokens, flattened to [N] in sel's (row-major) order. attn: the padding
+    mask [B, T] and pos None, or, if a row is packed (pack_group), a tree mask [B, 1, T, T] and position ids [B, T]."""
     T = max(len(s["ids"]) for s in seqs)
     ids = torch.tensor([s["ids"] + [pad_id] * (T - len(s["ids"])) for s in seqs], device=device)
     attn = torch.tensor([[1] * len(s["ids"]) + [0] * (T - len(s["ids"])) for s in seqs], device=device)
     sel = torch.tensor([s["mask"][1:] + [0] * (T - len(s["ids"])) for s in seqs], device=device).bool()
     pick = lambda key: torch.tensor([v for s in seqs for v, m in zip(s[key][1:], s["mask"][1:]) if m], device=device).float()
-    seq = torch.tensor([b for b, s in enumerate(seqs) for m in s["mask"][1:] if m], device=device)
-    return ids, attn, sel, pick("old"), pick("adv"), seq
+    first = np.cumsum([0] + [s.get("n_seq", 1) for s in seqs])  # index of each row's first sequence
+    seq = torch.tensor([first[b] + max(g, 0) for b, s in enumerate(seqs)
+                        for g, m in zip(s.get("seg", [-1] * len(s["ids"]))[1:], s["mask"][1:]) if m], device=device)
+    pos = None
+    if any("seg" in s for s in seqs):
+        seg = torch.tensor([s.get("seg", [-1] * len(s["ids"])) + [1 << 30] * (T - len(s["ids"])) for s in seqs], device=device)
+        shared = seg == -1  # [B, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        attn = (causal & (shared[:, None, :] | (seg[:, :, None] == seg[:, None, :])))[:, None]  # [B, 1, T, T]
+        # a branch's positions continue the prompt's: n_shared + the token's index within its branch
+        start = torch.zeros_like(seg)
+        start[:, 1:] = torch.where(seg[:, 1:] != seg[:, :-1], torch.arange(1, T, device=device), 0)
+        start = start.cummax(1).values  # [B, T] index of each token's first same-seg token
+        pos = torch.where(shared, torch.arange(T, device=device), shared.sum(1, keepdim=True) + torch.arange(T, device=device) - start)
+    return ids, attn, pos, sel, pick("old"), pick("adv"), seq
 
 #### main
 
@@ -327,9 +360,11 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
-    model = trainutil.load_sharded(start, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16")
+    tree = args.rollout == "teacher_prefix" and args.share_prefix
+    model = trainutil.load_sharded(start, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16", tree_mask=tree)
     use_ref = args.kl_coef > 0 or args.log_kl
-    ref = trainutil.load_sharded(args.ref_model or args.model, device, world, train=False, bf16=args.dtype == "bf16") if use_ref else None
+    ref = trainutil.load_sharded(args.ref_model or args.model, device, world, train=False, bf16=args.dtype == "bf16",
+                                tree_mask=tree) if use_ref else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
     step = 0
     if args.resume:
@@ -364,7 +399,7 @@ def main(argv=None):
         dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
         micro = [seqs[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
         micro = [collate(m or seqs[:1], pad_id, device) + (float(bool(m)),) for m in micro]  # (..., weight)
-        denom = torch.tensor([sum(sum(s["mask"]) for s in seqs) if args.loss_norm == "token" else len(seqs)],
+        denom = torch.tensor([sum(sum(s["mask"]) for s in seqs) if args.loss_norm == "token" else sum(s.get("n_seq", 1) for s in seqs)],
                              dtype=torch.float64, device=device)
         dist.all_reduce(denom)
         denom = denom.clamp(min=1).item() / world  # FSDP averages gradients over ranks: / world makes it a global sum
@@ -372,18 +407,18 @@ def main(argv=None):
         t = time.perf_counter()
         refs = []
         with torch.no_grad():
-            for ids, attn, sel, *_ in micro:
-                refs.append(token_logprobs(ref, ids, attn, sel)[0] if use_ref else None)
+            for ids, attn, pos, sel, *_ in micro:
+                refs.append(token_logprobs(ref, ids, attn, sel, pos)[0] if use_ref else None)
         timing["reference_s"] = time.perf_counter() - t
         # ---- policy update(s)
         t = time.perf_counter()
         acc = torch.zeros(6, dtype=torch.float64, device=device)  # [loss, kl sum, clipped, entropy sum, tokens, grad norm]
         for _ in range(args.ppo_epochs):
-            for (ids, attn, sel, old, adv, seq, weight), ref_lp in zip(micro, refs):
-                logp, ent = token_logprobs(model, ids, attn, sel)  # [N] each
+            for (ids, attn, pos, sel, old, adv, seq, weight), ref_lp in zip(micro, refs):
+                logp, ent = token_logprobs(model, ids, attn, sel, pos)  # [N] each
                 ref_lp = logp.detach() if ref_lp is None else ref_lp  # no reference: KL term 0
                 loss, kl, clipped = grpo_loss(logp, old, ref_lp, adv, seq, args.clip_eps, args.kl_coef, args.loss_norm,
-                                              denom, len(ids))
+                                              denom, int(seq.max()) + 1 if len(seq) else 1)
                 (loss * weight).backward()
                 acc[:5] += weight * torch.stack([loss.detach(), kl.sum(), clipped.sum(), ent.sum(), torch.tensor(float(len(kl)))]).double()
             acc[5] += trainutil.clip_grad_norm(model, args.grad_clip)

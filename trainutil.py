@@ -59,15 +59,16 @@ def resolve_start(model, out, resume):
         sys.exit(f"error: {start}: not a model folder (no config.json)")
     return start
 
-def load_sharded(path, device, world, activation_checkpointing=False, train=True, bf16=True):
+def load_sharded(path, device, world, activation_checkpointing=False, train=True, bf16=True, tree_mask=False):
     """fp32 master weights; each decoder layer is one FSDP unit, the root holds embeddings, final norm and lm_head.
     bf16: FSDP2 mixed precision, i.e. bf16 forward/backward compute, fp32 gradient reduction and optimizer state, on
-    CPU as on GPU (on an AVX512-BF16 CPU 1.5x faster than fp32 for SmolLM2; logprobs within ~2e-3 mean, ~0.3 max)."""
+    CPU as on GPU (on an AVX512-BF16 CPU 1.5x faster than fp32 for SmolLM2; logprobs within ~2e-3 mean, ~0.3 max).
+    tree_mask: the model will get 4D attention masks (stepgrpo --share_prefix), which SDPA takes and flash-attn not."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
     attn = "sdpa"
-    if device.type == "cuda":
+    if device.type == "cuda" and not tree_mask:
         try:
             import flash_attn  # noqa: F401
             attn = "flash_attention_2"
@@ -99,13 +100,13 @@ def clip_grad_norm(model, max_norm):
             g.mul_(max_norm / (norm + 1e-6))
     return norm
 
-def selected_logits(model, ids, sel, attn=None):
+def selected_logits(model, ids, sel, attn=None, pos=None):
     """Logits [N, V] of only the N positions where sel [B, T-1] is True (position t predicts token t + 1).
     A forward hook on the final norm keeps just those hidden states, so lm_head (with a 49k vocabulary the costliest
     matmul) runs on them alone; it acts inside the root forward, where FSDP has gathered lm_head."""
     hook = model.model.norm.register_forward_hook(lambda mod, inp, h: h[:, :-1][sel][None])  # [B, T, H] -> [1, N, H]
     try:
-        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[0]  # [N, V]
+        return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[0]  # [N, V]
     finally:
         hook.remove()
 

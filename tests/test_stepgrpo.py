@@ -124,8 +124,8 @@ def test_only_policy_tokens_reach_the_loss(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     seqs = [dict(ids=[5, 6, 7, 8, 9], mask=[0, 0, 1, 1, 0], old=[0.0] * 5, adv=[0.0, 0.0, 2.0, 2.0, 0.0]),
             dict(ids=[5, 9, 11], mask=[0, 1, 1], old=[0.0, -0.1, -0.2], adv=[0.0, -1.0, -1.0])]
-    ids, attn, sel, old, adv, seq = stepgrpo.collate(seqs, pad_id=0, device="cpu")
-    assert sel.tolist() == [[False, True, True, False], [True, True, False, False]]
+    ids, attn, pos, sel, old, adv, seq = stepgrpo.collate(seqs, pad_id=0, device="cpu")
+    assert pos is None and sel.tolist() == [[False, True, True, False], [True, True, False, False]]
     assert old.tolist() == pytest.approx([0.0, 0.0, -0.1, -0.2]) and adv.tolist() == [2.0, 2.0, -1.0, -1.0]
     assert seq.tolist() == [0, 0, 1, 1]
     logp, ent = stepgrpo.token_logprobs(model, ids, attn, sel)
@@ -133,6 +133,35 @@ def test_only_policy_tokens_reach_the_loss(tiny_model_dir):
         full = model(input_ids=ids, attention_mask=attn).logits[:, :-1].log_softmax(-1)  # [B, T-1, V]
     want = [full[0, 1, 7], full[0, 2, 8], full[1, 0, 9], full[1, 1, 11]]
     assert torch.allclose(logp, torch.stack(want), atol=1e-5) and ent.shape == (4,)
+
+def test_packed_group_scores_like_separate_rows(tiny_model_dir):
+    # --share_prefix: a group's completions packed behind one copy of their prompt give the same logprobs, advantages,
+    # sequence indices and loss (both normalisations) as one row per completion, with padding in the batch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(3, 100, (n,), generator=g).tolist()
+    groups = [(rand(9), [(rand(3), [-0.5, -1.0, -1.5]), (rand(1), [-0.2]), (rand(4), [-0.1, -0.3, -0.2, -0.4])], [1.0, -0.5, 0.25]),
+              (rand(4), [(rand(2), [-0.7, -0.8]), (rand(5), [-1.0] * 5)], [-2.0, 2.0])]
+    rows = [dict(ids=p + c, mask=[0] * len(p) + [1] * len(c), old=[0.0] * len(p) + lps, adv=[a] * (len(p) + len(c)))
+            for p, group, adv in groups for (c, lps), a in zip(group, adv)]
+    packed = [stepgrpo.pack_group(p, group, adv) for p, group, adv in groups]
+    assert len(packed[0]["ids"]) == 8 + 3 * 1 + 3 + 1 + 4 and packed[0]["n_seq"] == 3
+    A, B = stepgrpo.collate(rows, 0, "cpu"), stepgrpo.collate(packed, 0, "cpu")
+    assert A[2] is None and B[1].shape == (2, 1, 19, 19)
+    assert B[2][0].tolist() == list(range(12)) + [8, 9] + list(range(8, 13))  # each branch continues the prompt
+    assert B[2][1].tolist()[:12] == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]
+    for k in (4, 5, 6):  # old, adv, seq
+        assert torch.equal(A[k], B[k])
+    with torch.no_grad():
+        la, ea = stepgrpo.token_logprobs(model, A[0], A[1], A[3], A[2])
+        lb, eb = stepgrpo.token_logprobs(model, B[0], B[1], B[3], B[2])
+    assert torch.allclose(la, lb, atol=1e-5) and torch.allclose(ea, eb, atol=1e-4)
+    wrong = stepgrpo.token_logprobs(model, B[0], torch.ones_like(B[0]), B[3])[0]  # the packed row with a plain causal mask
+    assert not torch.allclose(la, wrong, atol=1e-3)
+    for norm_mode, denom in (("token", len(la)), ("sequence", 5)):
+        loss = lambda L, seq: stepgrpo.grpo_loss(L, A[4] - 0.1, L, A[5], seq, 0.2, 0.0, norm_mode, denom, int(seq.max()) + 1)[0]
+        assert loss(la, A[6]).item() == pytest.approx(loss(lb, B[6]).item(), abs=1e-6)
 
 #### end to end: 2-rank torchrun with vLLM sync, and exact resume (subprocesses, the real command line)
 
@@ -183,3 +212,22 @@ def test_resume_continues_exactly(tmp_path, tiny_model_dir, tiny_index):
     assert [r["step"] for r in rb] == [1, 2]
     for key in ("loss", "kl", "entropy", "tokens", "grad_norm"):
         assert ra[1][key] == pytest.approx(rb[1][key], rel=1e-6, abs=1e-9), key
+
+def test_teacher_prefix_packed_update_equals_unpacked(tmp_path, tiny_model_dir, tiny_index):
+    # the paper's per-step groups, through FSDP, the real rollouts and the KL term: sharing each group's prompt in one
+    # packed row (--share_prefix, the default) must train exactly like one row per completion
+    outs = {}
+    for flag in ("--share_prefix", "--no-share_prefix"):
+        outs[flag] = tmp_path / flag
+        run(common(tiny_model_dir, tiny_index, outs[flag]) + ["--rollout", "teacher_prefix", "--train_steps", "2",
+                                                              "--dtype", "fp32", "--micro_batch", "64", flag])
+    ra, rb = records(outs["--share_prefix"]), records(outs["--no-share_prefix"])
+    assert ra[1]["kl"] > 0 and ra[1]["tokens"] == rb[1]["tokens"]
+    for key in ("loss", "kl", "entropy", "grad_norm"):
+        assert ra[1][key] == pytest.approx(rb[1][key], rel=1e-4), key
+    # step 1 moves the weights by weight decay alone; step 2's update (KL gradients through the packed rows) must match.
+    # Not element-wise: Adam turns float noise in near-zero gradients into steps of up to lr
+    w1 = load_file(outs["--share_prefix"] / "step_1" / "model.safetensors")
+    da, db = (torch.cat([(load_file(outs[f] / "final" / "model.safetensors")[k] - w1[k]).flatten() for k in w1])
+              for f in ("--share_prefix", "--no-share_prefix"))
+    assert (da - db).norm() < 0.01 * da.norm() and da.norm() > 0.1
