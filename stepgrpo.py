@@ -90,6 +90,8 @@ def get_args(argv=None):
     ap.add_argument("--w_answer", type=float, default=1.0)
     ap.add_argument("--w_outcome", type=float, default=1.0, help="teacher_prefix: weight of the final answer's reward")
     ap.add_argument("--outcome", default="f1_recall", choices=["f1_recall", "em"])
+    ap.add_argument("--balance_kb", action="store_true",
+                    help="extension: scale route advantages by 1 / frequency of the gold route (text, table, image, stop)")
     ap.add_argument("--credit", default="span", choices=["span", "split"],
                     help="split (extension, onpolicy): the KB-match half of the route reward is credited to the <ret> tokens alone")
     # optimisation
@@ -125,6 +127,18 @@ class Weights:
     hit: float = 0.0
     answer: float = 1.0
     outcome_metric: str = "f1_recall"
+    route_scale: dict | None = None  # --balance_kb: gold route -> factor on route advantages (kb_balance)
+
+def gold_route(gold_steps, t):
+    return gold_steps[t]["kb"] if t < len(gold_steps) else "stop"
+
+def kb_balance(questions, max_steps):
+    """--balance_kb: factor N / (C n_c) for each gold route c over the N route steps of the training questions (C
+    classes, n_c steps of class c), so that text, table, image and stop steps weigh the same in total (a
+    class-balanced loss). A question with k gold steps has route steps 0..min(k, max_steps - 1), stop at k."""
+    from collections import Counter
+    n = Counter(gold_route(q["steps"], t) for q in questions for t in range(min(len(q["steps"]) + 1, max_steps)))
+    return {c: sum(n.values()) / (len(n) * k) for c, k in n.items()}
 
 def span_rewards(x, encode, w):
     """Reward of every policy span of trajectory x (in x["spans"] order) and its outcome reward."""
@@ -179,9 +193,10 @@ def norm(v, eps=1e-4):
     v = np.asarray(v, dtype=np.float64)
     return (v - v.mean()) / (v.std(ddof=1) + eps) if len(v) > 1 else np.zeros_like(v)
 
-def group_advantages(spans, rewards, outcomes, mode="step"):
+def group_advantages(spans, rewards, outcomes, mode="step", scale=None):
     """One group (the n samples of a question). spans[i]: span dicts of sample i, rewards[i]: their rewards,
-    outcomes[i]: R_i. Returns advantages[i][j] = norm_(kind, step)(r_ij) + norm(R_i) (mode "outcome": norm(R_i))."""
+    outcomes[i]: R_i. Returns advantages[i][j] = c_(kind, step) norm_(kind, step)(r_ij) + norm(R_i) (mode "outcome":
+    norm(R_i)), where c = scale.get((kind, step), 1) (--balance_kb)."""
     R = norm(outcomes)
     adv = [[float(R[i])] * len(s) for i, s in enumerate(spans)]
     if mode == "outcome":
@@ -190,9 +205,10 @@ def group_advantages(spans, rewards, outcomes, mode="step"):
     for i, s in enumerate(spans):
         for j, sp in enumerate(s):
             by_key.setdefault((sp["kind"], sp["step"]), []).append((i, j))
-    for members in by_key.values():
+    for key, members in by_key.items():
+        c = (scale or {}).get(key, 1.0)
         for (i, j), a in zip(members, norm([rewards[i][j] for i, j in members])):
-            adv[i][j] += float(a)
+            adv[i][j] += c * float(a)
     return adv
 
 def token_advantages(n_tokens, spans, adv):
@@ -244,7 +260,9 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
         spans, rs = [x["spans"] for x in group], [r for r, _ in scored]
         if args.credit == "split":
             spans, rs = zip(*[split_route_spans(x, r, w, engine.tok) for x, r in zip(group, rs)])
-        adv = group_advantages(spans, rs, [o for _, o in scored], args.reward)
+        scale = w.route_scale and {(k, t): w.route_scale[gold_route(group[0]["gold_steps"], t)]
+                                   for k in ("route", "route_q", "route_kb") for t in range(args.max_steps)}
+        adv = group_advantages(spans, rs, [o for _, o in scored], args.reward, scale)
         for x, sps, (r, o), a in zip(group, spans, scored, adv):
             seqs.append(dict(ids=x["ids"], mask=x["mask"], old=x["logprobs"], adv=token_advantages(len(x["ids"]), sps, a)))
             stats["route_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "route"]
@@ -288,10 +306,11 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                 stats["format_ok"].append(float(p.ok))
                 stats["tokens"].append(len(ids))
                 rs.append(r)
+            adv = norm(rs) * (w.route_scale[gold_route(gold, t_)] if w.route_scale and kind == "route" else 1.0)
             if args.share_prefix:
-                seqs.append(pack_group(prefix, group, norm(rs)))
+                seqs.append(pack_group(prefix, group, adv))
                 continue
-            for (ids, lps), a in zip(group, norm(rs)):
+            for (ids, lps), a in zip(group, adv):
                 seqs.append(dict(ids=prefix + ids, mask=[0] * len(prefix) + [1] * len(ids),
                                  old=[0.0] * len(prefix) + list(lps), adv=[float(a)] * (len(prefix) + len(ids))))
     stats["retrievals"] = [len(x["steps"]) for x in golds]
@@ -370,7 +389,10 @@ def main(argv=None):
     if args.resume:
         step = trainutil.load_trainer_state(model, opt, start, args, print0)["step"]
     engine = rollout.make_engine(args.backend, start, seed=args.seed + rank)  # each rank owns one engine
-    w = Weights(args.w_format, args.w_route, args.w_hit, args.w_answer, args.outcome)
+    w = Weights(args.w_format, args.w_route, args.w_hit, args.w_answer, args.outcome,
+                kb_balance(questions, args.max_steps) if args.balance_kb else None)
+    if w.route_scale:
+        print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
     make_batch = onpolicy_batch if args.rollout == "onpolicy" else teacher_prefix_batch
     per_epoch = len(questions) // args.batch_questions
     log = trainutil.Log(out, rank, step, args.resume, args.wandb_project, args.wandb_mode, vars(args))

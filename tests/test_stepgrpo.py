@@ -30,6 +30,23 @@ def test_group_advantages_normalise_each_step_against_the_same_step():
     out = stepgrpo.group_advantages(spans, rewards, outcomes, mode="outcome")
     assert all(a == pytest.approx(R[i]) for i, s in enumerate(out) for a in s)  # plain GRPO: one value per sample
 
+def test_balance_kb_weighs_each_gold_route_class_equally():
+    # 3 questions, max 3 steps: [text, text] -> text, text, stop; [table] -> table, stop; [t, t, image] (3 steps: no stop)
+    q = lambda *kbs: dict(steps=[dict(kb=k) for k in kbs])
+    f = stepgrpo.kb_balance([q("text", "text"), q("table"), q("text", "text", "image")], max_steps=3)
+    n = dict(text=4, stop=2, table=1, image=1)  # 8 route steps, 4 classes
+    assert f == pytest.approx({c: 8 / (4 * k) for c, k in n.items()})
+    assert sum(f[c] * k for c, k in n.items()) == pytest.approx(8)  # the total weight is unchanged
+    # group_advantages scales only the per-step part of the keys given, never the outcome part
+    spans = [[sp("route", 0), sp("answer", 0), sp("final", 0)]] * 2
+    rewards, outcomes = [[1.0, 1.0, 0.2], [0.0, 0.0, 0.2]], [1.0, 0.0]
+    plain = stepgrpo.group_advantages(spans, rewards, outcomes)
+    scaled = stepgrpo.group_advantages(spans, rewards, outcomes, scale={("route", 0): 3.0})
+    R = stepgrpo.norm(outcomes)
+    for i in range(2):
+        assert scaled[i][0] - R[i] == pytest.approx(3.0 * (plain[i][0] - R[i]))
+        assert scaled[i][1:] == plain[i][1:]
+
 def test_identical_rewards_give_zero_advantage():
     spans = [[sp("route", 0), sp("final", 0)]] * 4
     adv = stepgrpo.group_advantages(spans, [[0.7, 0.2]] * 4, [1.0] * 4)
