@@ -21,6 +21,7 @@ Rollouts (--rollout):
                   that have a span of the same (kind, step) (0 if only one has it); credited to that span's tokens.
   teacher_prefix  R1-Router's released code: the golden trajectory (rollout.GoldPolicy, real retrieval) up to
                   each step is a prompt; n completions of that one step form a group; A = norm(r) within it.
+                  --teacher_spans route (extension) keeps the routing steps' prompts only.
 --reward outcome: A_ij = norm(R_i) for every span (plain GRPO); onpolicy only.
 --credit split (extension, onpolicy): each route span is cut into two parts normalised on their own: the
                 <sub-question> (0.5 w_route cos + hit) and the rest, i.e. the <think> that argues for a KB and the <ret>
@@ -74,6 +75,8 @@ def get_args(argv=None):
     # rollout
     ap.add_argument("--rollout", default="onpolicy", choices=["onpolicy", "teacher_prefix"])
     ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (onpolicy only)")
+    ap.add_argument("--teacher_spans", default="all", choices=["all", "route"],
+                    help="teacher_prefix: route = train the routing steps only (extension; all = the paper's)")
     ap.add_argument("--batch_questions", type=int, default=8, help="questions per step, over all ranks")
     ap.add_argument("-n", "--group_size", type=int, default=4, help="samples per question (onpolicy) or per step prompt")
     ap.add_argument("--max_steps", type=int, default=3, help="sub-questions per trajectory (paper: 3)")
@@ -280,7 +283,8 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
     golds, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, rollout.Settings(max_steps=args.max_steps, topk=args.topk))
     stats = dict(route_r=[], kb_acc=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[], retrieve_s=time.perf_counter() - t)
     seqs = []  # each golden prefix is its own group
-    for kind, stop, max_tok in (("route", "</ret>", args.route_tokens), ("answer", "</answer>", args.answer_tokens)):
+    kinds = (("route", "</ret>", args.route_tokens), ("answer", "</answer>", args.answer_tokens))
+    for kind, stop, max_tok in kinds[:1] if args.teacher_spans == "route" else kinds:
         todo = [(x, sp, prefix) for x, sp, prefix in prompts if (sp["kind"] == "route") == (kind == "route")]
         outs = engine.generate([prefix for _, _, prefix in todo for _ in range(args.group_size)],
                                max_tok, args.temperature, 1.0, [stop], seed)

@@ -248,3 +248,30 @@ def test_teacher_prefix_packed_update_equals_unpacked(tmp_path, tiny_model_dir, 
     da, db = (torch.cat([(load_file(outs[f] / "final" / "model.safetensors")[k] - w1[k]).flatten() for k in w1])
               for f in ("--share_prefix", "--no-share_prefix"))
     assert (da - db).norm() < 0.01 * da.norm() and da.norm() > 0.1
+
+def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
+    # GoldPolicy as the engine writes the gold step at every golden prefix: one group per span kept, each completion
+    # parses and routes to the gold KB with the full route reward, so every advantage is 0
+    from argparse import Namespace
+
+    from transformers import AutoTokenizer
+
+    import corpus
+    import retrievers
+    import rollout
+    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
+    qs = corpus.load_questions(tiny_index, "train")[:6]
+    ret, gold = retrievers.Retriever(tiny_index, "bm25"), rollout.GoldPolicy(tok, qs)
+    _, prefixes = rollout.golden_prefixes(tok, ret, qs)
+    n_route = sum(sp["kind"] == "route" for _, sp, _ in prefixes)
+    for spans, share in (("all", True), ("route", True), ("route", False)):
+        args = Namespace(max_steps=3, topk=3, route_tokens=64, answer_tokens=48, temperature=1.0, group_size=2,
+                         teacher_spans=spans, share_prefix=share, w_outcome=1.0)
+        seqs, st = stepgrpo.teacher_prefix_batch(gold, ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)
+        groups = len(prefixes) if spans == "all" else n_route
+        assert len(seqs) == groups * (1 if share else 2) and sum(s.get("n_seq", 1) for s in seqs) == 2 * groups
+        assert st["kb_acc"] == [1.0] * 2 * n_route and st["route_r"] == pytest.approx([1.2] * 2 * n_route)
+        assert (st["answer_r"] == []) == (spans == "route")
+        assert all(a == 0.0 for s in seqs for a in s["adv"])
+        completions = [tok.decode([t for t, m in zip(s["ids"], s["mask"]) if m]) for s in seqs]
+        assert (spans == "route") == all("</ret>" in c and "<answer>" not in c for c in completions)
