@@ -365,6 +365,8 @@ def main(argv=None):
     rank, world, device, print0 = trainutil.env_rank()
     if args.rollout == "teacher_prefix" and (args.reward == "outcome" or args.credit == "split"):
         sys.exit("error: --reward outcome and --credit split need --rollout onpolicy (teacher_prefix groups hold one step each)")
+    if args.rollout == "onpolicy" and args.teacher_spans != "all":
+        sys.exit("error: --teacher_spans needs --rollout teacher_prefix")
     if args.batch_questions % world:
         sys.exit(f"error: --batch_questions {args.batch_questions} must be divisible by the world size {world}")
     out = Path(args.out)
