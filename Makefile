@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo ablation test bench clean real real-eval
+.PHONY: setup demo ablation balanced test bench clean real real-eval
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements-cpu.txt
@@ -81,6 +81,23 @@ ablation: $(DATA)/traj/train.jsonl
 	  --methods routed no_retrieval single_rag iterretgen $(EVAL_FLAGS) --out $(ABL)/baselines; \
 	$(PY) evaluate.py --combine $(ABL)/baselines/results.json $(ABL)/s*/eval-*/results.json --data $(DATA) --split test --out $(ABL)/table; \
 	echo "ablation: $$(( ($$(date +%s) - start) / 60 )) min (this invocation)"
+
+# Step-GRPO against SFT (issue #5, README "Step-GRPO against SFT"): from each ablation seed's SFT checkpoint (trained
+# here if missing), teacher-prefix Step-GRPO with class-balanced route advantages (--balance_kb), 8 questions x 4
+# completions per golden step, 6 steps; scored routed on the test split next to that seed's SFT. ~20 min a seed.
+BAL_FLAGS ?= --rollout teacher_prefix --balance_kb --batch_questions 8 -n 4 --lr 1e-5 --train_steps 6
+balanced: $(DATA)/traj/train.jsonl
+	@set -e; start=$$(date +%s); for s in $(SEEDS); do d=$(ABL)/s$$s; \
+	  test -e $$d/sft/final || $(PY) sft.py $(SFT_FLAGS) --seed $$s --out $$d/sft; \
+	  test -e $$d/teacher-bal/final || $(PY) stepgrpo.py --data $(DATA) --micro_batch 2 --save_every 0 --keep 1 $(BAL_FLAGS) \
+	    --model $$d/sft/final --seed $$s --out $$d/teacher-bal; \
+	  test -f $$d/eval-sft/results.json || $(PY) evaluate.py --model $$d/sft/final --name sft@s$$s --methods routed oracle $(EVAL_FLAGS) --out $$d/eval-sft; \
+	  test -f $$d/eval-teacher-bal/results.json || $(PY) evaluate.py --model $$d/teacher-bal/final --name teacher-bal@s$$s \
+	    --methods routed $(EVAL_FLAGS) --out $$d/eval-teacher-bal; \
+	done; \
+	$(PY) evaluate.py --combine $(foreach s,$(SEEDS),$(ABL)/s$(s)/eval-sft/results.json $(ABL)/s$(s)/eval-teacher-bal/results.json) \
+	  --data $(DATA) --split test --out $(ABL)/table-balanced; \
+	echo "balanced: $$(( ($$(date +%s) - start) / 60 )) min (this invocation)"
 
 # Real benchmarks, read in place from SHARED (never copied): HotpotQA, MuSiQue, WikiTableQuestions and R1-Router's
 # question sets in one data folder (text + table KBs, empty image KB), then its indexes.
