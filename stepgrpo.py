@@ -27,6 +27,11 @@ Rollouts (--rollout):
                 <sub-question> (0.5 w_route cos + hit) and the rest, i.e. the <think> that argues for a KB and the <ret>
                 that names it (format + 0.5 w_route [KB = gold KB]), so the sub-question's score does not move the KB
                 choice and vice versa.
+--balance_kb (extension): the per-step part of a route span's advantage is multiplied by N / (C n_c), c its gold
+                route (text, table, image, stop), n_c that class's share of the N gold route steps of the training
+                questions (kb_balance), so that the majority KB does not dominate the routing gradient.
+--share_prefix (default; teacher_prefix): a group's completions are packed behind one copy of their prompt with a
+                tree attention mask (pack_group, collate): the same update, ~3x less compute on CPU.
 
 Step rewards (weights are flags; route_reward and answer_reward are reward.py's, i.e. R1-Router's):
   route step t   w_format [parses] + w_route (0.5 cos(sub-question, gold's) + 0.5 [KB = gold KB]) + w_hit [gold doc
