@@ -327,14 +327,17 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
 
 def pack_group(prefix, group, adv):
     """--share_prefix: the n completions of one prompt as one row, the prompt (but its last token) once and then, per
-    completion, that last token and the completion: a branch. seg gives each token's branch (-1: the shared prompt);
-    collate's tree mask lets a branch see the prompt and itself only, so the repeated last token makes each policy
-    token's left neighbour its true predecessor, and the row scores every completion exactly as n separate rows."""
+    completion, that last token and the completion: a branch. seg gives each token's branch (-1: the shared prompt),
+    pos its position id (a branch continues the prompt). collate's tree mask lets a branch see the prompt and itself
+    only, so the repeated last token makes each policy token's left neighbour its true predecessor, and the row
+    scores every completion exactly as n separate rows."""
     L = len(prefix) - 1
-    row = dict(ids=list(prefix[:-1]), mask=[0] * L, old=[0.0] * L, adv=[0.0] * L, seg=[-1] * L, n_seq=len(group))
+    row = dict(ids=list(prefix[:-1]), mask=[0] * L, old=[0.0] * L, adv=[0.0] * L, seg=[-1] * L, pos=list(range(L)),
+               n_seq=len(group))
     for i, ((ids, lps), a) in enumerate(zip(group, adv)):
         for key, vals in (("ids", [prefix[-1], *ids]), ("mask", [0] + [1] * len(ids)), ("old", [0.0, *lps]),
-                          ("adv", [float(a)] * (1 + len(ids))), ("seg", [i] * (1 + len(ids)))):
+                          ("adv", [float(a)] * (1 + len(ids))), ("seg", [i] * (1 + len(ids))),
+                          ("pos", list(range(L, L + 1 + len(ids))))):
             row[key] += vals
     return row
 
@@ -356,11 +359,7 @@ def collate(seqs, pad_id, device):
         shared = seg == -1  # [B, T]
         causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
         attn = (causal & (shared[:, None, :] | (seg[:, :, None] == seg[:, None, :])))[:, None]  # [B, 1, T, T]
-        # a branch's positions continue the prompt's: n_shared + the token's index within its branch
-        start = torch.zeros_like(seg)
-        start[:, 1:] = torch.where(seg[:, 1:] != seg[:, :-1], torch.arange(1, T, device=device), 0)
-        start = start.cummax(1).values  # [B, T] index of each token's first same-seg token
-        pos = torch.where(shared, torch.arange(T, device=device), shared.sum(1, keepdim=True) + torch.arange(T, device=device) - start)
+        pos = torch.tensor([s.get("pos", list(range(len(s["ids"])))) + [0] * (T - len(s["ids"])) for s in seqs], device=device)
     return ids, attn, pos, sel, pick("old"), pick("adv"), seq
 
 #### main
