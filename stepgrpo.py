@@ -47,7 +47,9 @@ Loss over policy tokens only (prompt, retrieved evidence and template tokens are
   token normalisation: sum of l_t over the global batch / its number of policy tokens; sequence: the mean over
   sequences of each sequence's token mean. --kl_coef 0 (the default) is what the released R1-Router code does:
   it logs the KL term but leaves it out of the loss. The frozen reference is loaded and run only when --kl_coef > 0
-  or --log_kl (it costs ~20% of a step on CPU).
+  or --log_kl (it costs ~20% of a step on CPU). With --kl_coef 0 a row whose advantages are all 0 (a group whose
+  samples all scored the same: most groups once the policy is confident) has no gradient and is not run at all;
+  the denominators still count it, so the update is unchanged (log: "skipped", the fraction of rows).
 """
 import argparse
 import math
@@ -199,7 +201,9 @@ def split_route_spans(x, rewards, w, tok):
 
 def norm(v, eps=1e-4):
     v = np.asarray(v, dtype=np.float64)
-    return (v - v.mean()) / (v.std(ddof=1) + eps) if len(v) > 1 else np.zeros_like(v)
+    if len(v) < 2 or v.min() == v.max():  # exactly 0, not v - mean's rounding error / eps (~1e-13)
+        return np.zeros_like(v)
+    return (v - v.mean()) / (v.std(ddof=1) + eps)
 
 def group_advantages(spans, rewards, outcomes, mode="step", scale=None):
     """One group (the n samples of a question). spans[i]: span dicts of sample i, rewards[i]: their rewards,
@@ -426,11 +430,15 @@ def main(argv=None):
         timing["rollout_s"] = time.perf_counter() - t
         timing["retrieve_s"] = st.pop("retrieve_s")
         seqs.sort(key=lambda s: len(s["ids"]))  # micro-batches of similar lengths pad less; the loss is a global sum
-        # every rank must run the same number of micro-batches (FSDP all-gathers inside each forward)
-        n_micro = torch.tensor([math.ceil(len(seqs) / args.micro_batch)], device=device)
+        # without a KL term a row whose policy tokens all have advantage 0 (a unanimous group) has zero gradient: skip
+        # it. denom below still counts it, so the update is exactly the one over every row
+        live = [s for s in seqs if args.kl_coef > 0 or any(a for a, m in zip(s["adv"], s["mask"]) if m)]
+        # every rank must run the same number of micro-batches (FSDP all-gathers inside each forward), at least one
+        n_micro = torch.tensor([max(1, math.ceil(len(live) / args.micro_batch))], device=device)
         dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
-        micro = [seqs[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
+        micro = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
         micro = [collate(m or seqs[:1], pad_id, device) + (float(bool(m)),) for m in micro]  # (..., weight)
+        timing["skipped"] = 1 - len(live) / max(1, len(seqs))  # rows skipped (logged with the timings, rank mean)
         denom = torch.tensor([sum(sum(s["mask"]) for s in seqs) if args.loss_norm == "token" else sum(s.get("n_seq", 1) for s in seqs)],
                              dtype=torch.float64, device=device)
         dist.all_reduce(denom)

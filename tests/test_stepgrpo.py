@@ -51,6 +51,8 @@ def test_identical_rewards_give_zero_advantage():
     spans = [[sp("route", 0), sp("final", 0)]] * 4
     adv = stepgrpo.group_advantages(spans, [[0.7, 0.2]] * 4, [1.0] * 4)
     assert np.allclose(adv, 0.0)
+    # exactly 0 (so main() can skip the row): the mean of 7 copies of 0.1 is not 0.1 in floating point
+    assert np.mean([0.1] * 7) != 0.1 and stepgrpo.norm([0.1] * 7).tolist() == [0.0] * 7
 
 class BowEncoder:
     vocab = ["which", "country", "is", "x", "in", "none", "who", "founded", "y"]
@@ -180,6 +182,25 @@ def test_packed_group_scores_like_separate_rows(tiny_model_dir):
         loss = lambda L, seq: stepgrpo.grpo_loss(L, A[4] - 0.1, L, A[5], seq, 0.2, 0.0, norm_mode, denom, int(seq.max()) + 1)[0]
         assert loss(la, A[6]).item() == pytest.approx(loss(lb, B[6]).item(), abs=1e-6)
 
+def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
+    # main() skips rows whose advantages are all 0 when --kl_coef is 0, keeping the full batch's denominator: the
+    # gradient must equal the one over every row. With a KL term such a row does move the policy, so it is kept
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    live = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.0, -4.5, -4.0], adv=[0.0, 1.0, 1.0, 1.0]),
+            dict(ids=[5, 9, 11], mask=[0, 1, 1], old=[0.0, -4.2, -4.4], adv=[0.0, -1.0, -1.0])]
+    dead = dict(ids=[5, 12, 13, 14, 15], mask=[0, 0, 1, 1, 1], old=[0.0, 0.0, -4.1, -4.3, -4.6], adv=[0.0] * 5)
+    def grads(rows, kl_coef, norm_mode, denom):
+        model.zero_grad()
+        ids, attn, pos, sel, old, adv, seq = stepgrpo.collate(rows, 0, "cpu")
+        logp, _ = stepgrpo.token_logprobs(model, ids, attn, sel, pos)
+        stepgrpo.grpo_loss(logp, old, old - 0.3, adv, seq, 0.2, kl_coef, norm_mode, denom, int(seq.max()) + 1)[0].backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+    for norm_mode, denom in (("token", 8), ("sequence", 3)):
+        full = grads(live + [dead], 0.0, norm_mode, denom)
+        assert full.abs().max() > 1e-4 and torch.allclose(grads(live, 0.0, norm_mode, denom), full, atol=1e-7)
+    assert not torch.allclose(grads(live, 0.1, "token", 8), grads(live + [dead], 0.1, "token", 8), atol=1e-5)
+
 #### end to end: 2-rank torchrun with vLLM sync, and exact resume (subprocesses, the real command line)
 
 import json
@@ -217,6 +238,17 @@ def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_i
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert max((before[k] - after[k]).abs().max().item() for k in before) > 1e-4
     assert (out / "curves.png").stat().st_size > 10_000
+
+def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(tmp_path, tiny_model_dir, tiny_index):
+    # the tiny random policy earns 0 advantage everywhere: with --kl_coef 0 every row is skipped, yet both ranks still
+    # run one (zero-weight) micro-batch so FSDP's collectives match, and without weight decay nothing moves
+    out = tmp_path / "run"
+    args = common(tiny_model_dir, tiny_index, out) + ["--train_steps", "2", "--dtype", "fp32"]
+    args[args.index("--kl_coef") + 1], args[args.index("--weight_decay") + 1] = "0", "0"
+    run(args, nproc=2)
+    assert [r["skipped"] for r in records(out)] == [1.0, 1.0]
+    before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 def test_resume_continues_exactly(tmp_path, tiny_model_dir, tiny_index):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
