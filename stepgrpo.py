@@ -48,7 +48,7 @@ Loss over policy tokens only (prompt, retrieved evidence and template tokens are
   sequences of each sequence's token mean. --kl_coef 0 (the default) is what the released R1-Router code does:
   it logs the KL term but leaves it out of the loss. The frozen reference is loaded and run only when --kl_coef > 0
   or --log_kl (it costs ~20% of a step on CPU). With --kl_coef 0 a row whose advantages are all 0 (a group whose
-  samples all scored the same: most groups once the policy is confident) has no gradient and is not run at all;
+  samples all scored the same) has no gradient and is not run at all;
   the denominators still count it, so the update is unchanged (log: "skipped", the fraction of rows).
 """
 import argparse
