@@ -36,6 +36,7 @@ Rollouts (--rollout):
 Step rewards (weights are flags; route_reward and answer_reward are reward.py's, i.e. R1-Router's):
   route step t   w_format [parses] + w_route (0.5 cos(sub-question, gold's) + 0.5 [KB = gold KB]) + w_hit [gold doc
                  retrieved]; past the gold steps the gold is "stop" (sub-question None, no KB)
+                 - w_repeat [its sub-question was asked at an earlier step] (extension, default 0)
   answer step t  w_format [parses] + w_answer answer_reward(answer, [gold intermediate answer])
   final answer   w_format [parses]  (+ w_outcome answer_reward(final, golds) in teacher_prefix mode)
   outcome R      f1_recall(final, golds) (or EM, --outcome em); 0 if any step failed to parse
@@ -98,6 +99,8 @@ def get_args(argv=None):
     ap.add_argument("--w_route", type=float, default=1.0)
     ap.add_argument("--w_hit", type=float, default=0.0, help="bonus when the gold document is retrieved (extension)")
     ap.add_argument("--w_answer", type=float, default=1.0)
+    ap.add_argument("--w_repeat", type=float, default=0.0,
+                    help="penalty on a route step that re-asks an earlier step's sub-question (extension)")
     ap.add_argument("--w_outcome", type=float, default=1.0, help="teacher_prefix: weight of the final answer's reward")
     ap.add_argument("--outcome", default="f1_recall", choices=["f1_recall", "em"])
     ap.add_argument("--balance_kb", action="store_true",
@@ -138,6 +141,12 @@ class Weights:
     answer: float = 1.0
     outcome_metric: str = "f1_recall"
     route_scale: dict | None = None  # --balance_kb: gold route -> factor on route advantages (kb_balance)
+    repeat: float = 0.0  # --w_repeat
+
+def re_asks(sub_question, earlier):
+    """--w_repeat: whether a sub-question repeats one asked at an earlier step (case and outer spaces ignored)."""
+    key = lambda q: (q or "").strip().lower()
+    return key(sub_question) in {key(q) for q in earlier}
 
 def gold_route(gold_steps, t):
     return gold_steps[t]["kb"] if t < len(gold_steps) else "stop"
@@ -166,6 +175,8 @@ def span_rewards(x, encode, w):
             r += w.route * reward.route_reward(pred, g and g["sub_question"], g and g["kb"], encode)
             if g and took:
                 r += w.hit * reward.retrieval_hit_reward(x["steps"][t]["retrieved"], g["doc_id"])
+            if took and w.repeat:
+                r -= w.repeat * re_asks(x["steps"][t]["sub_question"], [s["sub_question"] for s in x["steps"][:t]])
         elif sp["kind"] == "answer" and t < len(gold):
             r += w.answer * reward.answer_reward(x["steps"][t]["answer"] or "", [gold[t]["answer"]])
         out.append(r)
@@ -307,6 +318,8 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                     p = reward.parse_route(text)
                     g = gold[t_] if t_ < len(gold) else None
                     r = w.format * p.ok + w.route * reward.route_reward(p, g and g["sub_question"], g and g["kb"], encode)
+                    if p.ok and not p.stop and w.repeat:  # the prefix's earlier steps are the gold ones
+                        r -= w.repeat * re_asks(p.sub_question, [s["sub_question"] for s in gold[:t_]])
                     stats["route_r"].append(r)
                     if p.ok:
                         stats["kb_acc"].append(float(p.kb == (g and g["kb"])))
@@ -404,7 +417,7 @@ def main(argv=None):
         step = trainutil.load_trainer_state(model, opt, start, args, print0)["step"]
     engine = rollout.make_engine(args.backend, start, seed=args.seed + rank)  # each rank owns one engine
     w = Weights(args.w_format, args.w_route, args.w_hit, args.w_answer, args.outcome,
-                kb_balance(questions, args.max_steps) if args.balance_kb else None)
+                kb_balance(questions, args.max_steps) if args.balance_kb else None, args.w_repeat)
     if w.route_scale:
         print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
     make_batch = onpolicy_batch if args.rollout == "onpolicy" else teacher_prefix_batch

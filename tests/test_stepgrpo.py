@@ -72,6 +72,7 @@ def test_span_rewards_follow_the_formulas():
               dict(sub_question="Who founded Y?", kb="image", retrieved=["d9"], answer="someone")],
              [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("final", 2)], "Ly Normi")
     r, outcome = stepgrpo.span_rewards(x, enc, w)
+    r0 = list(r)
     assert r[0] == pytest.approx(0.2 + 1.0 + 0.5)            # same sub-question, same KB, gold doc retrieved
     assert r[1] == pytest.approx(0.2 + 1.0)                  # intermediate answer right
     assert r[2] == pytest.approx(0.2 + 0.5)                  # right sub-question, wrong KB, gold doc missed
@@ -85,6 +86,14 @@ def test_span_rewards_follow_the_formulas():
     assert r[2] == pytest.approx(0.2 + cos) and outcome == 0.0   # a stop where the gold retrieves: no KB credit
     bad = traj([], [("route", 0)], None, ok=False)
     assert stepgrpo.span_rewards(bad, enc, w) == ([0.0], 0.0)
+    # --w_repeat: a route step that re-asks an earlier sub-question (case and outer spaces aside) loses w_repeat
+    reask = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria"),
+                  dict(sub_question=" which country is X in? ", kb="table", retrieved=["d1"], answer="Uldoria")],
+                 [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("final", 2)], "Ly Normi")
+    plain = stepgrpo.span_rewards(reask, enc, w)[0]
+    w.repeat = 0.3
+    assert np.allclose(np.subtract(plain, stepgrpo.span_rewards(reask, enc, w)[0]), [0, 0, 0.3, 0, 0, 0])
+    assert stepgrpo.span_rewards(x, enc, w)[0] == pytest.approx(r0)  # no re-ask: unchanged
 
 def test_split_credit_separates_the_sub_question_from_the_kb_choice():
     from transformers import AutoTokenizer
@@ -307,3 +316,32 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
         assert all(a == 0.0 for s in seqs for a in s["adv"])
         completions = [tok.decode([t for t, m in zip(s["ids"], s["mask"]) if m]) for s in seqs]
         assert (spans == "route") == all("</ret>" in c and "<answer>" not in c for c in completions)
+
+def test_teacher_prefix_penalises_re_asking_a_gold_prefix_sub_question(tiny_index, encoder):
+    # an engine that, past the first step, re-asks the previous gold sub-question: with --w_repeat 0.5 exactly those
+    # route completions lose 0.5, the first step's do not
+    from argparse import Namespace
+
+    from transformers import AutoTokenizer
+
+    import corpus
+    import retrievers
+    import rollout
+
+    class Reasker(rollout.GoldPolicy):
+        def step_text(self, q, n_routes, n_answers, phase, stopped):
+            if phase == "route" and n_routes > 0:
+                g = q["steps"][n_routes - 1]
+                return reward.format_route(self.WHY[g["kb"]], g["sub_question"], g["kb"])
+            return super().step_text(q, n_routes, n_answers, phase, stopped)
+    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
+    qs = corpus.load_questions(tiny_index, "train")[:6]
+    ret = retrievers.Retriever(tiny_index, "bm25")
+    _, prefixes = rollout.golden_prefixes(tok, ret, qs)
+    later = [sp["step"] > 0 for _, sp, _ in prefixes if sp["kind"] == "route" for _ in range(2)]
+    args = Namespace(max_steps=3, topk=3, route_tokens=64, answer_tokens=48, temperature=1.0, group_size=2,
+                     teacher_spans="route", share_prefix=True, w_outcome=1.0)
+    r = [stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(repeat=c), seed=0)[1]["route_r"]
+         for c in (0.0, 0.5)]
+    assert any(later) and not all(later)
+    assert np.allclose(np.subtract(r[0], r[1]), [0.5 * f for f in later])
