@@ -49,8 +49,8 @@ Loss over policy tokens only (prompt, retrieved evidence and template tokens are
   sequences of each sequence's token mean. --kl_coef 0 (the default) is what the released R1-Router code does:
   it logs the KL term but leaves it out of the loss. The frozen reference is loaded and run only when --kl_coef > 0
   or --log_kl (it costs ~20% of a step on CPU). With --kl_coef 0 a row whose advantages are all 0 (a group whose
-  samples all scored the same) has no gradient and is not run at all;
-  the denominators still count it, so the update is unchanged (log: "skipped", the fraction of rows).
+  samples all scored the same) has no gradient and is not run at all; the denominators still count it, so the
+  update is unchanged (log: "skipped", the fraction of rows).
 """
 import argparse
 import math
@@ -143,10 +143,10 @@ class Weights:
     route_scale: dict | None = None  # --balance_kb: gold route -> factor on route advantages (kb_balance)
     repeat: float = 0.0  # --w_repeat
 
-def re_asks(sub_question, earlier):
-    """--w_repeat: whether a sub-question repeats one asked at an earlier step (case and outer spaces ignored)."""
+def re_asks(sub_question, earlier_steps):
+    """--w_repeat: whether a sub-question repeats one of earlier_steps' (case and outer spaces ignored)."""
     key = lambda q: (q or "").strip().lower()
-    return key(sub_question) in {key(q) for q in earlier}
+    return key(sub_question) in {key(s["sub_question"]) for s in earlier_steps}
 
 def gold_route(gold_steps, t):
     return gold_steps[t]["kb"] if t < len(gold_steps) else "stop"
@@ -176,7 +176,7 @@ def span_rewards(x, encode, w):
             if g and took:
                 r += w.hit * reward.retrieval_hit_reward(x["steps"][t]["retrieved"], g["doc_id"])
             if took and w.repeat:
-                r -= w.repeat * re_asks(x["steps"][t]["sub_question"], [s["sub_question"] for s in x["steps"][:t]])
+                r -= w.repeat * re_asks(x["steps"][t]["sub_question"], x["steps"][:t])
         elif sp["kind"] == "answer" and t < len(gold):
             r += w.answer * reward.answer_reward(x["steps"][t]["answer"] or "", [gold[t]["answer"]])
         out.append(r)
@@ -319,7 +319,7 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                     g = gold[t_] if t_ < len(gold) else None
                     r = w.format * p.ok + w.route * reward.route_reward(p, g and g["sub_question"], g and g["kb"], encode)
                     if p.ok and not p.stop and w.repeat:  # the prefix's earlier steps are the gold ones
-                        r -= w.repeat * re_asks(p.sub_question, [s["sub_question"] for s in gold[:t_]])
+                        r -= w.repeat * re_asks(p.sub_question, gold[:t_])
                     stats["route_r"].append(r)
                     if p.ok:
                         stats["kb_acc"].append(float(p.kb == (g and g["kb"])))
