@@ -29,6 +29,8 @@ counts. All rates are percentages (x100), as the paper reports F1-Recall:
                           A trajectory with format_ok False scores 0 on all four (its final answer counts as "").
   format_fail             % of trajectories with format_ok False
   retrievals              retrieval calls per question, len(steps); retrievals_by_kb: the same split by KB
+  reask                   % of questions with a retrieval step whose sub-question repeats an earlier step's
+                          (reward.re_asks: case and outer spaces ignored), e.g. a 1-hop question asked twice
   routing_acc             routing accuracy (below), averaged over questions
   route_exact             % of questions with routing accuracy 1: the KB sequence equals the gold one and the model
                           stopped right after it
@@ -152,6 +154,8 @@ def metrics(trajs):
     m["gold_hit"] = 100 * _mean(hits) if hits else None
     m["retrievals"] = _mean(len(t["steps"]) for t in trajs)
     m["retrievals_by_kb"] = {kb: by_kb[kb] / n for kb in KBS}
+    m["reask"] = 100 * _mean(any(reward.re_asks(s["sub_question"], t["steps"][:i]) for i, s in enumerate(t["steps"]))
+                             for t in trajs)
     m["policy_tokens"] = _mean(t.get("n_policy_tokens", 0) for t in trajs)
     for k in ("generate", "retrieve"):
         m[f"time_{k}"] = _mean((t.get("timings") or {}).get(k, 0.0) for t in trajs)
@@ -207,9 +211,11 @@ def markdown(results, title):
     main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "routing acc", "retrievals/q", "format fail %"],
                   [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc", "routing_acc")),
                     _fmt(s["retrievals"], 2), _fmt(s["format_fail"])] for m, s in results.items()])
-    routing = _table(["method", "route exact %", "gold-doc hit %", *(f"{kb}/q" for kb in KBS), "policy tokens/q"],
+    routing = _table(["method", "route exact %", "gold-doc hit %", *(f"{kb}/q" for kb in KBS), "re-ask %",
+                      "policy tokens/q"],
                      [[m, _fmt(s["route_exact"]), _fmt(s["gold_hit"]),
-                       *(_fmt(s["retrievals_by_kb"][kb], 2) for kb in KBS), _fmt(s["policy_tokens"], 0)]
+                       *(_fmt(s["retrievals_by_kb"][kb], 2) for kb in KBS), _fmt(s.get("reask")),
+                       _fmt(s["policy_tokens"], 0)]
                       for m, s in results.items()])
     types = _type_order({ty for s in results.values() for ty in s["by_type"]})
     per_type = _table(["method", *types],

@@ -45,6 +45,8 @@ Step rewards (R1-Router Step-GRPO, see route_reward / answer_reward):
                   where R = f1_recall(pred, golds)
   format_reward = [the step parses]
   retrieval_hit_reward = [the gold doc id is among the retrieved ids]
+  re_asks       whether a sub-question repeats an earlier step's (stepgrpo.py's
+                --w_repeat penalty, evaluate.py's re-ask rate)
 """
 
 import re
@@ -376,3 +378,10 @@ def retrieval_hit_reward(retrieved_ids, gold_doc_id) -> float:
     """1.0 if the gold document is among the retrieved ids: a sub-question quality
     signal that needs no teacher sub-question (this repo's alternative)."""
     return float(gold_doc_id in retrieved_ids)
+
+
+def re_asks(sub_question: str | None, earlier_steps) -> bool:
+    """Whether a sub-question repeats one of earlier_steps' ({"sub_question": ...} dicts; case and outer spaces
+    ignored). stepgrpo.py's --w_repeat penalty and evaluate.py's re-ask rate."""
+    key = lambda q: (q or "").strip().lower()
+    return key(sub_question) in {key(s["sub_question"]) for s in earlier_steps}

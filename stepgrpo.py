@@ -143,11 +143,6 @@ class Weights:
     route_scale: dict | None = None  # --balance_kb: gold route -> factor on route advantages (kb_balance)
     repeat: float = 0.0  # --w_repeat
 
-def re_asks(sub_question, earlier_steps):
-    """--w_repeat: whether a sub-question repeats one of earlier_steps' (case and outer spaces ignored)."""
-    key = lambda q: (q or "").strip().lower()
-    return key(sub_question) in {key(s["sub_question"]) for s in earlier_steps}
-
 def gold_route(gold_steps, t):
     return gold_steps[t]["kb"] if t < len(gold_steps) else "stop"
 
@@ -176,7 +171,7 @@ def span_rewards(x, encode, w):
             if g and took:
                 r += w.hit * reward.retrieval_hit_reward(x["steps"][t]["retrieved"], g["doc_id"])
             if took and w.repeat:
-                r -= w.repeat * re_asks(x["steps"][t]["sub_question"], x["steps"][:t])
+                r -= w.repeat * reward.re_asks(x["steps"][t]["sub_question"], x["steps"][:t])
         elif sp["kind"] == "answer" and t < len(gold):
             r += w.answer * reward.answer_reward(x["steps"][t]["answer"] or "", [gold[t]["answer"]])
         out.append(r)
@@ -319,7 +314,7 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                     g = gold[t_] if t_ < len(gold) else None
                     r = w.format * p.ok + w.route * reward.route_reward(p, g and g["sub_question"], g and g["kb"], encode)
                     if p.ok and not p.stop and w.repeat:  # the prefix's earlier steps are the gold ones
-                        r -= w.repeat * re_asks(p.sub_question, gold[:t_])
+                        r -= w.repeat * reward.re_asks(p.sub_question, gold[:t_])
                     stats["route_r"].append(r)
                     if p.ok:
                         stats["kb_acc"].append(float(p.kb == (g and g["kb"])))

@@ -125,6 +125,18 @@ def test_per_type_breakdown():
     assert "confusion" not in by["2hop"] and "by_type" not in by["2hop"]
 
 
+def test_reask_rate():
+    assert score(SET)["reask"] == 0  # every hand-made sub-question is distinct ("p0?", "p1?", ...)
+    twice = traj("r", "1hop", ["x"], ["table"], ["table", "table"], "x")
+    twice["steps"][1]["sub_question"] = "  P0? "  # the same question as step 0, case and outer spaces aside
+    late = traj("s", "2hop", ["x"], ["text", "text"], ["text", "text", "text"], "x")
+    late["steps"][2]["sub_question"] = "p0?"  # re-asks step 0, not the step just before
+    assert score([twice])["reask"] == 100 and score([twice, late, PERFECT, NO_RET])["reask"] == 50
+    other = traj("u", "2hop", ["x"], ["text", "text"], ["text", "text"], "x")
+    other["steps"][1]["sub_question"] = "p0 again?"
+    assert score([other])["reask"] == 0
+
+
 def test_format_failure_scores_zero_even_with_a_right_answer():
     t = traj("k", "1hop", ["Suldor"], ["text"], ["text"], "Suldor", format_ok=False)
     s = score([t])
@@ -156,7 +168,8 @@ def test_markdown_tables():
     assert md.startswith("# mini dev\n")
     assert "| method | n | F1-Recall | EM | F1 | Acc | routing acc | retrievals/q | format fail % |" in md
     assert "| r1-router | 7 | 50.0 | 28.6 | 47.6 | 42.9 | 63.1 | 1.29 | 14.3 |" in md
-    assert "| r1-router | 42.9 | 70.0 | 1.00 | 0.29 | 0.00 | 60 |" in md  # route exact, gold hit, text/table/image, tokens
+    # route exact, gold hit, text/table/image, re-ask %, tokens
+    assert "| r1-router | 42.9 | 70.0 | 1.00 | 0.29 | 0.00 | 0.0 | 60 |" in md
     assert "| method | none | 1hop | 2hop | 3hop | comparison |" in md
     assert "| r1-router | 50.0 | 0.0 | 50.0 | 100.0 | 50.0 |" in md
     assert "| direct answer | 7 |" in md
