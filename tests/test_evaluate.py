@@ -108,6 +108,10 @@ def test_confusion_matrix_counts():
         [1, 0, 0, 4, 2],  # stop:  e retrieved; a, b, d, g stopped; c ended early, f failed
     ]
     assert sum(map(sum, conf["counts"])) == sum(len(t["gold_steps"]) + 1 for t in SET)  # one entry per gold decision
+    # balanced routing accuracy: the diagonal over each row's total, averaged over the four gold classes
+    assert score(SET)["routing_macro"] == approx(100 * (5 / 6 + 2 / 3 + 0 / 1 + 4 / 7) / 4)
+    # a class no question has (here: image) is left out, not counted as 0
+    assert score([PERFECT, NO_RET])["routing_macro"] == approx(100 * (1 + 1 + 1) / 3)
 
 
 def test_per_type_breakdown():
@@ -168,8 +172,8 @@ def test_markdown_tables():
     assert md.startswith("# mini dev\n")
     assert "| method | n | F1-Recall | EM | F1 | Acc | routing acc | retrievals/q | format fail % |" in md
     assert "| r1-router | 7 | 50.0 | 28.6 | 47.6 | 42.9 | 63.1 | 1.29 | 14.3 |" in md
-    # route exact, gold hit, text/table/image, re-ask %, tokens
-    assert "| r1-router | 42.9 | 70.0 | 1.00 | 0.29 | 0.00 | 0.0 | 60 |" in md
+    # routing macro, route exact, gold hit, text/table/image, re-ask %, tokens
+    assert "| r1-router | 51.8 | 42.9 | 70.0 | 1.00 | 0.29 | 0.00 | 0.0 | 60 |" in md
     assert "| method | none | 1hop | 2hop | 3hop | comparison |" in md
     assert "| r1-router | 50.0 | 0.0 | 50.0 | 100.0 | 50.0 |" in md
     assert "| direct answer | 7 |" in md
