@@ -217,8 +217,9 @@ def markdown(results, title):
     main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "routing acc", "retrievals/q", "format fail %"],
                   [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc", "routing_acc")),
                     _fmt(s["retrievals"], 2), _fmt(s["format_fail"])] for m, s in results.items()])
-    routing = _table(["method", "routing macro", "route exact %", "gold-doc hit %", *(f"{kb}/q" for kb in KBS), "re-ask %",
-                      "policy tokens/q"],
+    # .get: --combine may read a results.json written before routing_macro and reask existed
+    routing = _table(["method", "routing macro", "route exact %", "gold-doc hit %", *(f"{kb}/q" for kb in KBS),
+                      "re-ask %", "policy tokens/q"],
                      [[m, _fmt(s.get("routing_macro")), _fmt(s["route_exact"]), _fmt(s["gold_hit"]),
                        *(_fmt(s["retrievals_by_kb"][kb], 2) for kb in KBS), _fmt(s.get("reask")),
                        _fmt(s["policy_tokens"], 0)]
