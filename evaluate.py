@@ -154,7 +154,8 @@ def metrics(trajs):
     m.update({k: 100 * _mean(a[k] for a in answers) for k in ANSWER_METRICS})
     m["format_fail"] = 100 * _mean(not t["format_ok"] for t in trajs)
     m["routing_acc"] = 100 * _mean(racc)
-    rows = [(row[i], sum(row)) for i, row in enumerate(confusion(trajs)["counts"]) if sum(row)]  # (right, all) a gold class
+    # (right, all) for each gold class that occurs
+    rows = [(row[i], sum(row)) for i, row in enumerate(confusion(trajs)["counts"]) if sum(row)]
     m["routing_macro"] = 100 * _mean(right / total for right, total in rows) if rows else None
     m["route_exact"] = 100 * _mean(r == 1 for r in racc)
     m["gold_hit"] = 100 * _mean(hits) if hits else None
