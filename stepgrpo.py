@@ -271,7 +271,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
                          answer_tokens=args.answer_tokens, temperature=args.temperature)
     trajs = rollout.rollout(engine, retriever, qs, n=args.group_size, s=s, seed=seed)
     seqs, stats = [], dict(route_r=[], kb_acc=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[],
-                           retrieve_s=sum(x["timings"]["retrieve"] for x in trajs))
+                           reask=[], retrieve_s=sum(x["timings"]["retrieve"] for x in trajs))
     for g in range(len(qs)):
         group = trajs[g * args.group_size:(g + 1) * args.group_size]
         scored = [span_rewards(x, encode, w) for x in group]
@@ -290,13 +290,15 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
             stats["kb_acc"] += [float(pred == gold) for pred, gold in (kbs_at(x, t) for t in range(n_routes))]
             stats["format_ok"].append(float(x["format_ok"]))
             stats["retrievals"].append(len(x["steps"]))
+            stats["reask"] += [float(reward.re_asks(st["sub_question"], x["steps"][:t])) for t, st in enumerate(x["steps"])]
             stats["tokens"].append(x["n_policy_tokens"])
     return seqs, stats
 
 def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
     t = time.perf_counter()
     golds, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, rollout.Settings(max_steps=args.max_steps, topk=args.topk))
-    stats = dict(route_r=[], kb_acc=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[], retrieve_s=time.perf_counter() - t)
+    stats = dict(route_r=[], kb_acc=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[], reask=[],
+                 retrieve_s=time.perf_counter() - t)
     seqs = []  # each golden prefix is its own group
     kinds = (("route", "</ret>", args.route_tokens), ("answer", "</answer>", args.answer_tokens))
     for kind, stop, max_tok in kinds[:1] if args.teacher_spans == "route" else kinds:
@@ -313,9 +315,11 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                     p = reward.parse_route(text)
                     g = gold[t_] if t_ < len(gold) else None
                     r = w.format * p.ok + w.route * reward.route_reward(p, g and g["sub_question"], g and g["kb"], encode)
-                    if p.ok and not p.stop and w.repeat:  # the prefix's earlier steps are the gold ones
-                        r -= w.repeat * reward.re_asks(p.sub_question, gold[:t_])
+                    again = p.ok and not p.stop and reward.re_asks(p.sub_question, gold[:t_])  # earlier steps: gold
+                    r -= w.repeat * again
                     stats["route_r"].append(r)
+                    if p.ok and not p.stop:
+                        stats["reask"].append(float(again))
                     if p.ok:
                         stats["kb_acc"].append(float(p.kb == (g and g["kb"])))
                 else:
@@ -488,7 +492,7 @@ def main(argv=None):
             timing["sync_max_diff"] = diff.item()  # equal on every rank: the sum over ranks / world below gives it back
         step += 1
         # ---- log (means over all ranks)
-        keys = ["route_r", "kb_acc", "answer_r", "outcome", "format_ok", "retrievals", "tokens"]
+        keys = ["route_r", "kb_acc", "answer_r", "outcome", "format_ok", "retrievals", "tokens", "reask"]
         sums = torch.tensor([v for k in keys for v in (sum(st[k]), len(st[k]))] + list(timing.values()), dtype=torch.float64, device=device)
         dist.all_reduce(sums)
         dist.all_reduce(acc)

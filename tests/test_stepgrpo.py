@@ -312,6 +312,8 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
         groups = len(prefixes) if spans == "all" else n_route
         assert len(seqs) == groups * (1 if share else 2) and sum(s.get("n_seq", 1) for s in seqs) == 2 * groups
         assert st["kb_acc"] == [1.0] * 2 * n_route and st["route_r"] == pytest.approx([1.2] * 2 * n_route)
+        # one per sampled retrieval (every route prefix but each question's stop): the gold never re-asks
+        assert st["reask"] == [0.0] * (2 * n_route - 2 * len(qs))
         assert (st["answer_r"] == []) == (spans == "route")
         assert all(a == 0.0 for s in seqs for a in s["adv"])
         completions = [tok.decode([t for t, m in zip(s["ids"], s["mask"]) if m]) for s in seqs]
@@ -341,7 +343,12 @@ def test_teacher_prefix_penalises_re_asking_a_gold_prefix_sub_question(tiny_inde
     later = [sp["step"] > 0 for _, sp, _ in prefixes if sp["kind"] == "route" for _ in range(2)]
     args = Namespace(max_steps=3, topk=3, route_tokens=64, answer_tokens=48, temperature=1.0, group_size=2,
                      teacher_spans="route", share_prefix=True, w_outcome=1.0)
-    r = [stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(repeat=c), seed=0)[1]["route_r"]
-         for c in (0.0, 0.5)]
+    st = [stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(repeat=c), seed=0)[1]
+          for c in (0.0, 0.5)]
+    r = [s["route_r"] for s in st]
     assert any(later) and not all(later)
     assert np.allclose(np.subtract(r[0], r[1]), [0.5 * f for f in later])
+    # logged whether penalised or not, one per sampled retrieval (a question with no gold step stops at step 0)
+    asked = [float(sp["step"] > 0) for x, sp, _ in prefixes if sp["kind"] == "route" and (sp["step"] or x["gold_steps"])
+             for _ in range(2)]
+    assert st[0]["reask"] == st[1]["reask"] == asked and 0 < sum(asked) < len(asked)
