@@ -315,11 +315,11 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                     p = reward.parse_route(text)
                     g = gold[t_] if t_ < len(gold) else None
                     r = w.format * p.ok + w.route * reward.route_reward(p, g and g["sub_question"], g and g["kb"], encode)
-                    again = p.ok and not p.stop and reward.re_asks(p.sub_question, gold[:t_])  # earlier steps: gold
-                    r -= w.repeat * again
-                    stats["route_r"].append(r)
-                    if p.ok and not p.stop:
+                    if p.ok and not p.stop:  # the prefix's earlier steps are the gold ones
+                        again = reward.re_asks(p.sub_question, gold[:t_])
+                        r -= w.repeat * again
                         stats["reask"].append(float(again))
+                    stats["route_r"].append(r)
                     if p.ok:
                         stats["kb_acc"].append(float(p.kb == (g and g["kb"])))
                 else:
