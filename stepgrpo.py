@@ -22,6 +22,11 @@ Rollouts (--rollout):
   teacher_prefix  R1-Router's released code: the golden trajectory (rollout.GoldPolicy, real retrieval) up to
                   each step is a prompt; n completions of that one step form a group; A = norm(r) within it.
                   --teacher_spans route (extension) keeps the routing steps' prompts only.
+                  --prefixes policy (extension, DAgger-style; with --teacher_spans route): the prompts are the route
+                  points of the current policy's own greedy trajectory instead (the states evaluation reaches), and
+                  the target there is the first gold step whose document no earlier step retrieved, or stop once
+                  every gold document is in the context (next_gold_step): re-asking an answered sub-question and
+                  not stopping score as wrong routes, and a missed step is asked again.
 --reward outcome: A_ij = norm(R_i) for every span (plain GRPO); onpolicy only.
 --credit split (extension, onpolicy): each route span is cut into two parts normalised on their own: the
                 <sub-question> (0.5 w_route cos + hit) and the rest, i.e. the <think> that argues for a KB and the <ret>
@@ -85,6 +90,8 @@ def get_args(argv=None):
     ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (onpolicy only)")
     ap.add_argument("--teacher_spans", default="all", choices=["all", "route"],
                     help="teacher_prefix: route = train the routing steps only (extension; all = the paper's)")
+    ap.add_argument("--prefixes", default="gold", choices=["gold", "policy"],
+                    help="teacher_prefix: policy (extension) = route points of the policy's own greedy trajectory")
     ap.add_argument("--batch_questions", type=int, default=8, help="questions per step, over all ranks")
     ap.add_argument("-n", "--group_size", type=int, default=4, help="samples per question (onpolicy) or per step prompt")
     ap.add_argument("--max_steps", type=int, default=3, help="sub-questions per trajectory (paper: 3)")
@@ -145,6 +152,20 @@ class Weights:
 
 def gold_route(gold_steps, t):
     return gold_steps[t]["kb"] if t < len(gold_steps) else "stop"
+
+def next_gold_step(gold_steps, steps):
+    """--prefixes policy: the target at a route point whose earlier steps are `steps` (dicts with "retrieved" ids):
+    the index of the first gold step whose document none of them retrieved, or None (stop) once all were."""
+    seen = {d for s in steps for d in s["retrieved"]}
+    return next((j for j, g in enumerate(gold_steps) if g["doc_id"] not in seen), None)
+
+def policy_prefixes(engine, retriever, qs, args):
+    """--prefixes policy: each question's greedy trajectory under the current policy and its route points, as
+    golden_prefixes gives them: [(trajectory, span, prompt ids up to that span)]."""
+    s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=args.route_tokens,
+                         answer_tokens=args.answer_tokens, temperature=0.0)
+    trajs = rollout.rollout(engine, retriever, qs, n=1, s=s)
+    return trajs, [(x, sp, x["ids"][:sp["start"]]) for x in trajs for sp in x["spans"] if sp["kind"] == "route"]
 
 def kb_balance(questions, max_steps):
     """--balance_kb: factor N / (C n_c) for each gold route c over the N route steps of the training questions (C
@@ -296,10 +317,15 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
 
 def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
     t = time.perf_counter()
-    golds, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, rollout.Settings(max_steps=args.max_steps, topk=args.topk))
+    if args.prefixes == "policy":
+        golds, prompts = policy_prefixes(engine, retriever, qs, args)
+        retrieve_s = sum(x["timings"]["retrieve"] for x in golds)
+    else:  # the gold policy writes its steps at no cost: this is retrieval time
+        golds, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, rollout.Settings(max_steps=args.max_steps, topk=args.topk))
+        retrieve_s = time.perf_counter() - t
     stats = dict(route_r=[], kb_acc=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[], reask=[],
-                 retrieve_s=time.perf_counter() - t)
-    seqs = []  # each golden prefix is its own group
+                 retrieve_s=retrieve_s)
+    seqs = []  # each prefix is its own group
     kinds = (("route", "</ret>", args.route_tokens), ("answer", "</answer>", args.answer_tokens))
     for kind, stop, max_tok in kinds[:1] if args.teacher_spans == "route" else kinds:
         todo = [(x, sp, prefix) for x, sp, prefix in prompts if (sp["kind"] == "route") == (kind == "route")]
@@ -308,15 +334,16 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
         for k, (x, sp, prefix) in enumerate(todo):
             group = outs[k * args.group_size:(k + 1) * args.group_size]
             t_, gold = sp["step"], x["gold_steps"]
+            j = next_gold_step(gold, x["steps"][:t_]) if args.prefixes == "policy" else t_  # the target gold step
+            g = gold[j] if j is not None and j < len(gold) else None  # None: stop
             rs = []
             for ids, _ in group:
                 text = engine.tok.decode(ids, skip_special_tokens=True)
                 if kind == "route":
                     p = reward.parse_route(text)
-                    g = gold[t_] if t_ < len(gold) else None
                     r = w.format * p.ok + w.route * reward.route_reward(p, g and g["sub_question"], g and g["kb"], encode)
-                    if p.ok and not p.stop:  # the prefix's earlier steps are the gold ones
-                        again = reward.re_asks(p.sub_question, gold[:t_])
+                    if p.ok and not p.stop:  # the prefix's earlier steps (the gold ones, or the policy's own)
+                        again = reward.re_asks(p.sub_question, x["steps"][:t_])
                         r -= w.repeat * again
                         stats["reask"].append(float(again))
                     stats["route_r"].append(r)
@@ -331,7 +358,7 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                 stats["format_ok"].append(float(p.ok))
                 stats["tokens"].append(len(ids))
                 rs.append(r)
-            adv = norm(rs) * (w.route_scale[gold_route(gold, t_)] if w.route_scale and kind == "route" else 1.0)
+            adv = norm(rs) * (w.route_scale[g["kb"] if g else "stop"] if w.route_scale and kind == "route" else 1.0)
             if args.share_prefix:
                 seqs.append(pack_group(prefix, group, adv))
                 continue
@@ -385,8 +412,10 @@ def main(argv=None):
     rank, world, device, print0 = trainutil.env_rank()
     if args.rollout == "teacher_prefix" and (args.reward == "outcome" or args.credit == "split"):
         sys.exit("error: --reward outcome and --credit split need --rollout onpolicy (teacher_prefix groups hold one step each)")
-    if args.rollout == "onpolicy" and args.teacher_spans != "all":
-        sys.exit("error: --teacher_spans needs --rollout teacher_prefix")
+    if args.rollout == "onpolicy" and (args.teacher_spans != "all" or args.prefixes != "gold"):
+        sys.exit("error: --teacher_spans and --prefixes need --rollout teacher_prefix")
+    if args.prefixes == "policy" and args.teacher_spans != "route":
+        sys.exit("error: --prefixes policy needs --teacher_spans route (an answer's target on the policy's own steps is not defined)")
     if args.batch_questions % world:
         sys.exit(f"error: --batch_questions {args.batch_questions} must be divisible by the world size {world}")
     out = Path(args.out)

@@ -1,6 +1,8 @@
 """stepgrpo.py: per-step advantages on hand-made rewards, the loss against a direct computation, masking, and (in
 test_stepgrpo_dist.py) 2-rank torchrun runs with vLLM sync and exact resume."""
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -307,7 +309,7 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
     n_route = sum(sp["kind"] == "route" for _, sp, _ in prefixes)
     for spans, share in (("all", True), ("route", True), ("route", False)):
         args = Namespace(max_steps=3, topk=3, route_tokens=64, answer_tokens=48, temperature=1.0, group_size=2,
-                         teacher_spans=spans, share_prefix=share, w_outcome=1.0)
+                         teacher_spans=spans, share_prefix=share, w_outcome=1.0, prefixes="gold")
         seqs, st = stepgrpo.teacher_prefix_batch(gold, ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)
         groups = len(prefixes) if spans == "all" else n_route
         assert len(seqs) == groups * (1 if share else 2) and sum(s.get("n_seq", 1) for s in seqs) == 2 * groups
@@ -342,7 +344,7 @@ def test_teacher_prefix_penalises_re_asking_a_gold_prefix_sub_question(tiny_inde
     _, prefixes = rollout.golden_prefixes(tok, ret, qs)
     later = [sp["step"] > 0 for _, sp, _ in prefixes if sp["kind"] == "route" for _ in range(2)]
     args = Namespace(max_steps=3, topk=3, route_tokens=64, answer_tokens=48, temperature=1.0, group_size=2,
-                     teacher_spans="route", share_prefix=True, w_outcome=1.0)
+                     teacher_spans="route", share_prefix=True, w_outcome=1.0, prefixes="gold")
     st = [stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(repeat=c), seed=0)[1]
           for c in (0.0, 0.5)]
     r = [s["route_r"] for s in st]
@@ -352,3 +354,79 @@ def test_teacher_prefix_penalises_re_asking_a_gold_prefix_sub_question(tiny_inde
     asked = [float(sp["step"] > 0) for x, sp, _ in prefixes if sp["kind"] == "route" and (sp["step"] or x["gold_steps"])
              for _ in range(2)]
     assert st[0]["reask"] == st[1]["reask"] == asked and 0 < sum(asked) < len(asked)
+
+def test_next_gold_step_is_the_first_gold_document_not_yet_retrieved():
+    gold = [dict(doc_id="a"), dict(doc_id="b")]
+    step = lambda *ids: dict(retrieved=list(ids))
+    assert stepgrpo.next_gold_step(gold, []) == 0
+    assert stepgrpo.next_gold_step(gold, [step("x", "a")]) == 1
+    assert stepgrpo.next_gold_step(gold, [step("x")]) == 0  # a miss (wrong KB, bad sub-question): ask it again
+    assert stepgrpo.next_gold_step(gold, [step("b")]) == 0  # a skipped step is still the target
+    assert stepgrpo.next_gold_step(gold, [step("a"), step("b", "c")]) is None  # all in the context: stop
+    assert stepgrpo.next_gold_step(gold, [step("a", "b")]) is None
+    assert stepgrpo.next_gold_step([], []) is None
+
+def policy_prefix_setup(tiny_index):
+    from argparse import Namespace
+
+    from transformers import AutoTokenizer
+
+    import corpus
+    import retrievers
+    import rollout
+    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
+    qs = corpus.load_questions(tiny_index, "train")[:8]
+    args = Namespace(max_steps=3, topk=3, route_tokens=64, answer_tokens=48, temperature=1.0, group_size=2,
+                     teacher_spans="route", share_prefix=True, w_outcome=1.0, prefixes="policy")
+    return tok, qs, retrievers.Retriever(tiny_index, "dense"), args
+
+def test_policy_prefixes_of_the_gold_policy_are_its_golden_prefixes(tiny_index, encoder):
+    # the gold policy's own greedy trajectory is the golden one: the same route prompts, and since every gold step
+    # retrieves its document the targets are the gold steps, so every sample scores the full route reward
+    import rollout
+    tok, qs, ret, args = policy_prefix_setup(tiny_index)
+    gold = rollout.GoldPolicy(tok, qs)
+    _, own = stepgrpo.policy_prefixes(gold, ret, qs, args)
+    golds, prefixes = rollout.golden_prefixes(tok, ret, qs)
+    assert all(g["doc_id"] in st["retrieved"] for x in golds for g, st in zip(x["gold_steps"], x["steps"]))
+    assert [p for _, sp, p in prefixes if sp["kind"] == "route"] == [p for _, _, p in own]
+    seqs, st = stepgrpo.teacher_prefix_batch(gold, ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)
+    assert len(seqs) == len(own) and st["route_r"] == pytest.approx([1.2] * 2 * len(own))
+    assert st["retrievals"] == [len(x["gold_steps"]) for x in golds]
+
+def test_policy_prefixes_target_stop_after_a_re_ask_of_a_one_hop_question(tiny_index, encoder):
+    # a policy that re-asks its first sub-question at step 1 and then asks gold step 1 (a 1-hop question: gold step 0
+    # a third time): on its own prefixes the target at steps 1 and 2 is gold step 1, or stop for a 1-hop question
+    import reward
+    import rollout
+
+    class Reasker(rollout.GoldPolicy):
+        def step_text(self, q, n_routes, n_answers, phase, stopped):
+            g = q["steps"][min(n_routes, len(q["steps"])) - 1] if q["steps"] else None  # the step last asked
+            if phase == "route" and n_routes in (1, 2) and g:
+                return reward.format_route(self.WHY[g["kb"]], g["sub_question"], g["kb"])
+            if phase == "answer" and n_answers < n_routes and not stopped:
+                return reward.format_answer("From the evidence.", g["answer"])
+            return super().step_text(q, n_routes, n_answers, phase, stopped)
+    tok, qs, ret, args = policy_prefix_setup(tiny_index)
+    engine = Reasker(tok, qs)
+    _, own = stepgrpo.policy_prefixes(engine, ret, qs, args)
+    expected = []  # [KB written == target KB] per sample, by hand
+    for q in qs:
+        g = q["steps"]
+        if not g:  # stops at once: the target is stop
+            expected += [1.0] * 2
+            continue
+        target1 = g[1]["kb"] if len(g) > 1 else None
+        expected += [1.0] * 2 + [float(g[0]["kb"] == target1)] * 2 + [float(g[1]["kb"] == target1 if len(g) > 1 else 0)] * 2
+    assert len(own) == sum(3 if q["steps"] else 1 for q in qs)
+    assert any(len(q["steps"]) == 1 for q in qs) and any(len(q["steps"]) > 1 for q in qs)
+    st = stepgrpo.teacher_prefix_batch(engine, ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)[1]
+    assert st["kb_acc"] == expected
+    # the re-ask at step 1 is logged against the policy's own earlier steps
+    assert st["reask"] == [f for q in qs if q["steps"] for f in [0.0] * 2 + [1.0] * 2 + [float(len(q["steps"]) == 1)] * 2]
+
+def test_policy_prefixes_need_teacher_prefix_route_spans(tmp_path):
+    for extra in (["--prefixes", "policy"], ["--rollout", "teacher_prefix", "--prefixes", "policy"]):
+        r = subprocess.run([sys.executable, "stepgrpo.py", "--data", str(tmp_path), *extra], capture_output=True, text=True)
+        assert r.returncode != 0 and "--prefixes" in r.stderr
