@@ -159,12 +159,14 @@ def next_gold_step(gold_steps, steps):
     seen = {d for s in steps for d in s["retrieved"]}
     return next((j for j, g in enumerate(gold_steps) if g["doc_id"] not in seen), None)
 
+def rollout_settings(args, temperature):
+    return rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=args.route_tokens,
+                            answer_tokens=args.answer_tokens, temperature=temperature)
+
 def policy_prefixes(engine, retriever, qs, args):
     """--prefixes policy: each question's greedy trajectory under the current policy and its route points, as
     golden_prefixes gives them: [(trajectory, span, prompt ids up to that span)]."""
-    s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=args.route_tokens,
-                         answer_tokens=args.answer_tokens, temperature=0.0)
-    trajs = rollout.rollout(engine, retriever, qs, n=1, s=s)
+    trajs = rollout.rollout(engine, retriever, qs, n=1, s=rollout_settings(args, temperature=0.0))
     return trajs, [(x, sp, x["ids"][:sp["start"]]) for x in trajs for sp in x["spans"] if sp["kind"] == "route"]
 
 def kb_balance(questions, max_steps):
@@ -288,9 +290,7 @@ def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom, n_s
 #### rollouts -> training sequences
 
 def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
-    s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=args.route_tokens,
-                         answer_tokens=args.answer_tokens, temperature=args.temperature)
-    trajs = rollout.rollout(engine, retriever, qs, n=args.group_size, s=s, seed=seed)
+    trajs = rollout.rollout(engine, retriever, qs, n=args.group_size, s=rollout_settings(args, args.temperature), seed=seed)
     seqs, stats = [], dict(route_r=[], kb_acc=[], answer_r=[], outcome=[], format_ok=[], retrievals=[], tokens=[],
                            reask=[], retrieve_s=sum(x["timings"]["retrieve"] for x in trajs))
     for g in range(len(qs)):
