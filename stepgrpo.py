@@ -32,9 +32,9 @@ Rollouts (--rollout):
                 <sub-question> (0.5 w_route cos + hit) and the rest, i.e. the <think> that argues for a KB and the <ret>
                 that names it (format + 0.5 w_route [KB = gold KB]), so the sub-question's score does not move the KB
                 choice and vice versa.
---balance_kb (extension): the per-step part of a route span's advantage is multiplied by N / (C n_c), c its gold
-                route (text, table, image, stop), n_c that class's share of the N gold route steps of the training
-                questions (kb_balance), so that the majority KB does not dominate the routing gradient.
+--balance_kb [P] (extension): the per-step part of a route span's advantage is multiplied by (N / (C n_c))^P, c its
+                gold route (text, table, image, stop), n_c that class's share of the N gold route steps of the training
+                questions (kb_balance), so that the majority KB does not dominate the routing gradient (P = 1 bare).
 --share_prefix (default; teacher_prefix): a group's completions are packed behind one copy of their prompt with a
                 tree attention mask (pack_group, collate): the same update, ~3x less compute on CPU.
 
@@ -110,8 +110,9 @@ def get_args(argv=None):
                     help="penalty on a route step that re-asks an earlier step's sub-question (extension)")
     ap.add_argument("--w_outcome", type=float, default=1.0, help="teacher_prefix: weight of the final answer's reward")
     ap.add_argument("--outcome", default="f1_recall", choices=["f1_recall", "em"])
-    ap.add_argument("--balance_kb", action="store_true",
-                    help="extension: scale route advantages by 1 / frequency of the gold route (text, table, image, stop)")
+    ap.add_argument("--balance_kb", type=float, nargs="?", const=1.0, default=0.0, metavar="POWER",
+                    help="extension: scale route advantages by (1 / frequency of the gold route)^POWER (text, table, "
+                         "image, stop); bare --balance_kb is POWER 1, 0 is off, 0.5 the square root")
     ap.add_argument("--credit", default="span", choices=["span", "split"],
                     help="split (extension, onpolicy): the KB-match half of the route reward is credited to the <ret> tokens alone")
     # optimisation
@@ -169,13 +170,14 @@ def policy_prefixes(engine, retriever, qs, args):
     trajs = rollout.rollout(engine, retriever, qs, n=1, s=rollout_settings(args, temperature=0.0))
     return trajs, [(x, sp, x["ids"][:sp["start"]]) for x in trajs for sp in x["spans"] if sp["kind"] == "route"]
 
-def kb_balance(questions, max_steps):
-    """--balance_kb: factor N / (C n_c) for each gold route c over the N route steps of the training questions (C
-    classes, n_c steps of class c), so that text, table, image and stop steps weigh the same in total (a
-    class-balanced loss). A question with k gold steps has route steps 0..min(k, max_steps - 1), stop at k."""
+def kb_balance(questions, max_steps, power=1.0):
+    """--balance_kb: factor (N / (C n_c))^power for each gold route c over the N route steps of the training questions
+    (C classes, n_c steps of class c). Power 1 makes text, table, image and stop steps weigh the same in total (a
+    class-balanced loss); power 0.5 goes halfway in log space. A question with k gold steps has route steps
+    0..min(k, max_steps - 1), stop at k."""
     from collections import Counter
     n = Counter(gold_route(q["steps"], t) for q in questions for t in range(min(len(q["steps"]) + 1, max_steps)))
-    return {c: sum(n.values()) / (len(n) * k) for c, k in n.items()}
+    return {c: (sum(n.values()) / (len(n) * k)) ** power for c, k in n.items()}
 
 def span_rewards(x, encode, w):
     """Reward of every policy span of trajectory x (in x["spans"] order) and its outcome reward."""
@@ -445,7 +447,7 @@ def main(argv=None):
         step = trainutil.load_trainer_state(model, opt, start, args, print0)["step"]
     engine = rollout.make_engine(args.backend, start, seed=args.seed + rank)  # each rank owns one engine
     w = Weights(args.w_format, args.w_route, args.w_hit, args.w_answer, args.outcome,
-                kb_balance(questions, args.max_steps) if args.balance_kb else None, args.w_repeat)
+                kb_balance(questions, args.max_steps, args.balance_kb) if args.balance_kb else None, args.w_repeat)
     if w.route_scale:
         print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
     make_batch = onpolicy_batch if args.rollout == "onpolicy" else teacher_prefix_batch

@@ -39,6 +39,12 @@ def test_balance_kb_weighs_each_gold_route_class_equally():
     n = dict(text=4, stop=2, table=1, image=1)  # 8 route steps, 4 classes
     assert f == pytest.approx({c: 8 / (4 * k) for c, k in n.items()})
     assert sum(f[c] * k for c, k in n.items()) == pytest.approx(8)  # the total weight is unchanged
+    half = stepgrpo.kb_balance([q("text", "text"), q("table"), q("text", "text", "image")], max_steps=3, power=0.5)
+    assert half == pytest.approx({c: (8 / (4 * k)) ** 0.5 for c, k in n.items()})  # text 0.71, table/image 1.41
+    # the flag: bare is power 1 (the commands of earlier runs), a number is the power, absent is off
+    base = ["--model", "m", "--data", "d"]
+    assert [stepgrpo.get_args(base + a).balance_kb for a in ([], ["--balance_kb"], ["--balance_kb", "0.5"],
+                                                              ["--balance_kb", "--lr", "1e-5"])] == [0.0, 1.0, 0.5, 1.0]
     # group_advantages scales only the per-step part of the keys given, never the outcome part
     spans = [[sp("route", 0), sp("answer", 0), sp("final", 0)]] * 2
     rewards, outcomes = [[1.0, 1.0, 0.2], [0.0, 0.0, 0.2]], [1.0, 0.0]
