@@ -418,6 +418,8 @@ def main(argv=None):
         sys.exit("error: --teacher_spans and --prefixes need --rollout teacher_prefix")
     if args.prefixes == "policy" and args.teacher_spans != "route":
         sys.exit("error: --prefixes policy needs --teacher_spans route (an answer's target on the policy's own steps is not defined)")
+    if args.balance_kb < 0:
+        sys.exit(f"error: --balance_kb POWER must be >= 0 (got {args.balance_kb}; 0 is off, 1 the full class balance)")
     if args.batch_questions % world:
         sys.exit(f"error: --batch_questions {args.batch_questions} must be divisible by the world size {world}")
     out = Path(args.out)

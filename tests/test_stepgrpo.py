@@ -432,7 +432,10 @@ def test_policy_prefixes_target_stop_after_a_re_ask_of_a_one_hop_question(tiny_i
     # the re-ask at step 1 is logged against the policy's own earlier steps
     assert st["reask"] == [f for q in qs if q["steps"] for f in [0.0] * 2 + [1.0] * 2 + [float(len(q["steps"]) == 1)] * 2]
 
-def test_policy_prefixes_need_teacher_prefix_route_spans(tmp_path):
-    for extra in (["--prefixes", "policy"], ["--rollout", "teacher_prefix", "--prefixes", "policy"]):
+def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
+    for extra, flag in ((["--prefixes", "policy"], "--prefixes"),
+                        (["--rollout", "teacher_prefix", "--prefixes", "policy"], "--prefixes"),
+                        (["--balance_kb", "-1"], "--balance_kb")):
         r = subprocess.run([sys.executable, "stepgrpo.py", "--data", str(tmp_path), *extra], capture_output=True, text=True)
-        assert r.returncode != 0 and "--prefixes" in r.stderr
+        last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback
+        assert r.returncode != 0 and last.startswith("error: ") and flag in last, r.stderr
