@@ -35,11 +35,12 @@ def test_group_advantages_normalise_each_step_against_the_same_step():
 def test_balance_kb_weighs_each_gold_route_class_equally():
     # 3 questions, max 3 steps: [text, text] -> text, text, stop; [table] -> table, stop; [t, t, image] (3 steps: no stop)
     q = lambda *kbs: dict(steps=[dict(kb=k) for k in kbs])
-    f = stepgrpo.kb_balance([q("text", "text"), q("table"), q("text", "text", "image")], max_steps=3)
+    qs = [q("text", "text"), q("table"), q("text", "text", "image")]
+    f = stepgrpo.kb_balance(qs, max_steps=3)
     n = dict(text=4, stop=2, table=1, image=1)  # 8 route steps, 4 classes
     assert f == pytest.approx({c: 8 / (4 * k) for c, k in n.items()})
     assert sum(f[c] * k for c, k in n.items()) == pytest.approx(8)  # the total weight is unchanged
-    half = stepgrpo.kb_balance([q("text", "text"), q("table"), q("text", "text", "image")], max_steps=3, power=0.5)
+    half = stepgrpo.kb_balance(qs, max_steps=3, power=0.5)
     assert half == pytest.approx({c: (8 / (4 * k)) ** 0.5 for c, k in n.items()})  # text 0.71, table/image 1.41
     # the flag: bare is power 1 (the commands of earlier runs), a number is the power, absent is off
     base = ["--model", "m", "--data", "d"]
