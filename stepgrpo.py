@@ -7,6 +7,7 @@ and not only for the outcome; FSDP2 policy, frozen reference, a vLLM engine on e
     python stepgrpo.py ... --resume                           # continue from <out>/latest exactly
     python stepgrpo.py ... --rollout teacher_prefix           # the paper's released scheme
     python stepgrpo.py ... --reward outcome                   # plain GRPO (outcome reward only), the ablation
+    python stepgrpo.py ... --eval_questions 100               # dev score at every checkpoint; <out>/best the top one
 
 One step: every rank rolls out its share of the questions on its own engine (rollout.py: route -> retrieve ->
 answer, batched), scores every step span (reward.py), computes group-relative advantages, gets the reference's
@@ -129,7 +130,13 @@ def get_args(argv=None):
     ap.add_argument("--weight_decay", type=float, default=0.0)
     ap.add_argument("--train_steps", type=int, default=20)
     ap.add_argument("--save_every", type=int, default=10)
-    ap.add_argument("--keep", type=int, default=2, help="newest checkpoints kept")
+    ap.add_argument("--keep", type=int, default=2, help="newest checkpoints kept (and <out>/best's)")
+    ap.add_argument("--eval_questions", type=int, default=0,
+                    help="score the first N --eval_split questions (greedy, routed) at the start and at every checkpoint; "
+                         "<out>/best links the trained checkpoint with the highest --select (0: off)")
+    ap.add_argument("--eval_split", default="dev")
+    ap.add_argument("--select", default="f1_routing", choices=["f1_routing", "f1_recall", "routing_acc"],
+                    help="dev score that picks best: the mean of F1-Recall and routing accuracy, or one of them")
     ap.add_argument("--activation_checkpointing", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
                     help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32)")
@@ -407,6 +414,25 @@ def collate(seqs, pad_id, device):
         pos = torch.tensor([s.get("pos", list(range(len(s["ids"])))) + [0] * (T - len(s["ids"])) for s in seqs], device=device)
     return ids, attn, pos, sel, pick("old"), pick("adv"), seq
 
+#### dev evaluation (checkpoint choice)
+
+def dev_eval(engine, retriever, qs, args, rank, world):
+    """Greedy routed trajectories of qs (each rank its share, on its own engine), scored by evaluate.py's score(): the
+    numbers `evaluate.py --methods routed --split dev --n_questions N` gives for the checkpoint saved at this step.
+    Training's RNG state is put back afterwards, so a run trains the same with or without it."""
+    import evaluate
+    rng = torch.get_rng_state(), random.getstate()
+    mine = rollout.rollout(engine, retriever, qs[rank::world], 1, rollout.Settings(max_steps=args.max_steps, topk=args.topk,
+                                                                                     temperature=0.0), seed=0)
+    torch.set_rng_state(rng[0])
+    random.setstate(rng[1])
+    parts = [None] * world
+    dist.all_gather_object(parts, [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in mine])
+    s = evaluate.score([x for p in parts for x in p])
+    dev = {"dev_f1_recall": s["f1_recall"], "dev_routing_acc": s["routing_acc"], "dev_routing_macro": s["routing_macro"]}
+    dev["dev_score"] = (dev["dev_f1_recall"] + dev["dev_routing_acc"]) / 2 if args.select == "f1_routing" else dev[f"dev_{args.select}"]
+    return dev
+
 #### main
 
 def main(argv=None):
@@ -427,6 +453,7 @@ def main(argv=None):
     import retrievers
     try:
         questions = [q for sp in args.split for q in corpus.load_questions(args.data, sp)]
+        dev_qs = corpus.load_questions(args.data, args.eval_split)[:args.eval_questions] if args.eval_questions else []
         ret = retrievers.RemoteRetriever(args.retriever) if args.retriever.startswith("http") else retrievers.Retriever(args.data, args.retriever)
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
@@ -444,9 +471,10 @@ def main(argv=None):
     ref = trainutil.load_sharded(args.ref_model or args.model, device, world, train=False, bf16=args.dtype == "bf16",
                                 tree_mask=tree) if use_ref else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
-    step = 0
+    step, dev_hist = 0, {}  # dev_hist: step -> dev score (--eval_questions)
     if args.resume:
-        step = trainutil.load_trainer_state(model, opt, start, args, print0)["step"]
+        state = trainutil.load_trainer_state(model, opt, start, args, print0)
+        step, dev_hist = state["step"], state.get("dev", {})
     engine = rollout.make_engine(args.backend, start, seed=args.seed + rank)  # each rank owns one engine
     w = Weights(args.w_format, args.w_route, args.w_hit, args.w_answer, args.outcome,
                 kb_balance(questions, args.max_steps, args.balance_kb) if args.balance_kb else None, args.w_repeat)
@@ -461,6 +489,11 @@ def main(argv=None):
     if rank == 0:
         from tqdm import tqdm
         bar = tqdm(total=args.train_steps, initial=step, desc="step-grpo", dynamic_ncols=True)
+    if dev_qs and step == 0:  # the starting policy's dev score: what the trained checkpoints have to beat
+        dev = dev_eval(engine, ret, dev_qs, args, rank, world)
+        log(dict(step=0, **dev))
+        print0(f"dev ({len(dev_qs)} {args.eval_split} questions) at the start: F1-Recall {dev['dev_f1_recall']:.1f}, "
+               f"routing acc {dev['dev_routing_acc']:.1f}")
 
     #### training loop
     while step < args.train_steps:
@@ -535,19 +568,31 @@ def main(argv=None):
                    entropy=(acc[3] / acc[4].clamp(min=1)).item(), grad_norm=acc[5].item() / world / args.ppo_epochs,
                    adv_abs=float(np.mean([abs(a) for s in seqs for a, m in zip(s["adv"], s["mask"]) if m] or [0.0])),
                    **{k: sums[2 * len(keys) + i].item() / world for i, k in enumerate(timing)})
+        saving = (args.save_every and step % args.save_every == 0) or step == args.train_steps
+        if saving and dev_qs:
+            t = time.perf_counter()
+            rec.update(dev_eval(engine, ret, dev_qs, args, rank, world), dev_s=time.perf_counter() - t)
+            dev_hist[step] = rec["dev_score"]
         log(rec)
         if bar:
             bar.update(1)
             bar.set_postfix(outcome=f"{rec['outcome'] or 0:.3f}", route=f"{rec['route_r'] or 0:.3f}", fmt=f"{rec['format_ok']:.2f}",
                             kl=f"{rec['kl'] or 0:.4f}", sync=f"{rec['sync_s']:.2f}s")
-        if (args.save_every and step % args.save_every == 0) or step == args.train_steps:
-            trainutil.save_checkpoint(model, opt, tok, out, step, dict(args=vars(args)), rank, args.keep)
+        if saving:
+            best = max(dev_hist, key=dev_hist.get) if dev_hist else None  # the earliest of equal scores
+            trainutil.save_checkpoint(model, opt, tok, out, step, dict(args=vars(args), dev=dev_hist), rank, args.keep,
+                                      protect=f"step_{best}" if best else None)
+            if rank == 0 and best:
+                trainutil.mark_final(out, best, "best")
     if rank == 0:
         trainutil.mark_final(out, step)
         bar.close()
         log.close()
         plot_curves(out)
     print0(f"done: {step} steps; final checkpoint {out / 'final'}; learning curves {out / 'curves.png'}")
+    if dev_hist:
+        b = max(dev_hist, key=dev_hist.get)
+        print0(f"best on {args.eval_split} ({args.select}): step {b}, {dev_hist[b]:.1f}; {out / 'best'}")
     engine.close()  # vLLM's teardown destroys the default process group too (it shares it)
     if own_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -561,8 +606,9 @@ def plot_curves(out):
     panels = [("outcome", "outcome reward"), ("route_r", "route-step reward"), ("kb_acc", "KB choice = gold's"),
               ("answer_r", "answer-step reward"), ("format_ok", "well-formed trajectories"), ("entropy", "entropy"),
               ("kl", "KL to reference (k3)"),
-              ("retrievals", "retrieval calls / trajectory"), ("tokens", "policy tokens / trajectory")]
-    fig, axes = plt.subplots(3, 3, figsize=(14, 10))
+              ("retrievals", "retrieval calls / trajectory"), ("tokens", "policy tokens / trajectory"),
+              ("dev_f1_recall", "dev F1-Recall (greedy)"), ("dev_routing_acc", "dev routing accuracy (greedy)")]
+    fig, axes = plt.subplots(4, 3, figsize=(14, 13))
     for ax, (k, title) in zip(axes.flat, panels):
         pts = [(r["step"], r[k]) for r in recs if r.get(k) is not None]
         if pts:

@@ -116,8 +116,9 @@ def write_atomic(path, text):
     tmp.write_text(text)
     os.replace(tmp, path)
 
-def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2):
-    """Gather the full state (all ranks take part), then rank 0 writes step_<N>/ via a temp folder + rename.
+def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=None):
+    """Gather the full state (all ranks take part), then rank 0 writes step_<N>/ via a temp folder + rename, and
+    removes all but the newest `keep` step folders and `protect` (a folder name, e.g. the best one's).
     `state`: the script's own resumable state (data position, args, ...), saved in trainer_state.pt."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     from transformers import AutoModelForCausalLM
@@ -141,7 +142,8 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2):
         os.replace(tmp, dst)
         write_atomic(out / "latest", f"step_{step}\n")
         for p in sorted(out.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-keep]:
-            shutil.rmtree(p)
+            if p.name != protect:
+                shutil.rmtree(p)
     dist.barrier()
 
 def load_trainer_state(model, opt, ckpt, args, print0):
@@ -157,8 +159,8 @@ def load_trainer_state(model, opt, ckpt, args, print0):
     print0(f"resuming from {ckpt} at step {state['step']}" + (f"; changed args (old, new): {changed}" if changed else ""))
     return state
 
-def mark_final(out, step):
-    link, tmp = Path(out) / "final", Path(out) / ".final.tmp"
+def mark_final(out, step, name="final"):
+    link, tmp = Path(out) / name, Path(out) / f".{name}.tmp"
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(f"step_{step}")
     os.replace(tmp, link)

@@ -440,3 +440,20 @@ def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
         r = subprocess.run([sys.executable, "stepgrpo.py", "--data", str(tmp_path), *extra], capture_output=True, text=True)
         last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback
         assert r.returncode != 0 and last.startswith("error: ") and flag in last, r.stderr
+
+def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(tmp_path, tiny_model_dir, tiny_index):
+    plain, evald = tmp_path / "plain", tmp_path / "eval"
+    run(common(tiny_model_dir, tiny_index, plain) + ["--train_steps", "3"])
+    r = run(common(tiny_model_dir, tiny_index, evald) + ["--train_steps", "3", "--keep", "1", "--eval_questions", "3",
+                                                         "--eval_split", "test"])
+    a, b = load_file(plain / "final" / "model.safetensors"), load_file(evald / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the greedy dev rollouts do not disturb training
+    recs = records(evald)
+    assert [x["step"] for x in recs] == [0, 1, 2, 3] and all("dev_score" in x for x in recs)
+    assert "loss" not in recs[0]  # step 0: the starting policy's dev score only
+    scores = {x["step"]: x["dev_score"] for x in recs[1:]}
+    best = max(scores, key=scores.get)  # the earliest of equal scores
+    assert (evald / "best").resolve().name == f"step_{best}" and (evald / "best" / "model.safetensors").exists()
+    # --keep 1 keeps the newest checkpoint and the best one only
+    assert sorted(p.name for p in evald.glob("step_*")) == sorted({f"step_{best}", "step_3"})
+    assert f"best on test (f1_routing): step {best}" in r.stdout
