@@ -248,7 +248,7 @@ def main(argv=None):
     if saved_at != step:  # resumed a finished run, or total == 0
         save_checkpoint(model, opt, tok, args, step, steps_per_epoch, rank)
     if rank == 0:
-        trainutil.mark_final(out, step)
+        trainutil.link_step(out, step, "final")
         bar.close()
     record.close()
     print0(f"done: {step} steps; final checkpoint {out / f'step_{step}'} (also {out / 'final'})")

@@ -583,9 +583,9 @@ def main(argv=None):
             trainutil.save_checkpoint(model, opt, tok, out, step, dict(args=vars(args), dev=dev_hist), rank, args.keep,
                                       protect=f"step_{best}" if best else None)
             if rank == 0 and best:
-                trainutil.mark_final(out, best, "best")
+                trainutil.link_step(out, best, "best")
     if rank == 0:
-        trainutil.mark_final(out, step)
+        trainutil.link_step(out, step, "final")
         bar.close()
         log.close()
         plot_curves(out)

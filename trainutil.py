@@ -159,7 +159,8 @@ def load_trainer_state(model, opt, ckpt, args, print0):
     print0(f"resuming from {ckpt} at step {state['step']}" + (f"; changed args (old, new): {changed}" if changed else ""))
     return state
 
-def mark_final(out, step, name="final"):
+def link_step(out, step, name):
+    """<out>/<name> -> step_<step>, atomically (final, best)."""
     link, tmp = Path(out) / name, Path(out) / f".{name}.tmp"
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(f"step_{step}")
