@@ -607,7 +607,8 @@ def plot_curves(out):
               ("answer_r", "answer-step reward"), ("format_ok", "well-formed trajectories"), ("entropy", "entropy"),
               ("kl", "KL to reference (k3)"),
               ("retrievals", "retrieval calls / trajectory"), ("tokens", "policy tokens / trajectory"),
-              ("dev_f1_recall", "dev F1-Recall (greedy)"), ("dev_routing_acc", "dev routing accuracy (greedy)")]
+              ("dev_f1_recall", "dev F1-Recall (greedy)"), ("dev_routing_acc", "dev routing accuracy (greedy)"),
+              ("dev_routing_macro", "dev balanced routing accuracy (greedy)")]
     fig, axes = plt.subplots(4, 3, figsize=(14, 13))
     for ax, (k, title) in zip(axes.flat, panels):
         pts = [(r["step"], r[k]) for r in recs if r.get(k) is not None]
