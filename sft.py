@@ -17,8 +17,8 @@ store), so the sharding, mixed precision, state-dict and clipping paths are the 
 Global batch = batch_size x grad_accum x world rows; each epoch is a permutation seeded by seed + epoch; global
 step s of an epoch takes rows perm[s*G:(s+1)*G] (the tail < G rows of an epoch is dropped) and rank r the r-th
 slice of those; so the global batches depend on the global batch size only, not on how it is split.
---dtype bf16 (default): bf16 compute, fp32 master weights, gradient reduction and optimizer state (FSDP2
-MixedPrecisionPolicy), on CPU as on GPU; flash-attn 2 on GPU if installed. On 2 cores two ranks are slower than one:
+--dtype bf16: bf16 compute, fp32 master weights, gradient reduction and optimizer state (FSDP2
+MixedPrecisionPolicy), on CPU as on GPU; --dtype auto (default) takes it on CUDA and AVX512-BF16 CPUs, else fp32; flash-attn 2 on GPU if installed. On 2 cores two ranks are slower than one:
 FSDP on CPU is for correctness.
 
 Outputs in --out:
@@ -73,8 +73,9 @@ def get_args(argv=None):
     ap.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decays the LR to lr * this")
     ap.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
     ap.add_argument("--activation_checkpointing", action="store_true")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                    help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32); "
+                         "auto: bf16 on CUDA and AVX512-BF16 CPUs, else fp32")
     ap.add_argument("--eval_every", type=int, default=50, help="dev loss every N steps and at the end (0: never)")
     ap.add_argument("--eval_rows", type=int, default=256, help="evaluate on the first N dev rows (0: all)")
     ap.add_argument("--save_every", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
@@ -158,6 +159,7 @@ def main(argv=None):
     args = get_args(argv)
     from transformers import AutoConfig, AutoTokenizer
     rank, world, device, print0 = trainutil.env_rank()
+    args.dtype = trainutil.resolve_dtype(args.dtype, device)  # the resolved choice is what trainer_state.pt records
 
     # ---- inputs (every rank checks, so every rank exits on bad input before any collective)
     out = Path(args.out)
@@ -193,7 +195,7 @@ def main(argv=None):
         if state["args"]["seed"] != args.seed or state["global_batch"] != G:
             print0("warning: seed or global batch size changed: the data order does not continue the old run's")
     n_params = sum(p.numel() for p in model.parameters())
-    print0(f"{n_params / 1e6:.1f}M parameters, world {world} ({device.type}), {len(train)} train rows, "
+    print0(f"{n_params / 1e6:.1f}M parameters, world {world} ({device.type}, {args.dtype}), {len(train)} train rows, "
            f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world}, {steps_per_epoch} steps/epoch, {total} steps")
     record = trainutil.Log(out, rank, step, args.resume, args.wandb_project, args.wandb_mode, vars(args))
     bar = None

@@ -138,8 +138,9 @@ def get_args(argv=None):
     ap.add_argument("--select", default="f1_routing", choices=["f1_routing", "f1_recall", "routing_acc"],
                     help="dev score that picks best: the mean of F1-Recall and routing accuracy, or one of them")
     ap.add_argument("--activation_checkpointing", action="store_true")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                    help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32); "
+                         "auto: bf16 on CUDA and AVX512-BF16 CPUs, else fp32")
     ap.add_argument("--check_sync", action="store_true", help="after each sync, log the max |engine - trainer| logprob")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wandb_project", default="r1router-nano")
@@ -438,6 +439,7 @@ def dev_eval(engine, retriever, qs, args, rank, world):
 def main(argv=None):
     args = get_args(argv)
     rank, world, device, print0 = trainutil.env_rank()
+    args.dtype = trainutil.resolve_dtype(args.dtype, device)  # the resolved choice is what trainer_state.pt records
     if args.rollout == "teacher_prefix" and (args.reward == "outcome" or args.credit == "split"):
         sys.exit("error: --reward outcome and --credit split need --rollout onpolicy (teacher_prefix groups hold one step each)")
     if args.rollout == "onpolicy" and (args.teacher_spans != "all" or args.prefixes != "gold"):
@@ -483,7 +485,7 @@ def main(argv=None):
     make_batch = onpolicy_batch if args.rollout == "onpolicy" else teacher_prefix_batch
     per_epoch = len(questions) // args.batch_questions
     log = trainutil.Log(out, rank, step, args.resume, args.wandb_project, args.wandb_mode, vars(args))
-    print0(f"Step-GRPO ({args.rollout}, reward {args.reward}): world {world} ({device.type}), {len(questions)} questions, "
+    print0(f"Step-GRPO ({args.rollout}, reward {args.reward}): world {world} ({device.type}, {args.dtype}), {len(questions)} questions, "
            f"{args.batch_questions} x {args.group_size} per step, {args.train_steps} steps")
     bar = None
     if rank == 0:
