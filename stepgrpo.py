@@ -509,6 +509,7 @@ def main(argv=None):
         seqs, st = make_batch(engine, ret, mine, args, encoder.encode, w, seed=args.seed + 7919 * step + 104729 * rank)
         timing["rollout_s"] = time.perf_counter() - t
         timing["retrieve_s"] = st.pop("retrieve_s")
+        engine.sleep()  # GPU: the engine's memory goes to the reference and the update until the sync wakes it
         seqs.sort(key=lambda s: len(s["ids"]))  # micro-batches of similar lengths pad less; the loss is a global sum
         # without a KL term a row whose policy tokens all have advantage 0 (a unanimous group) has zero gradient: skip
         # it. denom below still counts it, so the update is exactly the one over every row
