@@ -18,8 +18,8 @@ Global batch = batch_size x grad_accum x world rows; each epoch is a permutation
 step s of an epoch takes rows perm[s*G:(s+1)*G] (the tail < G rows of an epoch is dropped) and rank r the r-th
 slice of those; so the global batches depend on the global batch size only, not on how it is split.
 --dtype bf16: bf16 compute, fp32 master weights, gradient reduction and optimizer state (FSDP2
-MixedPrecisionPolicy), on CPU as on GPU; --dtype auto (default) takes it on CUDA and AVX512-BF16 CPUs, else fp32; flash-attn 2 on GPU if installed. On 2 cores two ranks are slower than one:
-FSDP on CPU is for correctness.
+MixedPrecisionPolicy), on CPU as on GPU; --dtype auto (default) takes it on CUDA and AVX512-BF16 CPUs, else fp32.
+flash-attn 2 on GPU if installed. On 2 cores two ranks are slower than one: FSDP on CPU is for correctness.
 
 Outputs in --out:
     step_<N>/            a Hugging Face folder (config, safetensors, tokenizer): transformers and vLLM load it as is;

@@ -142,7 +142,7 @@ def test_bf16_step_is_close_to_fp32(single_run, tiny_model, traj_dir, tmp_path):
 
 def test_dtype_auto_takes_bf16_only_where_native():
     """--dtype auto: bf16 on CUDA and on AVX512-BF16 CPUs (emulated bf16 was 25x slower than fp32 on an AVX2 EPYC);
-    an explicit choice is kept, and the run records the resolved one (trainer_state args)."""
+    an explicit choice is kept."""
     assert trainutil.resolve_dtype("auto", torch.device("cuda", 0)) == "bf16"
     native = torch.cpu._is_avx512_bf16_supported()
     assert trainutil.resolve_dtype("auto", torch.device("cpu")) == ("bf16" if native else "fp32")
