@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo ablation balanced test bench clean real real-eval
+.PHONY: setup demo ablation balanced vs-sft test bench clean real real-eval
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements-cpu.txt
@@ -98,6 +98,27 @@ balanced: $(DATA)/traj/train.jsonl
 	$(PY) evaluate.py --combine $(foreach s,$(SEEDS),$(ABL)/s$(s)/eval-sft/results.json $(ABL)/s$(s)/eval-teacher-bal/results.json) \
 	  --data $(DATA) --split test --out $(ABL)/table-balanced; \
 	echo "balanced: $$(( ($$(date +%s) - start) / 60 )) min (this invocation)"
+
+# Step-GRPO against SFT with the best configuration found (README "In short"; ~85 min a seed on 2 cores): for each seed
+# a 48-step SFT, then golden-prefix routing-only Step-GRPO with class-balanced route advantages whose checkpoint is
+# picked on 100 dev questions (<run>/best), both scored routed on the test split; one table. Resumable like the above.
+VS := out/vs-sft
+VS_FLAGS ?= --rollout teacher_prefix --teacher_spans route --balance_kb --batch_questions 16 -n 8 --lr 5e-6 \
+	--train_steps 12 --save_every 6 --keep 3 --eval_questions 100
+vs-sft: SFT_STEPS = 48
+vs-sft: $(DATA)/traj/train.jsonl
+	@set -e; start=$$(date +%s); for s in $(SEEDS); do d=$(VS)/s$$s; \
+	  test -e $$d/sft/final || $(PY) sft.py $(SFT_FLAGS) --seed $$s --out $$d/sft; \
+	  test -e $$d/grpo/final || $(PY) stepgrpo.py --data $(DATA) --micro_batch 2 $(VS_FLAGS) --model $$d/sft/final \
+	    --seed $$s --out $$d/grpo; \
+	  test -f $$d/eval-sft/results.json || $(PY) evaluate.py --model $$d/sft/final --name sft@s$$s --methods routed \
+	    $(EVAL_FLAGS) --out $$d/eval-sft; \
+	  test -f $$d/eval-grpo/results.json || $(PY) evaluate.py --model $$d/grpo/best --name step-grpo@s$$s --methods routed \
+	    $(EVAL_FLAGS) --out $$d/eval-grpo; \
+	done; \
+	$(PY) evaluate.py --combine $(foreach s,$(SEEDS),$(VS)/s$(s)/eval-sft/results.json $(VS)/s$(s)/eval-grpo/results.json) \
+	  --data $(DATA) --split test --out $(VS)/table; \
+	echo "vs-sft: $$(( ($$(date +%s) - start) / 60 )) min (this invocation)"
 
 # Real benchmarks, read in place from SHARED (never copied): HotpotQA, MuSiQue, WikiTableQuestions and R1-Router's
 # question sets in one data folder (text + table KBs, empty image KB), then its indexes.
