@@ -57,6 +57,9 @@ Loss over policy tokens only (prompt, retrieved evidence and template tokens are
   or --log_kl (it costs ~20% of a step on CPU). With --kl_coef 0 a row whose advantages are all 0 (a group whose
   samples all scored the same) has no gradient and is not run at all; the denominators still count it, so the
   update is unchanged (log: "skipped", the fraction of rows).
+  --sft_coef c (extension, InstructGPT's "ptx" term): + c x the mean NLL of the policy tokens of this step's questions'
+  gold trajectories (rollout.GoldPolicy with real retrieval, as SFT trains on), an anchor that holds the SFT
+  behaviour where the groups agree and give no gradient (log: sft_nll, before the update).
 """
 import argparse
 import math
@@ -120,6 +123,7 @@ def get_args(argv=None):
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--clip_eps", type=float, default=0.2)
     ap.add_argument("--kl_coef", type=float, default=0.0)
+    ap.add_argument("--sft_coef", type=float, default=0.0, help="extension: weight of the gold trajectories' NLL in the loss")
     ap.add_argument("--log_kl", action="store_true", help="run the reference to log the KL even when --kl_coef is 0")
     ap.add_argument("--loss_norm", default="token", choices=["token", "sequence"])
     ap.add_argument("--ppo_epochs", type=int, default=1, help="update passes over each batch of rollouts")
@@ -507,6 +511,14 @@ def main(argv=None):
         # ---- rollout (generation + retrieval) and rewards
         t = time.perf_counter()
         seqs, st = make_batch(engine, ret, mine, args, encoder.encode, w, seed=args.seed + 7919 * step + 104729 * rank)
+        anchor = []  # --sft_coef: micro-batches of the gold trajectories (equally many on every rank: len(mine) is)
+        if args.sft_coef:
+            golds, _ = rollout.golden_prefixes(tok, ret, mine, rollout.Settings(max_steps=args.max_steps, topk=args.topk))
+            golds = [dict(ids=x["ids"], mask=x["mask"], old=[0.0] * len(x["ids"]), adv=[0.0] * len(x["ids"])) for x in golds]
+            anchor = [collate(golds[k:k + args.micro_batch], pad_id, device) for k in range(0, len(golds), args.micro_batch)]
+            gold_denom = torch.tensor([float(sum(sum(x["mask"][1:]) for x in golds))], dtype=torch.float64, device=device)
+            dist.all_reduce(gold_denom)
+            gold_denom = gold_denom.clamp(min=1).item() / world
         timing["rollout_s"] = time.perf_counter() - t
         timing["retrieve_s"] = st.pop("retrieve_s")
         engine.sleep()  # GPU: the engine's memory goes to the reference and the update until the sync wakes it
@@ -533,7 +545,7 @@ def main(argv=None):
         timing["reference_s"] = time.perf_counter() - t
         # ---- policy update(s)
         t = time.perf_counter()
-        acc = torch.zeros(6, dtype=torch.float64, device=device)  # [loss, kl sum, clipped, entropy sum, tokens, grad norm]
+        acc = torch.zeros(7, dtype=torch.float64, device=device)  # [loss, kl sum, clipped, entropy sum, tokens, grad norm, sft nll]
         for _ in range(args.ppo_epochs):
             for (ids, attn, pos, sel, old, adv, seq, weight), ref_lp in zip(micro, refs):
                 logp, ent = token_logprobs(model, ids, attn, sel, pos)  # [N] each
@@ -542,6 +554,10 @@ def main(argv=None):
                                               denom, int(seq.max()) + 1 if len(seq) else 1)
                 (loss * weight).backward()
                 acc[:5] += weight * torch.stack([loss.detach(), kl.sum(), clipped.sum(), ent.sum(), torch.tensor(float(len(kl)))]).double()
+            for ids, attn, pos, sel, *_ in anchor:
+                nll = -token_logprobs(model, ids, attn, sel, pos)[0].sum() / gold_denom
+                (args.sft_coef * nll).backward()
+                acc[6] += nll.detach().double()
             acc[5] += trainutil.clip_grad_norm(model, args.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -569,6 +585,7 @@ def main(argv=None):
                    loss=acc[0].item() / args.ppo_epochs, kl=(acc[1] / acc[4].clamp(min=1)).item() if use_ref else None,
                    clip_frac=(acc[2] / acc[4].clamp(min=1)).item(),
                    entropy=(acc[3] / acc[4].clamp(min=1)).item(), grad_norm=acc[5].item() / world / args.ppo_epochs,
+                   sft_nll=acc[6].item() / world / args.ppo_epochs if anchor else None,
                    adv_abs=float(np.mean([abs(a) for s in seqs for a, m in zip(s["adv"], s["mask"]) if m] or [0.0])),
                    **{k: sums[2 * len(keys) + i].item() / world for i, k in enumerate(timing)})
         saving = (args.save_every and step % args.save_every == 0) or step == args.train_steps

@@ -268,6 +268,34 @@ def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(tmp_path, tiny_mod
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before)
 
+def test_sft_anchor_is_the_gold_trajectories_nll(tmp_path, tiny_model_dir, tiny_index):
+    # every advantage of the tiny random policy is 0, so with no KL term and no weight decay --sft_coef's anchor is the
+    # whole update: its logged NLL (2 ranks, one question each) must be the mean policy-token NLL of the step's gold
+    # trajectories under the starting model, computed here directly, and the step must lower it
+    import corpus, retrievers, rollout
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = tmp_path / "run"
+    args = common(tiny_model_dir, tiny_index, out) + ["--train_steps", "1", "--dtype", "fp32", "--sft_coef", "1"]
+    args[args.index("--kl_coef") + 1], args[args.index("--weight_decay") + 1], args[args.index("--lr") + 1] = "0", "0", "1e-3"
+    run(args, nproc=2)
+    questions = corpus.load_questions(tiny_index, "train")
+    perm = torch.randperm(len(questions), generator=torch.Generator().manual_seed(0)).tolist()  # step 0's batch
+    golds, _ = rollout.golden_prefixes(AutoTokenizer.from_pretrained(tiny_model_dir), retrievers.Retriever(tiny_index, "bm25"),
+                                       [questions[i] for i in perm[:2]], rollout.Settings(max_steps=3, topk=3))
+
+    def nll(path):
+        model, total, count = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 0.0, 0
+        with torch.no_grad():
+            for x in golds:
+                ids, mask = torch.tensor(x["ids"]), torch.tensor(x["mask"][1:]).bool()  # [T], [T-1]
+                logp = model(ids[None]).logits[0, :-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0]  # [T-1]
+                total, count = total - logp[mask].sum().item(), count + int(mask.sum())
+        return total / count
+
+    start = nll(tiny_model_dir)
+    assert records(out)[0]["sft_nll"] == pytest.approx(start, rel=1e-5)
+    assert nll(out / "final") < start - 0.01
+
 def test_resume_continues_exactly(tmp_path, tiny_model_dir, tiny_index):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(common(tiny_model_dir, tiny_index, straight) + ["--train_steps", "2"])
