@@ -4,6 +4,7 @@ evaluate.py: score R1-Router trajectories and write the report (results.json, ta
     python evaluate.py --model models/SmolLM2-135M-Instruct --data data/mini --split test     # all methods below
     python evaluate.py --methods routed oracle --n_questions 100 --backend hf --out out/eval/quick
     python evaluate.py --model out/sft/final --methods --probe 8 --n_questions 100    # the route probe alone
+    python evaluate.py --paired out/eval/sft-test/trajectories-routed.jsonl out/eval/grpo-test/trajectories-routed.jsonl
 
 Methods (each on the same retrievers and model): routed (the model routes: R1-Router), no_retrieval, single_rag
 (the question searches every KB once; all evidence in one prompt), iterretgen (step-wise, but every sub-question
@@ -184,6 +185,24 @@ def score(trajs):
     for t in trajs:
         groups[t.get("type") or "unknown"].append(t)
     out["by_type"] = {ty: metrics(groups[ty]) for ty in _type_order(groups)}
+    return out
+
+def paired(base, new, n_boot=10000, seed=0):
+    """Paired bootstrap over questions of new - base, two methods' trajectories of the same questions (by qid): for
+    f1_recall and routing_acc, the difference of the means (x100), the 2.5 and 97.5 percentiles of that difference over
+    n_boot resamples of the questions (a 95% interval), and the fraction of resamples where new is not above base."""
+    import numpy as np
+    a, b = ({t["qid"]: t for t in first_samples(x)} for x in (base, new))
+    if a.keys() != b.keys():
+        raise ValueError(f"paired: the two sets of trajectories hold different questions ({len(a.keys() ^ b.keys())} unmatched)")
+    qids = sorted(a)
+    idx = np.random.default_rng(seed).integers(0, len(qids), size=(n_boot, len(qids)))  # [n_boot, Q]
+    out = {"n": len(qids)}
+    for key, fn in (("f1_recall", lambda t: answer_scores(t)["f1_recall"]), ("routing_acc", routing_accuracy)):
+        d = 100 * np.array([fn(b[q]) - fn(a[q]) for q in qids])  # [Q]
+        boots = d[idx].mean(1)  # [n_boot]
+        out[key] = {"diff": float(d.mean()), "lo": float(np.percentile(boots, 2.5)), "hi": float(np.percentile(boots, 97.5)),
+                    "p_not_above": float((boots <= 0).mean())}
     return out
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -397,7 +416,21 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="report folder (default out/eval/<name>-<split>)")
     ap.add_argument("--combine", nargs="+", default=None, help="merge these results.json files into one report (--out)")
+    ap.add_argument("--paired", nargs=2, default=None, metavar=("BASE", "NEW"),
+                    help="two trajectories-*.jsonl of the same questions: paired bootstrap of NEW - BASE")
     args = ap.parse_args()
+    if args.paired:
+        try:
+            p = paired(*(corpus.read_jsonl(f) for f in args.paired))
+        except KeyError as e:
+            sys.exit(f"error: --paired: a trajectory lacks {e}: give two trajectories-*.jsonl written by evaluate.py")
+        except (corpus.DataError, OSError, ValueError) as e:
+            sys.exit(f"error: --paired: {e}")
+        print(f"{args.paired[1]} - {args.paired[0]}, {p['n']} questions (paired bootstrap, 10000 resamples):")
+        for k in ("f1_recall", "routing_acc"):
+            print(f"  {k}: {p[k]['diff']:+.1f} (95% interval {p[k]['lo']:+.1f} .. {p[k]['hi']:+.1f}; "
+                  f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples)")
+        sys.exit(0)
     if args.combine:
         results = {}
         for f in args.combine:

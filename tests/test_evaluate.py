@@ -256,3 +256,21 @@ def test_route_probe_samples_at_golden_prefixes(tiny_index):
         assert counts[rows.index(g)][cols.index(w)] == 2 * k
     n_dec = sum(gold.values())
     assert p["probe_acc"] == pytest.approx(100 * (n_dec - len(qs)) / n_dec)  # all but the first steps still right
+
+def test_paired_bootstrap_by_hand():
+    # NEW fixes one question of seven (WRONG_ROUTE: F1-Recall 0 -> 1, routing 2/3 -> 1) and equals BASE elsewhere
+    fixed = traj("b", "2hop", ["Suldor"], ["text", "table"], ["text", "table"], "Suldor")
+    new = [fixed if t["qid"] == "b" else t for t in reversed(SET)]  # matched by qid, not by order
+    p = evaluate.paired(SET, new)
+    assert p["n"] == 7
+    assert p["f1_recall"]["diff"] == approx(100 / 7) and p["routing_acc"]["diff"] == approx(100 / 3 / 7)
+    # a resample is not above BASE exactly when it leaves out question b: (6/7)^7 of the time
+    for k in ("f1_recall", "routing_acc"):
+        assert p[k]["lo"] == 0 and p[k]["hi"] > p[k]["diff"]
+        assert p[k]["p_not_above"] == approx((6 / 7) ** 7, abs=0.02)
+    back = evaluate.paired(new, SET)
+    assert back["f1_recall"]["diff"] == approx(-100 / 7) and back["f1_recall"]["p_not_above"] == 1
+    same = evaluate.paired(SET, SET)
+    assert same["routing_acc"] == {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1}
+    with pytest.raises(ValueError, match="different questions"):
+        evaluate.paired(SET, SET[1:])
