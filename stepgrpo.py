@@ -59,7 +59,7 @@ Loss over policy tokens only (prompt, retrieved evidence and template tokens are
   update is unchanged (log: "skipped", the fraction of rows).
   --sft_coef c (extension, InstructGPT's "ptx" term): + c x the mean NLL of the policy tokens of this step's questions'
   gold trajectories (rollout.GoldPolicy with real retrieval, as SFT trains on), an anchor that holds the SFT
-  behaviour where the groups agree and give no gradient (log: sft_nll, before the update).
+  behaviour where the groups agree and give no gradient (log: sft_nll, its mean over the --ppo_epochs passes).
 """
 import argparse
 import math
