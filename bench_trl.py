@@ -11,8 +11,8 @@ Reports seconds per step of each and the ratio ours/TRL (target <= 1.0).
 
 The workload (identical for both): the first --prompts questions of data/mini train, each as the chat-formatted
 R1-Router routing prompt (rollout.start_transcript ids), --group_size samples each at temperature 1, at most
---max_tokens new tokens, stopping at "</ret>" (one routing step, no retrieval). Reward: 0.2 [route parses] +
-reward.route_reward(route, gold step 1) with the MiniLM cosine. lr 1e-6, one update per batch, no KL, clip 0.2,
+--max_tokens new tokens, stopping at "</ret>" (one routing step, no retrieval). Reward: reward.score_route(route,
+gold step 1), i.e. 0.2 [route parses] + route_reward with the MiniLM cosine. lr 1e-6, one update per batch, no KL, clip 0.2,
 grad clip 1.0, token-normalised loss. Each side runs in its own subprocess (`--run ours|trl`, log in --out), so
 neither shares memory or vLLM state with the other; the parent prints the table.
 TRL modes (--trl_mode auto runs vllm; if it fails, says why and runs hf and vllm_patched):
@@ -60,8 +60,7 @@ def workload():
     qs = corpus.load_questions(args.data, "train")[:args.prompts]
     encode = retrievers.Encoder().encode
     def score(q, text):
-        p, g = reward.parse_route(text), (q["steps"][0] if q["steps"] else None)  # no gold step: the gold is "stop"
-        return 0.2 * p.ok + reward.route_reward(p, g and g["sub_question"], g and g["kb"], encode)
+        return reward.score_route(reward.parse_route(text), q["steps"][0] if q["steps"] else None, encode)
     return tok, qs, [rollout.start_transcript(fmt, q["question"]).ids for q in qs], score
 
 def run_ours():

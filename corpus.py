@@ -18,7 +18,7 @@ Run:
     python corpus.py --world mini --out data/mini                 # ~4k documents, 5k questions, a few seconds
     python corpus.py --world mini --out data/big --n_people 5000 --n_train 20000
     python corpus.py --check data/mini                            # validate every file, report path:line errors
-    python corpus.py --import_real ../shared/data --out data/real # the public benchmarks, same layout (0.5 s)
+    python corpus.py --import_real /path/to/data --out data/real # the public benchmarks, same layout (0.5 s)
 
 --import_real reads the read-only benchmarks in place (nothing of them enters the repo) into one data folder:
     kb/text.jsonl    every paragraph of HotpotQA (500 dev, distractor setting) and MuSiQue (200 dev), deduplicated on
@@ -79,16 +79,23 @@ def iter_jsonl(path):
 def read_jsonl(path):
     return [row for _, row in iter_jsonl(path)]
 
-def write_jsonl(path, rows):
+def write_atomic(path, data):
+    """Write str or bytes to a temp file next to `path`, fsync, then os.replace: readers never see half a file.
+    The one file writer of the repo (JSONL, reports, figures, checkpoint pointers)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+def write_jsonl(path, rows):
+    write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 # required keys and their types, per file kind
 SCHEMA = {
@@ -667,7 +674,7 @@ if __name__ == "__main__":
     ap.add_argument("--world", default="mini", choices=["mini"], help="which corpus to build")
     ap.add_argument("--out", default=None, help="output folder (default data/mini, or data/real with --import_real)")
     ap.add_argument("--check", metavar="DIR", help="only validate an existing data folder")
-    ap.add_argument("--import_real", metavar="SRC", help="convert the public benchmarks in SRC (../shared/data) instead")
+    ap.add_argument("--import_real", metavar="SRC", help="convert the public benchmarks in SRC (hotpotqa/, musique/, wikitablequestions/, r1router/) instead")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n_people", type=int, default=1000)
     ap.add_argument("--n_cities", type=int, default=150)

@@ -65,13 +65,13 @@ r1_* splits (released without decompositions, pattern "unknown"), where only the
 """
 import io
 import json
-import os
 import re
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import reward
+import corpus
 from corpus import KBS  # ("text", "table", "image")
 
 STOP, MISSING = "stop", "missing"
@@ -87,53 +87,53 @@ ANSWER_METRICS = {"f1_recall": reward.f1_recall, "em": reward.exact_match, "f1":
 def first_samples(trajs):
     """One trajectory per question, the one with the lowest sample index; question order is kept."""
     best = {}
-    for t in trajs:
-        if t["qid"] not in best or t.get("sample", 0) < best[t["qid"]].get("sample", 0):
-            best[t["qid"]] = t
+    for x in trajs:
+        if x["qid"] not in best or x.get("sample", 0) < best[x["qid"]].get("sample", 0):
+            best[x["qid"]] = x
     return list(best.values())
 
 
-def stopped(t):
-    return bool(t["format_ok"]) and t["final_answer"] is not None
+def stopped(x):
+    return bool(x["format_ok"]) and x["final_answer"] is not None
 
 
-def answer_scores(t):
+def answer_scores(x):
     """The four answer metrics of one trajectory in [0, 1]; a format failure scores 0."""
-    if not t["format_ok"]:
+    if not x["format_ok"]:
         return dict.fromkeys(ANSWER_METRICS, 0.0)
-    return {k: fn(t["final_answer"] or "", t["answers"]) for k, fn in ANSWER_METRICS.items()}
+    return {k: fn(x["final_answer"] or "", x["answers"]) for k, fn in ANSWER_METRICS.items()}
 
 
-def decisions(t):
+def decisions(x):
     """Aligned (gold, predicted) routing decisions for t = 0..max(G, P); gold is None past the gold stop."""
-    gold = [s["kb"] for s in t.get("gold_steps") or []]
-    pred = [s["kb"] for s in t["steps"]]
+    gold = [s["kb"] for s in x.get("gold_steps") or []]
+    pred = [s["kb"] for s in x["steps"]]
     pairs = []
     for i in range(max(len(gold), len(pred)) + 1):
         g = gold[i] if i < len(gold) else STOP if i == len(gold) else None
-        p = pred[i] if i < len(pred) else STOP if i == len(pred) and stopped(t) else MISSING
+        p = pred[i] if i < len(pred) else STOP if i == len(pred) and stopped(x) else MISSING
         pairs.append((g, p))
     return pairs
 
 
-def routing_accuracy(t):
-    pairs = decisions(t)
+def routing_accuracy(x):
+    pairs = decisions(x)
     return sum(g == p for g, p in pairs) / len(pairs)
 
 
-def gold_hits(t):
+def gold_hits(x):
     """One bool per gold step: its gold document is among the documents retrieved at the same position. A gold step
     with no sub-question (HotpotQA's supporting paragraphs: no decomposition, so no order) counts at any position."""
-    steps = t["steps"]
+    steps = x["steps"]
     anywhere = {d for s in steps for d in s["retrieved"]}
     return [s["doc_id"] in anywhere if not s.get("sub_question") else i < len(steps) and s["doc_id"] in steps[i]["retrieved"]
-            for i, s in enumerate(t.get("gold_steps") or [])]
+            for i, s in enumerate(x.get("gold_steps") or [])]
 
 
 def confusion(trajs):
     counts = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS]
-    for t in trajs:
-        for g, p in decisions(t):
+    for x in trajs:
+        for g, p in decisions(x):
             if g in GOLD_LABELS and p in PRED_LABELS:
                 counts[GOLD_LABELS.index(g)][PRED_LABELS.index(p)] += 1
     return {"rows": list(GOLD_LABELS), "cols": list(PRED_LABELS), "counts": counts}
@@ -147,31 +147,31 @@ def _mean(xs):
 def metrics(trajs):
     """Scalar metrics of a non-empty list of trajectories (one per question)."""
     n = len(trajs)
-    answers = [answer_scores(t) for t in trajs]
-    racc = [routing_accuracy(t) for t in trajs]
-    hits = [h for t in trajs for h in gold_hits(t)]
-    by_kb = Counter(s["kb"] for t in trajs for s in t["steps"])
+    answers = [answer_scores(x) for x in trajs]
+    racc = [routing_accuracy(x) for x in trajs]
+    hits = [h for x in trajs for h in gold_hits(x)]
+    by_kb = Counter(s["kb"] for x in trajs for s in x["steps"])
     m = {"n": n}
     m.update({k: 100 * _mean(a[k] for a in answers) for k in ANSWER_METRICS})
-    m["format_fail"] = 100 * _mean(not t["format_ok"] for t in trajs)
+    m["format_fail"] = 100 * _mean(not x["format_ok"] for x in trajs)
     m["routing_acc"] = 100 * _mean(racc)
     # (right, all) for each gold class that occurs
     rows = [(row[i], sum(row)) for i, row in enumerate(confusion(trajs)["counts"]) if sum(row)]
     m["routing_macro"] = 100 * _mean(right / total for right, total in rows) if rows else None
     m["route_exact"] = 100 * _mean(r == 1 for r in racc)
     m["gold_hit"] = 100 * _mean(hits) if hits else None
-    m["retrievals"] = _mean(len(t["steps"]) for t in trajs)
+    m["retrievals"] = _mean(len(x["steps"]) for x in trajs)
     m["retrievals_by_kb"] = {kb: by_kb[kb] / n for kb in KBS}
-    m["reask"] = 100 * _mean(any(reward.re_asks(s["sub_question"], t["steps"][:i]) for i, s in enumerate(t["steps"]))
-                             for t in trajs)
-    m["policy_tokens"] = _mean(t.get("n_policy_tokens", 0) for t in trajs)
+    m["reask"] = 100 * _mean(any(reward.re_asks(s["sub_question"], x["steps"][:i]) for i, s in enumerate(x["steps"]))
+                             for x in trajs)
+    m["policy_tokens"] = _mean(x.get("n_policy_tokens", 0) for x in trajs)
     for k in ("generate", "retrieve"):
-        m[f"time_{k}"] = _mean((t.get("timings") or {}).get(k, 0.0) for t in trajs)
+        m[f"time_{k}"] = _mean((x.get("timings") or {}).get(k, 0.0) for x in trajs)
     return m
 
 
 def _type_order(types):
-    return [t for t in TYPES if t in types] + sorted(t for t in types if t not in TYPES)
+    return [ty for ty in TYPES if ty in types] + sorted(ty for ty in types if ty not in TYPES)
 
 
 def score(trajs):
@@ -182,8 +182,8 @@ def score(trajs):
     out = metrics(trajs)
     out["confusion"] = confusion(trajs)
     groups = defaultdict(list)
-    for t in trajs:
-        groups[t.get("type") or "unknown"].append(t)
+    for x in trajs:
+        groups[x.get("type") or "unknown"].append(x)
     out["by_type"] = {ty: metrics(groups[ty]) for ty in _type_order(groups)}
     return out
 
@@ -192,13 +192,13 @@ def paired(base, new, n_boot=10000, seed=0):
     f1_recall and routing_acc, the difference of the means (x100), the 2.5 and 97.5 percentiles of that difference over
     n_boot resamples of the questions (a 95% interval), and the fraction of resamples where new is not above base."""
     import numpy as np
-    a, b = ({t["qid"]: t for t in first_samples(x)} for x in (base, new))
+    a, b = ({x["qid"]: x for x in first_samples(trajs)} for trajs in (base, new))
     if a.keys() != b.keys():
         raise ValueError(f"paired: the two sets of trajectories hold different questions ({len(a.keys() ^ b.keys())} unmatched)")
     qids = sorted(a)
     idx = np.random.default_rng(seed).integers(0, len(qids), size=(n_boot, len(qids)))  # [n_boot, Q]
     out = {"n": len(qids)}
-    for key, fn in (("f1_recall", lambda t: answer_scores(t)["f1_recall"]), ("routing_acc", routing_accuracy)):
+    for key, fn in (("f1_recall", lambda x: answer_scores(x)["f1_recall"]), ("routing_acc", routing_accuracy)):
         d = 100 * np.array([fn(b[q]) - fn(a[q]) for q in qids])  # [Q]
         boots = d[idx].mean(1)  # [n_boot]
         out[key] = {"diff": float(d.mean()), "lo": float(np.percentile(boots, 2.5)), "hi": float(np.percentile(boots, 97.5)),
@@ -207,20 +207,6 @@ def paired(base, new, n_boot=10000, seed=0):
 
 # ----------------------------------------------------------------------------------------------------------------
 # reporting
-
-
-def _atomic_write(path, data):
-    """Write str or bytes to a temp file next to `path`, fsync, then os.replace: readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _fmt(x, digits=1):
@@ -343,12 +329,12 @@ def write_report(results, out_dir, title="R1-Router evaluation"):
     md = markdown(results, title)
     if any(re.search(r"@s\d+", name) for name in results):  # training seeds: mean +- std first
         md = "\n".join([f"# {title}: mean ± std over training seeds", "", *seed_table(results), "", md])
-    _atomic_write(out / "results.json", json.dumps(results, indent=2, allow_nan=False) + "\n")
-    _atomic_write(out / "table.md", md)
-    _atomic_write(out / "metrics.png", metrics_chart(results, title))
+    corpus.write_atomic(out / "results.json", json.dumps(results, indent=2, allow_nan=False) + "\n")
+    corpus.write_atomic(out / "table.md", md)
+    corpus.write_atomic(out / "metrics.png", metrics_chart(results, title))
     for method, s in results.items():
         if s["retrievals"] > 0:
-            _atomic_write(out / f"routing_confusion_{_slug(method)}.png", confusion_chart(s["confusion"], method, title))
+            corpus.write_atomic(out / f"routing_confusion_{_slug(method)}.png", confusion_chart(s["confusion"], method, title))
     return md
 
 
@@ -394,7 +380,6 @@ if __name__ == "__main__":
     import sys
     import time
 
-    import corpus
     import retrievers
     import rollout
     from corpus import write_jsonl
@@ -449,7 +434,7 @@ if __name__ == "__main__":
     try:
         qs = corpus.load_questions(args.data, args.split)
         qs = qs[:args.n_questions] if args.n_questions else qs
-        ret = retrievers.RemoteRetriever(args.retriever) if args.retriever.startswith("http") else retrievers.Retriever(args.data, args.retriever)
+        ret = retrievers.make_retriever(args.retriever, args.data)
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
     if not (Path(args.model) / "config.json").exists():
@@ -466,8 +451,8 @@ if __name__ == "__main__":
     if args.probe:
         out.mkdir(parents=True, exist_ok=True)
         p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=args.model, split=args.split, questions=len(qs))
-        _atomic_write(out / "route_probe.json", json.dumps(p, indent=2) + "\n")
-        _atomic_write(out / "routing_confusion_probe.png", confusion_chart(p["confusion"], f"route probe ({args.probe} samples a prefix)", name))
+        corpus.write_atomic(out / "route_probe.json", json.dumps(p, indent=2) + "\n")
+        corpus.write_atomic(out / "routing_confusion_probe.png", confusion_chart(p["confusion"], f"route probe ({args.probe} samples a prefix)", name))
         print(f"route probe: {p['probe_acc']:.1f}% of sampled routes take the gold KB; by gold decision: "
               + ", ".join(f"{g} {v:.1f}%" for g, v in p["by_gold"].items() if v is not None) + f"  ({out}/route_probe.json)")
     if results:

@@ -250,6 +250,10 @@ class RemoteRetriever:
             raise RuntimeError(f"retrieval server {self.url} unreachable: {e.reason}") from None
         return [[dict(**item["document"], score=item["score"]) for item in per_q] for per_q in result]
 
+def make_retriever(spec, data_dir):
+    """--retriever: "dense" | "bm25" | "hybrid" over data_dir's indexes, or the URL of a running `retrievers.py serve`."""
+    return RemoteRetriever(spec) if spec.startswith("http") else Retriever(data_dir, spec)
+
 # ----------------------------------------------------------------------------------------------------------------
 # HTTP server (Search-R1 protocol)
 

@@ -346,6 +346,13 @@ def route_reward(pred: Route, gold_sub_question: str | None, gold_kb: str | None
     return 0.5 * cos + 0.5 * float(pred.kb == gold_kb)
 
 
+def score_route(pred: Route, gold_step: dict | None, encode, w_format: float = 0.2) -> float:
+    """A routing step's reward against the gold step there (a corpus step dict; None: the gold stops here):
+    w_format [the step parses] + route_reward. The format term is this repo's extension (0 gives the reference's)."""
+    g = gold_step or {}
+    return w_format * pred.ok + route_reward(pred, g.get("sub_question"), g.get("kb"), encode)
+
+
 def answer_reward(pred_answer: str, golds: list[str]) -> float:
     """F1-Recall R, gated (ans_accuracy_reward):
 
@@ -382,6 +389,6 @@ def retrieval_hit_reward(retrieved_ids, gold_doc_id) -> float:
 
 def re_asks(sub_question: str | None, earlier_steps) -> bool:
     """Whether a sub-question repeats one of earlier_steps' ({"sub_question": ...} dicts; case and outer spaces
-    ignored). stepgrpo.py's --w_repeat penalty and evaluate.py's re-ask rate."""
+    ignored). evaluate.py's and stepgrpo.py's re-ask rate."""
     key = lambda q: (q or "").strip().lower()
     return key(sub_question) in {key(s["sub_question"]) for s in earlier_steps}

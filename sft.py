@@ -4,7 +4,7 @@ sft.py: supervised fine-tuning on golden step trajectories (synth.py), FSDP2, on
     python sft.py --model models/SmolLM2-135M-Instruct --data data/mini/traj --out out/sft
     torchrun --standalone --nproc_per_node 2 sft.py --model models/SmolLM2-135M-Instruct --data data/mini/traj --out out/sft
     python sft.py ... --out out/sft --resume            # continue from <out>/latest: same data order, same LR schedule
-    python sft.py ... --max_steps 5 --eval_every 0 --save_every 0 --wandb_mode disabled        # a quick smoke run
+    python sft.py ... --train_steps 5 --eval_every 0 --save_every 0 --wandb_mode disabled      # a quick smoke run
 
 Data: <data>/train.jsonl and <data>/dev.jsonl, one trajectory a row with `ids` (a whole chat transcript, tokenised
 with the model's tokenizer) and `mask` (1 where the policy wrote the token). The loss is next-token cross-entropy
@@ -62,27 +62,25 @@ def get_args(argv=None):
     ap.add_argument("--dev_split", default="dev", help="<data>/<split>.jsonl for the dev loss")
     ap.add_argument("--out", default="out/sft")
     ap.add_argument("--batch_size", type=int, default=1, help="rows per micro-batch per rank (raise it on GPU)")
-    ap.add_argument("--grad_accum", type=int, default=16, help="micro-batches per optimizer step")
+    ap.add_argument("--grad_accum", type=int, default=8, help="micro-batches per optimizer step")
     ap.add_argument("--max_len", type=int, default=2048, help="truncate transcripts to this many tokens")
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--max_steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
+    ap.add_argument("--train_steps", type=int, default=48, help="optimizer steps (48 x 8 rows: ~1 epoch of the mini-world)")
     ap.add_argument("--optim", default="adamw", choices=["adamw", "sgd"])
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--weight_decay", type=float, default=0.0)
-    ap.add_argument("--warmup_steps", type=int, default=10)
+    ap.add_argument("--warmup_steps", type=int, default=2)
     ap.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decays the LR to lr * this")
     ap.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
     ap.add_argument("--activation_checkpointing", action="store_true")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32); "
                          "auto: bf16 on CUDA and AVX512-BF16 CPUs, else fp32")
-    ap.add_argument("--eval_every", type=int, default=50, help="dev loss every N steps and at the end (0: never)")
-    ap.add_argument("--eval_rows", type=int, default=256, help="evaluate on the first N dev rows (0: all)")
-    ap.add_argument("--save_every", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
+    ap.add_argument("--eval_every", type=int, default=24, help="dev loss every N steps and at the end (0: never)")
+    ap.add_argument("--eval_rows", type=int, default=128, help="evaluate on the first N dev rows (0: all)")
+    ap.add_argument("--save_every", type=int, default=12, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--keep", type=int, default=2, help="keep the newest N step_* checkpoints (0: all)")
     ap.add_argument("--resume", action="store_true", help="continue from <out>/latest")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--wandb_project", default="r1router-nano")
     ap.add_argument("--wandb_mode", default=os.environ.get("WANDB_MODE", "offline"), choices=["online", "offline", "disabled"])
     return ap.parse_args(argv)
 
@@ -153,6 +151,32 @@ def evaluate(model, rows, args, rank, world, pad_id, device):
     model.train()
     return (tot[0] / tot[1]).item()
 
+def train_step(model, opt, rows, lr, args, pad_id, device):
+    """One optimizer step; `rows` is this rank's share of the global batch, in grad_accum micro-batches. The loss is
+    the global mean over every rank's label tokens. Returns the log record's numbers."""
+    world = dist.get_world_size()
+    micro = [collate(rows[a * args.batch_size:(a + 1) * args.batch_size], pad_id, device)
+             for a in range(args.grad_accum)]  # [(ids [B, T], labels [B, T])]
+    t0 = time.perf_counter()
+    counts = torch.tensor([sum((lab[:, 1:] != -100).sum().item() for _, lab in micro), sum(len(ids) for ids, _ in rows)],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(counts)  # [loss tokens, all tokens] of the global batch
+    n_loss = counts[0].clamp(min=1)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss_acc = torch.zeros((), device=device)
+    for ids, labels in micro:
+        s, _ = loss_sum(model, ids, labels)
+        (s * world / n_loss).backward()  # FSDP averages gradients over ranks: * world makes it a global sum
+        loss_acc += s.detach()
+    gnorm = trainutil.clip_grad_norm(model, args.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_acc)
+    dt = time.perf_counter() - t0
+    return dict(loss=(loss_acc / n_loss).item(), lr=lr, grad_norm=gnorm, loss_tokens=int(counts[0]), tokens=int(counts[1]),
+                loss_tok_s=counts[0].item() / dt, tok_s=counts[1].item() / dt, step_s=dt)
+
 #### main
 
 def main(argv=None):
@@ -175,7 +199,7 @@ def main(argv=None):
     steps_per_epoch = len(train) // G
     if steps_per_epoch == 0:
         sys.exit(f"error: {args.data}/{{{','.join(args.train_splits)}}}.jsonl have {len(train)} rows, fewer than one global batch ({G})")
-    total = args.max_steps or args.epochs * steps_per_epoch
+    total = args.train_steps
     own_group = trainutil.init_group(world)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -197,11 +221,8 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     print0(f"{n_params / 1e6:.1f}M parameters, world {world} ({device.type}, {args.dtype}), {len(train)} train rows, "
            f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world}, {steps_per_epoch} steps/epoch, {total} steps")
-    record = trainutil.Log(out, rank, step, args.resume, args.wandb_project, args.wandb_mode, vars(args))
-    bar = None
-    if rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=total, initial=step, desc="sft", dynamic_ncols=True)
+    record = trainutil.Log(out, rank, step, args.resume, args.wandb_mode, vars(args))
+    bar = trainutil.progress(rank, total, step, "sft")
 
     #### training loop
     perm, perm_epoch = None, -1
@@ -212,34 +233,13 @@ def main(argv=None):
             perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
             perm_epoch = epoch
         mine = perm[pos * G:(pos + 1) * G][rank * G // world:(rank + 1) * G // world]  # this rank's rows
-        micro = [collate([train[i] for i in mine[a * args.batch_size:(a + 1) * args.batch_size]], pad_id, device)
-                 for a in range(args.grad_accum)]  # [(ids [B, T], labels [B, T])]
-        t0 = time.perf_counter()
-        counts = torch.tensor([sum((lab[:, 1:] != -100).sum().item() for _, lab in micro),
-                               sum(len(train[i][0]) for i in mine)], dtype=torch.float64, device=device)
-        dist.all_reduce(counts)  # [loss tokens, all tokens] of the global batch
-        n_loss = counts[0].clamp(min=1)
-        lr = lr_at(step, args, total)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss_acc = torch.zeros((), device=device)
-        for ids, labels in micro:
-            s, _ = loss_sum(model, ids, labels)
-            (s * world / n_loss).backward()  # FSDP averages gradients over ranks: * world makes it a global sum
-            loss_acc += s.detach()
-        gnorm = trainutil.clip_grad_norm(model, args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_acc)
+        r = dict(step=step + 1, epoch=epoch, **train_step(model, opt, [train[i] for i in mine], lr_at(step, args, total),
+                                                          args, pad_id, device))
         step += 1
-        dt = time.perf_counter() - t0
-        r = dict(step=step, epoch=epoch, loss=(loss_acc / n_loss).item(), lr=lr, grad_norm=gnorm,
-                 loss_tokens=int(counts[0]), tokens=int(counts[1]), loss_tok_s=counts[0].item() / dt,
-                 tok_s=counts[1].item() / dt, step_s=dt)
         record(r)
         if rank == 0:
             bar.update(1)
-            bar.set_postfix(loss=f"{r['loss']:.4f}", lr=f"{lr:.2e}", gnorm=f"{gnorm:.2f}", tok_s=f"{r['tok_s']:.0f}")
+            bar.set_postfix(loss=f"{r['loss']:.4f}", lr=f"{r['lr']:.2e}", gnorm=f"{r['grad_norm']:.2f}", tok_s=f"{r['tok_s']:.0f}")
         if args.eval_every and (step % args.eval_every == 0 or step == total):
             ev = evaluate(model, dev, args, rank, world, pad_id, device)
             record(dict(step=step, eval_loss=ev))

@@ -11,7 +11,7 @@ Three sources, one output format (one JSONL row per question: the rollout.py tra
 
     python synth.py --data data/mini --out data/mini/traj                               # gold, train + dev splits
     python synth.py --data data/mini --out data/mini/traj_teacher --teacher out/sft/final -n 4
-    python synth.py --r1router ../shared/data/r1router/stepgrpo_valid_119.jsonl --out data/r1router/traj
+    python synth.py --r1router /path/to/data/r1router/stepgrpo_valid_119.jsonl --out data/r1router/traj
     python synth.py --export_r1router data/mini/traj/train.jsonl --out data/mini/r1router_train.jsonl
 """
 import argparse
@@ -163,7 +163,7 @@ if __name__ == "__main__":
             print(f"imported {len(trajs)} R1-Router trajectories ({sum(x['format_ok'] for x in trajs)} well-formed) -> {args.out}/train.jsonl")
             sys.exit(0)
         import retrievers
-        ret = retrievers.RemoteRetriever(args.retriever) if args.retriever.startswith("http") else retrievers.Retriever(args.data, args.retriever)
+        ret = retrievers.make_retriever(args.retriever, args.data)
         engine = rollout.make_engine(args.backend, args.teacher, seed=args.seed) if args.teacher else None
         for split in args.splits:
             qs = corpus.load_questions(args.data, split)

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import corpus
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def env_rank():
@@ -119,12 +121,6 @@ def selected_logits(model, ids, sel, attn=None, pos=None):
     finally:
         hook.remove()
 
-def write_atomic(path, text):
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
 def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=None):
     """Gather the full state (all ranks take part), then rank 0 writes step_<N>/ via a temp folder + rename, and
     removes all but the newest `keep` step folders and `protect` (a folder name, e.g. the best one's).
@@ -149,7 +145,7 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
-        write_atomic(out / "latest", f"step_{step}\n")
+        corpus.write_atomic(out / "latest", f"step_{step}\n")
         for p in sorted(out.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-keep]:
             if p.name != protect:
                 shutil.rmtree(p)
@@ -168,6 +164,18 @@ def load_trainer_state(model, opt, ckpt, args, print0):
     print0(f"resuming from {ckpt} at step {state['step']}" + (f"; changed args (old, new): {changed}" if changed else ""))
     return state
 
+def full_state_dict(model):
+    """The whole model's state dict, gathered from the FSDP2 shards onto every rank (for the engine's weight sync)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+def progress(rank, total, initial, desc):
+    """A tqdm bar on rank 0 (None elsewhere)."""
+    if rank != 0:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+
 def link_step(out, step, name):
     """<out>/<name> -> step_<step>, atomically (final, best)."""
     link, tmp = Path(out) / name, Path(out) / f".{name}.tmp"
@@ -177,14 +185,14 @@ def link_step(out, step, name):
 
 class Log:
     """log.jsonl + wandb (offline unless told otherwise), on rank 0 only; on resume keeps records up to `step`."""
-    def __init__(self, out, rank, step, resume, project, mode, config):
+    def __init__(self, out, rank, step, resume, mode, config, project="r1router-nano"):
         self.f, self.run = None, None
         if rank != 0:
             return
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         old = [json.loads(l) for l in open(out / "log.jsonl")] if resume and (out / "log.jsonl").exists() else []
-        write_atomic(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in old if r["step"] <= step))
+        corpus.write_atomic(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in old if r["step"] <= step))
         self.f = open(out / "log.jsonl", "a")
         if mode != "disabled":
             import wandb

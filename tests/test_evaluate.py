@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import corpus
 import evaluate
 from evaluate import (
     confusion, decisions, first_samples, gold_hits, markdown, routing_accuracy, score, write_report,
@@ -205,7 +206,7 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 
     def broken_replace(src, dst):
         raise OSError("disk full")
-    monkeypatch.setattr(evaluate.os, "replace", broken_replace)
+    monkeypatch.setattr(corpus.os, "replace", broken_replace)  # the one atomic writer
     with pytest.raises(OSError, match="disk full"):
         write_report({"other": score(SET[:2])}, tmp_path, title="second")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # old files intact, no temp file left

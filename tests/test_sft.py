@@ -97,7 +97,7 @@ def test_loss_is_cross_entropy_on_exactly_the_policy_tokens(tiny_model, traj_dir
 
 #### one step by hand, and 2 ranks equal to 1 process
 
-SGD = ["--optim", "sgd", "--lr", "0.5", "--grad_clip", "1.0", "--max_steps", "2", "--save_every", "1", "--eval_every", "2"]
+SGD = ["--optim", "sgd", "--lr", "0.5", "--grad_clip", "1.0", "--train_steps", "2", "--save_every", "1", "--eval_every", "2"]
 
 @pytest.fixture(scope="module")
 def single_run(tiny_model, traj_dir, tmp_path_factory):
@@ -132,7 +132,7 @@ def test_bf16_step_is_close_to_fp32(single_run, tiny_model, traj_dir, tmp_path):
     but not equal to it, so the bf16 path really ran; the checkpoint stays fp32 (master weights)."""
     out = tmp_path / "bf16"
     sft.main(["--model", str(tiny_model), "--data", str(traj_dir), "--out", str(out), "--grad_accum", "4", *FAST, *SGD,
-              "--max_steps", "1", "--dtype", "bf16"])
+              "--train_steps", "1", "--dtype", "bf16"])
     a, b = read_log(single_run)[0], read_log(out)[0]
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-2) and b["loss"] != a["loss"]
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
@@ -176,7 +176,7 @@ def test_resume_continues_exactly(tiny_model, traj_dir, tmp_path):
     (what a crash right after step 3 leaves): mid-epoch (4 steps of 8 of the 32 rows per epoch), so the rest of
     epoch 0 and the new permutation of epoch 1 are both crossed. Data order, LR, optimizer moments and log continue
     exactly (bitwise)."""
-    args = ["--model", str(tiny_model), "--data", str(traj_dir), "--grad_accum", "4", "--max_steps", "6",
+    args = ["--model", str(tiny_model), "--data", str(traj_dir), "--grad_accum", "4", "--train_steps", "6",
             "--save_every", "3", "--eval_every", "0", "--activation_checkpointing", *FAST, "--warmup_steps", "2", "--dtype", "bf16"]
     a, b = tmp_path / "a", tmp_path / "b"
     sft.main([*args, "--out", str(a)])

@@ -1,12 +1,15 @@
-"""stepgrpo.py: per-step advantages on hand-made rewards, the loss against a direct computation, masking, and (in
-test_stepgrpo_dist.py) 2-rank torchrun runs with vLLM sync and exact resume."""
+"""stepgrpo.py: per-step advantages on hand-made rewards, the loss against a direct computation, masking, and
+2-rank torchrun runs with vLLM sync, exact resume and dev-picked checkpoints."""
+import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import reward
 import stepgrpo
@@ -40,12 +43,9 @@ def test_balance_kb_weighs_each_gold_route_class_equally():
     n = dict(text=4, stop=2, table=1, image=1)  # 8 route steps, 4 classes
     assert f == pytest.approx({c: 8 / (4 * k) for c, k in n.items()})
     assert sum(f[c] * k for c, k in n.items()) == pytest.approx(8)  # the total weight is unchanged
-    half = stepgrpo.kb_balance(qs, max_steps=3, power=0.5)
-    assert half == pytest.approx({c: (8 / (4 * k)) ** 0.5 for c, k in n.items()})  # text 0.71, table/image 1.41
-    # the flag: bare is power 1 (the commands of earlier runs), a number is the power, absent is off
+    # the flag: on by default (the recipe), --no-balance_kb turns it off
     base = ["--model", "m", "--data", "d"]
-    assert [stepgrpo.get_args(base + a).balance_kb for a in ([], ["--balance_kb"], ["--balance_kb", "0.5"],
-                                                              ["--balance_kb", "--lr", "1e-5"])] == [0.0, 1.0, 0.5, 1.0]
+    assert [stepgrpo.get_args(base + a).balance_kb for a in ([], ["--no-balance_kb"])] == [True, False]
     # group_advantages scales only the per-step part of the keys given, never the outcome part
     spans = [[sp("route", 0), sp("answer", 0), sp("final", 0)]] * 2
     rewards, outcomes = [[1.0, 1.0, 0.2], [0.0, 0.0, 0.2]], [1.0, 0.0]
@@ -75,13 +75,12 @@ def traj(steps, spans, final, ok=True):
                 format_ok=ok)
 
 def test_span_rewards_follow_the_formulas():
-    w = stepgrpo.Weights(format=0.2, route=1.0, hit=0.5, answer=1.0)
+    w = stepgrpo.Weights(format=0.2, hit=0.5)
     enc = BowEncoder()
     x = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria"),
               dict(sub_question="Who founded Y?", kb="image", retrieved=["d9"], answer="someone")],
              [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("final", 2)], "Ly Normi")
     r, outcome = stepgrpo.span_rewards(x, enc, w)
-    r0 = list(r)
     assert r[0] == pytest.approx(0.2 + 1.0 + 0.5)            # same sub-question, same KB, gold doc retrieved
     assert r[1] == pytest.approx(0.2 + 1.0)                  # intermediate answer right
     assert r[2] == pytest.approx(0.2 + 0.5)                  # right sub-question, wrong KB, gold doc missed
@@ -95,43 +94,6 @@ def test_span_rewards_follow_the_formulas():
     assert r[2] == pytest.approx(0.2 + cos) and outcome == 0.0   # a stop where the gold retrieves: no KB credit
     bad = traj([], [("route", 0)], None, ok=False)
     assert stepgrpo.span_rewards(bad, enc, w) == ([0.0], 0.0)
-    # --w_repeat: a route step that re-asks an earlier sub-question (case and outer spaces aside) loses w_repeat
-    reask = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria"),
-                  dict(sub_question=" which country is X in? ", kb="table", retrieved=["d1"], answer="Uldoria")],
-                 [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("final", 2)], "Ly Normi")
-    plain = stepgrpo.span_rewards(reask, enc, w)[0]
-    w.repeat = 0.3
-    assert np.allclose(np.subtract(plain, stepgrpo.span_rewards(reask, enc, w)[0]), [0, 0, 0.3, 0, 0, 0])
-    assert stepgrpo.span_rewards(x, enc, w)[0] == pytest.approx(r0)  # no re-ask: unchanged
-
-def test_split_credit_separates_the_sub_question_from_the_kb_choice():
-    from transformers import AutoTokenizer
-    import rollout
-    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
-    w = stepgrpo.Weights(format=0.2, route=1.0, hit=0.0, answer=1.0)
-    route = tok.encode(reward.format_route("A figure: the table retriever.", "Which country is X in?", "table") + "<|im_end|>")
-    answer = tok.encode("<think>t</think>\n<answer>Uldoria</answer><|im_end|>")
-    x = traj([dict(sub_question="Which country is X in?", kb="table", retrieved=["d9"], answer="Uldoria")], [], "Uldoria")
-    x["ids"] = [7, 7] + route + [7] + answer
-    x["spans"] = [dict(kind="route", step=0, start=2, end=2 + len(route)),
-                  dict(kind="answer", step=0, start=3 + len(route), end=3 + len(route) + len(answer))]
-    r, _ = stepgrpo.span_rewards(x, BowEncoder(), w)
-    spans, rs = stepgrpo.split_route_spans(x, r, w, tok)
-    assert [s["kind"] for s in spans] == ["route_q", "route_kb", "answer"]
-    q, kb = spans[0], spans[1]
-    assert kb["start"] == 2 and kb["end"] == q["start"] and q["end"] == kb["also"][0] and kb["also"][1] == 2 + len(route)
-    dec = lambda lo, hi: tok.decode(x["ids"][lo:hi])
-    assert dec(q["start"], q["end"]).strip() == "<sub-question>Which country is X in?</sub-question>"
-    assert "table retriever" in dec(kb["start"], kb["end"]) and "<ret>Table Retriever</ret>" in dec(*kb["also"])
-    assert rs[1] == pytest.approx(0.2) and rs[0] == pytest.approx(r[0] - 0.2) == pytest.approx(0.5)  # wrong KB
-    x["steps"][0]["kb"] = "text"
-    right = stepgrpo.split_route_spans(x, stepgrpo.span_rewards(x, BowEncoder(), w)[0], w, tok)[1]
-    assert right[:2] == pytest.approx([0.5, 0.2 + 0.5]) and right[2] == pytest.approx(0.2 + 1.0)
-    # two samples differing only in the KB: the advantage lands on both ranges of route_kb, none on the sub-question
-    adv = stepgrpo.group_advantages([spans, spans], [right, rs], [0.0, 0.0])[0]
-    tok_adv = stepgrpo.token_advantages(len(x["ids"]), spans, adv)
-    assert all(v > 0 for v in tok_adv[kb["start"]:kb["end"]] + tok_adv[kb["also"][0]:kb["also"][1]])
-    assert all(v == 0 for v in tok_adv[q["start"]:q["end"]] + tok_adv[:2] + tok_adv[kb["also"][1]:])
 
 def test_loss_matches_a_direct_computation():
     torch.manual_seed(0)
@@ -221,13 +183,6 @@ def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
 
 #### end to end: 2-rank torchrun with vLLM sync, and exact resume (subprocesses, the real command line)
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-from safetensors.torch import load_file
-
 ROOT = Path(__file__).resolve().parents[1]
 
 def run(args, nproc=1):
@@ -240,15 +195,17 @@ def common(model, data, out):
     # the tiny random policy cannot write the step format, so every reward and advantage is 0: weight decay and the
     # KL term (once the policy has moved away from the reference) are what change the weights here
     return ["--model", str(model), "--data", str(data), "--out", str(out), "--batch_questions", "2", "-n", "2",
-            "--route_tokens", "8", "--answer_tokens", "8", "--retriever", "bm25", "--lr", "1e-2", "--weight_decay", "0.1",
+            "--retriever", "bm25", "--eval_questions", "0", "--lr", "1e-2", "--weight_decay", "0.1",
             "--kl_coef", "0.1", "--wandb_mode", "disabled", "--save_every", "1"]
 
 def records(out):
     return [json.loads(l) for l in open(Path(out) / "log.jsonl")]
 
-def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_index):
+@pytest.mark.parametrize("mode", ["teacher_prefix", "onpolicy"])
+def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_index, mode):
     out = tmp_path / "run"
-    run(common(tiny_model_dir, tiny_index, out) + ["--train_steps", "2", "--check_sync", "--dtype", "fp32"], nproc=2)
+    run(common(tiny_model_dir, tiny_index, out) + ["--rollout", mode, "--train_steps", "2", "--check_sync", "--dtype", "fp32"],
+        nproc=2)
     recs = records(out)
     assert [r["step"] for r in recs] == [1, 2]
     assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # the engine scores exactly like the trainer after each sync
@@ -268,34 +225,6 @@ def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(tmp_path, tiny_mod
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before)
 
-def test_sft_anchor_is_the_gold_trajectories_nll(tmp_path, tiny_model_dir, tiny_index):
-    # every advantage of the tiny random policy is 0, so with no KL term and no weight decay --sft_coef's anchor is the
-    # whole update: its logged NLL (2 ranks, one question each) must be the mean policy-token NLL of the step's gold
-    # trajectories under the starting model, computed here directly, and the step must lower it
-    import corpus, retrievers, rollout
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    out = tmp_path / "run"
-    args = common(tiny_model_dir, tiny_index, out) + ["--train_steps", "1", "--dtype", "fp32", "--sft_coef", "1"]
-    args[args.index("--kl_coef") + 1], args[args.index("--weight_decay") + 1], args[args.index("--lr") + 1] = "0", "0", "1e-3"
-    run(args, nproc=2)
-    questions = corpus.load_questions(tiny_index, "train")
-    perm = torch.randperm(len(questions), generator=torch.Generator().manual_seed(0)).tolist()  # step 0's batch
-    golds, _ = rollout.golden_prefixes(AutoTokenizer.from_pretrained(tiny_model_dir), retrievers.Retriever(tiny_index, "bm25"),
-                                       [questions[i] for i in perm[:2]], rollout.Settings(max_steps=3, topk=3))
-
-    def nll(path):
-        model, total, count = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 0.0, 0
-        with torch.no_grad():
-            for x in golds:
-                ids, mask = torch.tensor(x["ids"]), torch.tensor(x["mask"][1:]).bool()  # [T], [T-1]
-                logp = model(ids[None]).logits[0, :-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0]  # [T-1]
-                total, count = total - logp[mask].sum().item(), count + int(mask.sum())
-        return total / count
-
-    start = nll(tiny_model_dir)
-    assert records(out)[0]["sft_nll"] == pytest.approx(start, rel=1e-5)
-    assert nll(out / "final") < start - 0.01
-
 def test_resume_continues_exactly(tmp_path, tiny_model_dir, tiny_index):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(common(tiny_model_dir, tiny_index, straight) + ["--train_steps", "2"])
@@ -308,28 +237,7 @@ def test_resume_continues_exactly(tmp_path, tiny_model_dir, tiny_index):
     for key in ("loss", "kl", "entropy", "tokens", "grad_norm"):
         assert ra[1][key] == pytest.approx(rb[1][key], rel=1e-6, abs=1e-9), key
 
-def test_teacher_prefix_packed_update_equals_unpacked(tmp_path, tiny_model_dir, tiny_index):
-    # the paper's per-step groups, through FSDP, the real rollouts and the KL term: sharing each group's prompt in one
-    # packed row (--share_prefix, the default) must train exactly like one row per completion
-    outs = {}
-    for flag in ("--share_prefix", "--no-share_prefix"):
-        outs[flag] = tmp_path / flag
-        run(common(tiny_model_dir, tiny_index, outs[flag]) + ["--rollout", "teacher_prefix", "--train_steps", "2",
-                                                              "--dtype", "fp32", "--micro_batch", "64", flag])
-    ra, rb = records(outs["--share_prefix"]), records(outs["--no-share_prefix"])
-    assert ra[1]["kl"] > 0 and ra[1]["tokens"] == rb[1]["tokens"]
-    for key in ("loss", "kl", "entropy", "grad_norm"):
-        assert ra[1][key] == pytest.approx(rb[1][key], rel=1e-4), key
-    # step 1 moves the weights by weight decay alone; step 2's update (KL gradients through the packed rows) must match.
-    # Not element-wise: Adam turns float noise in near-zero gradients into steps of up to lr
-    w1 = load_file(outs["--share_prefix"] / "step_1" / "model.safetensors")
-    da, db = (torch.cat([(load_file(outs[f] / "final" / "model.safetensors")[k] - w1[k]).flatten() for k in w1])
-              for f in ("--share_prefix", "--no-share_prefix"))
-    assert (da - db).norm() < 0.01 * da.norm() and da.norm() > 0.1
-
-def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
-    # GoldPolicy as the engine writes the gold step at every golden prefix: one group per span kept, each completion
-    # parses and routes to the gold KB with the full route reward, so every advantage is 0
+def teacher_setup(tiny_index, spans="route"):
     from argparse import Namespace
 
     from transformers import AutoTokenizer
@@ -339,15 +247,21 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
     import rollout
     tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
     qs = corpus.load_questions(tiny_index, "train")[:6]
-    ret, gold = retrievers.Retriever(tiny_index, "bm25"), rollout.GoldPolicy(tok, qs)
-    _, prefixes = rollout.golden_prefixes(tok, ret, qs)
-    n_route = sum(sp["kind"] == "route" for _, sp, _ in prefixes)
-    for spans, share in (("all", True), ("route", True), ("route", False)):
-        args = Namespace(max_steps=3, topk=3, route_tokens=64, answer_tokens=48, temperature=1.0, group_size=2,
-                         teacher_spans=spans, share_prefix=share, w_outcome=1.0, prefixes="gold")
-        seqs, st = stepgrpo.teacher_prefix_batch(gold, ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)
+    ret = retrievers.Retriever(tiny_index, "bm25")
+    args = Namespace(max_steps=3, topk=3, temperature=1.0, group_size=2, teacher_spans=spans)
+    return tok, qs, ret, args, rollout.golden_prefixes(tok, ret, qs)[1]
+
+def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
+    # GoldPolicy as the engine writes the gold step at every golden prefix: one packed group per span kept, each
+    # completion parses and routes to the gold KB with the full route reward, so every advantage is 0
+    import rollout
+    for spans in ("all", "route"):
+        tok, qs, ret, args, prefixes = teacher_setup(tiny_index, spans)
+        n_route = sum(sp["kind"] == "route" for _, sp, _ in prefixes)
+        seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode,
+                                                 stepgrpo.Weights(), seed=0)
         groups = len(prefixes) if spans == "all" else n_route
-        assert len(seqs) == groups * (1 if share else 2) and sum(s.get("n_seq", 1) for s in seqs) == 2 * groups
+        assert len(seqs) == groups and sum(s["n_seq"] for s in seqs) == 2 * groups
         assert st["kb_acc"] == [1.0] * 2 * n_route and st["route_r"] == pytest.approx([1.2] * 2 * n_route)
         # one per sampled retrieval (every route prefix but each question's stop): the gold never re-asks
         assert st["reask"] == [0.0] * (2 * n_route - 2 * len(qs))
@@ -356,15 +270,9 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
         completions = [tok.decode([t for t, m in zip(s["ids"], s["mask"]) if m]) for s in seqs]
         assert (spans == "route") == all("</ret>" in c and "<answer>" not in c for c in completions)
 
-def test_teacher_prefix_penalises_re_asking_a_gold_prefix_sub_question(tiny_index, encoder):
-    # an engine that, past the first step, re-asks the previous gold sub-question: with --w_repeat 0.5 exactly those
-    # route completions lose 0.5, the first step's do not
-    from argparse import Namespace
-
-    from transformers import AutoTokenizer
-
-    import corpus
-    import retrievers
+def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, encoder):
+    # an engine that, past the first step, re-asks the previous gold sub-question: exactly those route completions are
+    # logged as re-asks and score below the gold's 1.2 (wrong sub-question and KB for this step)
     import rollout
 
     class Reasker(rollout.GoldPolicy):
@@ -373,98 +281,18 @@ def test_teacher_prefix_penalises_re_asking_a_gold_prefix_sub_question(tiny_inde
                 g = q["steps"][n_routes - 1]
                 return reward.format_route(self.WHY[g["kb"]], g["sub_question"], g["kb"])
             return super().step_text(q, n_routes, n_answers, phase, stopped)
-    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
-    qs = corpus.load_questions(tiny_index, "train")[:6]
-    ret = retrievers.Retriever(tiny_index, "bm25")
-    _, prefixes = rollout.golden_prefixes(tok, ret, qs)
+    tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
+    st = stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)[1]
     later = [sp["step"] > 0 for _, sp, _ in prefixes if sp["kind"] == "route" for _ in range(2)]
-    args = Namespace(max_steps=3, topk=3, route_tokens=64, answer_tokens=48, temperature=1.0, group_size=2,
-                     teacher_spans="route", share_prefix=True, w_outcome=1.0, prefixes="gold")
-    st = [stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(repeat=c), seed=0)[1]
-          for c in (0.0, 0.5)]
-    r = [s["route_r"] for s in st]
     assert any(later) and not all(later)
-    assert np.allclose(np.subtract(r[0], r[1]), [0.5 * f for f in later])
-    # logged whether penalised or not, one per sampled retrieval (a question with no gold step stops at step 0)
+    assert [r < 1.2 - 1e-6 for r in st["route_r"]] == later
+    # one per sampled retrieval (a question with no gold step stops at step 0)
     asked = [float(sp["step"] > 0) for x, sp, _ in prefixes if sp["kind"] == "route" and (sp["step"] or x["gold_steps"])
              for _ in range(2)]
-    assert st[0]["reask"] == st[1]["reask"] == asked and 0 < sum(asked) < len(asked)
-
-def test_next_gold_step_is_the_first_gold_document_not_yet_retrieved():
-    gold = [dict(doc_id="a"), dict(doc_id="b")]
-    step = lambda *ids: dict(retrieved=list(ids))
-    assert stepgrpo.next_gold_step(gold, []) == 0
-    assert stepgrpo.next_gold_step(gold, [step("x", "a")]) == 1
-    assert stepgrpo.next_gold_step(gold, [step("x")]) == 0  # a miss (wrong KB, bad sub-question): ask it again
-    assert stepgrpo.next_gold_step(gold, [step("b")]) == 0  # a skipped step is still the target
-    assert stepgrpo.next_gold_step(gold, [step("a"), step("b", "c")]) is None  # all in the context: stop
-    assert stepgrpo.next_gold_step(gold, [step("a", "b")]) is None
-    assert stepgrpo.next_gold_step([], []) is None
-
-def policy_prefix_setup(tiny_index):
-    from argparse import Namespace
-
-    from transformers import AutoTokenizer
-
-    import corpus
-    import retrievers
-    import rollout
-    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
-    qs = corpus.load_questions(tiny_index, "train")[:8]
-    args = Namespace(max_steps=3, topk=3, route_tokens=64, answer_tokens=48, temperature=1.0, group_size=2,
-                     teacher_spans="route", share_prefix=True, w_outcome=1.0, prefixes="policy")
-    return tok, qs, retrievers.Retriever(tiny_index, "dense"), args
-
-def test_policy_prefixes_of_the_gold_policy_are_its_golden_prefixes(tiny_index, encoder):
-    # the gold policy's own greedy trajectory is the golden one: the same route prompts, and since every gold step
-    # retrieves its document the targets are the gold steps, so every sample scores the full route reward
-    import rollout
-    tok, qs, ret, args = policy_prefix_setup(tiny_index)
-    gold = rollout.GoldPolicy(tok, qs)
-    _, own = stepgrpo.policy_prefixes(gold, ret, qs, args)
-    golds, prefixes = rollout.golden_prefixes(tok, ret, qs)
-    assert all(g["doc_id"] in st["retrieved"] for x in golds for g, st in zip(x["gold_steps"], x["steps"]))
-    assert [p for _, sp, p in prefixes if sp["kind"] == "route"] == [p for _, _, p in own]
-    seqs, st = stepgrpo.teacher_prefix_batch(gold, ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)
-    assert len(seqs) == len(own) and st["route_r"] == pytest.approx([1.2] * 2 * len(own))
-    assert st["retrievals"] == [len(x["gold_steps"]) for x in golds]
-
-def test_policy_prefixes_target_stop_after_a_re_ask_of_a_one_hop_question(tiny_index, encoder):
-    # a policy that re-asks its first sub-question at step 1 and then asks gold step 1 (a 1-hop question: gold step 0
-    # a third time): on its own prefixes the target at steps 1 and 2 is gold step 1, or stop for a 1-hop question
-    import reward
-    import rollout
-
-    class Reasker(rollout.GoldPolicy):
-        def step_text(self, q, n_routes, n_answers, phase, stopped):
-            g = q["steps"][min(n_routes, len(q["steps"])) - 1] if q["steps"] else None  # the step last asked
-            if phase == "route" and n_routes in (1, 2) and g:
-                return reward.format_route(self.WHY[g["kb"]], g["sub_question"], g["kb"])
-            if phase == "answer" and n_answers < n_routes and not stopped:
-                return reward.format_answer("From the evidence.", g["answer"])
-            return super().step_text(q, n_routes, n_answers, phase, stopped)
-    tok, qs, ret, args = policy_prefix_setup(tiny_index)
-    engine = Reasker(tok, qs)
-    _, own = stepgrpo.policy_prefixes(engine, ret, qs, args)
-    expected = []  # [KB written == target KB] per sample, by hand
-    for q in qs:
-        g = q["steps"]
-        if not g:  # stops at once: the target is stop
-            expected += [1.0] * 2
-            continue
-        target1 = g[1]["kb"] if len(g) > 1 else None
-        expected += [1.0] * 2 + [float(g[0]["kb"] == target1)] * 2 + [float(g[1]["kb"] == target1 if len(g) > 1 else 0)] * 2
-    assert len(own) == sum(3 if q["steps"] else 1 for q in qs)
-    assert any(len(q["steps"]) == 1 for q in qs) and any(len(q["steps"]) > 1 for q in qs)
-    st = stepgrpo.teacher_prefix_batch(engine, ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)[1]
-    assert st["kb_acc"] == expected
-    # the re-ask at step 1 is logged against the policy's own earlier steps
-    assert st["reask"] == [f for q in qs if q["steps"] for f in [0.0] * 2 + [1.0] * 2 + [float(len(q["steps"]) == 1)] * 2]
+    assert st["reask"] == asked and 0 < sum(asked) < len(asked)
 
 def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
-    for extra, flag in ((["--prefixes", "policy"], "--prefixes"),
-                        (["--rollout", "teacher_prefix", "--prefixes", "policy"], "--prefixes"),
-                        (["--balance_kb", "-1"], "--balance_kb")):
+    for extra, flag in ((["--reward", "outcome"], "--reward"), (["-n", "1"], "-n")):
         r = subprocess.run([sys.executable, "stepgrpo.py", "--data", str(tmp_path), *extra], capture_output=True, text=True)
         last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback
         assert r.returncode != 0 and last.startswith("error: ") and flag in last, r.stderr
@@ -472,8 +300,7 @@ def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
 def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(tmp_path, tiny_model_dir, tiny_index):
     plain, evald = tmp_path / "plain", tmp_path / "eval"
     run(common(tiny_model_dir, tiny_index, plain) + ["--train_steps", "3"])
-    r = run(common(tiny_model_dir, tiny_index, evald) + ["--train_steps", "3", "--keep", "1", "--eval_questions", "3",
-                                                         "--eval_split", "test"])
+    r = run(common(tiny_model_dir, tiny_index, evald) + ["--train_steps", "3", "--keep", "1", "--eval_questions", "3"])
     a, b = load_file(plain / "final" / "model.safetensors"), load_file(evald / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the greedy dev rollouts do not disturb training
     recs = records(evald)
@@ -484,4 +311,4 @@ def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(tmp_pa
     assert (evald / "best").resolve().name == f"step_{best}" and (evald / "best" / "model.safetensors").exists()
     # --keep 1 keeps the newest checkpoint and the best one only
     assert sorted(p.name for p in evald.glob("step_*")) == sorted({f"step_{best}", "step_3"})
-    assert f"best on test (f1_routing): step {best}" in r.stdout
+    assert f"best on dev (mean of F1-Recall and routing accuracy): step {best}" in r.stdout
