@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test bench bench-trl vs-sft real real-eval clean
+.PHONY: setup demo test test-gpu bench bench-memory bench-trl vs-sft real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -34,7 +34,7 @@ $(DATA)/traj/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
 # The main job: the recipe (sft.py and stepgrpo.py defaults) at CPU budgets, end to end on the embedded mini-world:
 # mini-world -> indexes -> golden trajectories -> SFT -> Step-GRPO -> prompt-only, SFT and Step-GRPO on the test split,
 # and the paired interval of Step-GRPO - SFT. Each stage is a file target: re-running skips what is done.
-SFT_STEPS ?= 40
+SFT_STEPS ?= 36
 SFT_ACCUM ?= 4
 GRPO_STEPS ?= 3
 GRPO_QUESTIONS ?= 8
@@ -62,9 +62,21 @@ demo: $(OUT)/eval/prompt-only/results.json $(OUT)/eval/sft/results.json $(OUT)/e
 test: .venv/.stamp $(MODEL)/config.json
 	$(PY) -m pytest -q
 
+# On a GPU machine, in an environment with requirements-gpu.txt: the GPU tests (the CPU suite skips them)
+GPU_PY ?= python
+test-gpu:
+	test -f $(MODEL)/config.json || $(GPU_PY) rollout.py prepare --model $(MODEL)
+	$(GPU_PY) -m pytest -q -rs tests/test_gpu.py
+
 bench: $(DATA)/index/meta.json $(MODEL)/config.json
 	$(PY) retrievers.py bench --data $(DATA) --methods dense bm25 hybrid
 	$(PY) rollout.py bench --model $(MODEL) --data $(DATA) --n_questions 32 -n 4
+
+# Peak memory of each Step-GRPO phase (rollout, update, sync, checkpoint) per rank: 2 gloo ranks, 2 steps from the main
+# job's SFT checkpoint; the closing line prints it (on GPUs, the same stepgrpo.py command under torchrun there)
+bench-memory: $(OUT)/sft/final/config.json
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 stepgrpo.py --model $(OUT)/sft/final --data $(DATA) \
+		--train_steps 2 --batch_questions 4 --eval_questions 0 --save_every 1 --keep 1 --out out/bench-memory
 
 # The recipe at full budget against SFT, per seed, on the whole test split (README "Results"; ~2.3 h a seed here).
 SEEDS ?= 1 2 3

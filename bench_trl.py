@@ -66,7 +66,6 @@ def workload():
 def run_ours():
     import numpy as np
     import torch
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     import rollout, stepgrpo, trainutil
     tok, qs, prompts, score = workload()
     trainutil.init_group(1)  # FSDP2 world of one, before the engine (as stepgrpo.py)
@@ -89,13 +88,13 @@ def run_ours():
         for i in range(0, N, M):
             ids, attn, _, sel, old, a, seq = stepgrpo.collate(seqs[i:i + M], pad, torch.device("cpu"))  # unpacked, as TRL
             logp, _ = stepgrpo.token_logprobs(model, ids, attn, sel)
-            loss, _, _ = stepgrpo.grpo_loss(logp, old, logp.detach(), a, seq, 0.2, 0.0, "token", denom, len(ids))
+            loss, _, _ = stepgrpo.grpo_loss(logp, old, logp.detach(), a, seq, 0.2, 0.0, "token", denom)
             loss.backward()
         trainutil.clip_grad_norm(model, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        engine.sync_weights(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+        engine.sync_weights(trainutil.full_params(model))
         t4 = time.perf_counter()
         rec.append(dict(total=t4 - t0, generate=t1 - t0, reward=t2 - t1, update=t3 - t2, sync=t4 - t3, tokens=denom,
                         reward_mean=float(np.mean(r))))

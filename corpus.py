@@ -20,25 +20,7 @@ Run:
     python corpus.py --check data/mini                            # validate every file, report path:line errors
     python corpus.py --import_real /path/to/data --out data/real # the public benchmarks, same layout (0.5 s)
 
---import_real reads the read-only benchmarks in place (nothing of them enters the repo) into one data folder:
-    kb/text.jsonl    every paragraph of HotpotQA (500 dev, distractor setting) and MuSiQue (200 dev), deduplicated on
-                     (title, text); id "text-" + 12 hex digits of sha1(title, text), stable across runs and sources
-    kb/table.jsonl   every WikiTableQuestions table that pristine-unseen-tables.tsv cites, id "wtq-203-733" for
-                     csv/203-csv/733.csv; only the first 30 rows are kept (the text says how many were cut); the data
-                     has no page titles, so the title is "Wikipedia table 203-733"
-    kb/image.jsonl   empty: there is no image corpus
-    questions/hotpotqa.jsonl       all 500; no decomposition, so one step per supporting paragraph, kb text, with an
-                                   empty sub_question and answer (evaluate.py counts such unordered steps as hit when
-                                   any retrieval step finds them)
-    questions/musique_train.jsonl, musique.jsonl    the first / last half; steps from question_decomposition with
-                                   "#k" replaced by step k's answer; type musique-<N>hop
-    questions/wtq_train.jsonl, wtq.jsonl            300 + 300 questions drawn with seed 0, disjoint; one table step;
-                                   a |-separated target is one answer, its values joined with ", "
-    questions/r1_2wiki.jsonl, r1_openwikitqa.jsonl, r1_tabfact.jsonl   the first 500 of R1-Router's released 2WikiMQA,
-                                   Open-WikiTable and TabFact sets: questions and answers only, steps [] (pattern
-                                   "unknown": their gold route is not known, so only the answer metrics mean anything)
-Not imported: R1-Router's WebQA, InfoSeek and Dyn-VQA sets (their images are not here), and the 2WikiMQA, Open-WikiTable
-and TabFact corpora (not released with the question sets), so r1_* questions are answered from the KBs above at best.
+Outline: file I/O and schema checks -> the mini-world (entities, KBs, questions) -> --check -> --import_real.
 """
 import argparse
 import csv
@@ -576,6 +558,25 @@ def _wtq_table(src, rel):
     t["text"] = linearise(t) + (f" ; ... ({cut} more rows not shown)" if cut > 0 else "")
     return t
 
+# --import_real reads the read-only benchmarks in place (nothing of them enters the repo) into one data folder:
+#     kb/text.jsonl    every paragraph of HotpotQA (500 dev, distractor setting) and MuSiQue (200 dev), deduplicated on
+#                      (title, text); id "text-" + 12 hex digits of sha1(title, text), stable across runs and sources
+#     kb/table.jsonl   every WikiTableQuestions table that pristine-unseen-tables.tsv cites, id "wtq-203-733" for
+#                      csv/203-csv/733.csv; only the first 30 rows are kept (the text says how many were cut); the data
+#                      has no page titles, so the title is "Wikipedia table 203-733"
+#     kb/image.jsonl   empty: there is no image corpus
+#     questions/hotpotqa.jsonl       all 500; no decomposition, so one step per supporting paragraph, kb text, with an
+#                                    empty sub_question and answer (evaluate.py counts such unordered steps as hit when
+#                                    any retrieval step finds them)
+#     questions/musique_train.jsonl, musique.jsonl    the first / last half; steps from question_decomposition with
+#                                    "#k" replaced by step k's answer; type musique-<N>hop
+#     questions/wtq_train.jsonl, wtq.jsonl            300 + 300 questions drawn with seed 0, disjoint; one table step;
+#                                    a |-separated target is one answer, its values joined with ", "
+#     questions/r1_2wiki.jsonl, r1_openwikitqa.jsonl, r1_tabfact.jsonl   the first 500 of R1-Router's released 2WikiMQA,
+#                                    Open-WikiTable and TabFact sets: questions and answers only, steps [] (pattern
+#                                    "unknown": their gold route is not known, so only the answer metrics mean anything)
+# Not imported: R1-Router's WebQA, InfoSeek and Dyn-VQA sets (their images are not here), and the 2WikiMQA, Open-WikiTable
+# and TabFact corpora (not released with the question sets), so r1_* questions are answered from the KBs above at best.
 def import_real(src, out):
     """Build one data folder from HotpotQA, MuSiQue, WikiTableQuestions and the R1-Router question sets in `src`."""
     src, out = Path(src), Path(out)

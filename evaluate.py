@@ -24,44 +24,8 @@ format_ok, error, n_policy_tokens, timings, ...). Use it from Python:
 
     .venv/bin/python -m pytest tests/test_evaluate.py -q                  # the tests (~2 s)
 
-Metrics of score(trajs), for one method. With several samples per question only the lowest sample index (sample 0)
-counts. All rates are percentages (x100), as the paper reports F1-Recall:
-  f1_recall, em, f1, acc  R1-Router's F1-Recall and the HotpotQA EM / F1 / Acc of reward.py, max over gold + aliases.
-                          A trajectory with format_ok False scores 0 on all four (its final answer counts as "").
-  format_fail             % of trajectories with format_ok False
-  retrievals              retrieval calls per question, len(steps); retrievals_by_kb: the same split by KB
-  reask                   % of questions with a retrieval step whose sub-question repeats an earlier step's
-                          (reward.re_asks: case and outer spaces ignored), e.g. a 1-hop question asked twice
-  routing_acc             routing accuracy (below), averaged over questions
-  routing_macro           balanced routing accuracy: the mean over gold decisions (text, table, image, stop; those that
-                          occur) of the % of them decided right, from the confusion matrix (below). routing_acc
-                          weighs the classes by frequency (text and stop are ~75% of the mini-world's decisions);
-                          this counts each class once, which is what --balance_kb in stepgrpo.py optimises
-  route_exact             % of questions with routing accuracy 1: the KB sequence equals the gold one and the model
-                          stopped right after it
-  gold_hit                % of gold steps t whose gold doc_id is in steps[t].retrieved (positions aligned, so a
-                          comparison whose two lookups come in swapped order misses both); None without gold steps.
-                          A gold step with an empty sub_question (data/real's HotpotQA: supporting paragraphs with
-                          no order) counts when any step retrieved its doc_id
-  policy_tokens           mean n_policy_tokens; time_generate, time_retrieve: mean seconds per question
-  confusion               routing confusion matrix (below), counts
-  by_type                 the metrics above (without confusion) per question type
-
-Routing accuracy. A trajectory makes a sequence of routing decisions: the KB of each retrieval step, then the stop.
-It stopped when format_ok is True and it has a final answer (it wrote <ret>None</ret> and answered; a final answer
-forced by rollout.py after --max_steps retrievals counts as a stop too). With
-G = len(gold_steps) and P = len(steps):
-  - for each t < max(G, P), step t is correct when gold_steps[t] and steps[t] both exist and have the same kb;
-  - the stop is one more correct decision when the model stopped and P == G;
-  - routing_acc = correct decisions / (max(G, P) + 1).
-So a no-retrieval question answered without retrieving scores 1, one that retrieves once 0/2; gold text>table
-answered with text>text then stop scores 2/3, with text then stop 1/3, with text>table then a format failure 2/3.
-Confusion matrix: one entry per gold decision t = 0..G. The gold label is gold_steps[t].kb, or "stop" at t = G; the
-predicted label is steps[t].kb for t < P, "stop" at t = P when the model stopped, else "missing" (a format failure,
-or the trajectory had already ended). Retrievals after the gold stop (t > G) have no gold decision, so they are not
-in the matrix (routing_acc and retrievals count them).
-Without gold steps the gold route is "stop at once": right for no-retrieval questions, meaningless for data/real's
-r1_* splits (released without decompositions, pattern "unknown"), where only the answer metrics count.
+Outline: metrics (score, with their definitions in metrics() and decisions()) -> paired bootstrap -> report
+(tables, charts) -> methods and the route probe -> main.
 """
 import io
 import json
@@ -105,7 +69,24 @@ def answer_scores(x):
 
 
 def decisions(x):
-    """Aligned (gold, predicted) routing decisions for t = 0..max(G, P); gold is None past the gold stop."""
+    """Aligned (gold, predicted) routing decisions for t = 0..max(G, P); gold is None past the gold stop.
+
+    Routing accuracy. A trajectory makes a sequence of routing decisions: the KB of each retrieval step, then the stop.
+    It stopped when format_ok is True and it has a final answer (it wrote <ret>None</ret> and answered; a final answer
+    forced by rollout.py after --max_steps retrievals counts as a stop too). With
+    G = len(gold_steps) and P = len(steps):
+      - for each t < max(G, P), step t is correct when gold_steps[t] and steps[t] both exist and have the same kb;
+      - the stop is one more correct decision when the model stopped and P == G;
+      - routing_acc = correct decisions / (max(G, P) + 1).
+    So a no-retrieval question answered without retrieving scores 1, one that retrieves once 0/2; gold text>table
+    answered with text>text then stop scores 2/3, with text then stop 1/3, with text>table then a format failure 2/3.
+    Confusion matrix: one entry per gold decision t = 0..G. The gold label is gold_steps[t].kb, or "stop" at t = G; the
+    predicted label is steps[t].kb for t < P, "stop" at t = P when the model stopped, else "missing" (a format failure,
+    or the trajectory had already ended). Retrievals after the gold stop (t > G) have no gold decision, so they are not
+    in the matrix (routing_acc and retrievals count them).
+    Without gold steps the gold route is "stop at once": right for no-retrieval questions, meaningless for data/real's
+    r1_* splits (released without decompositions, pattern "unknown"), where only the answer metrics count.
+    """
     gold = [s["kb"] for s in x.get("gold_steps") or []]
     pred = [s["kb"] for s in x["steps"]]
     pairs = []
@@ -145,7 +126,31 @@ def _mean(xs):
 
 
 def metrics(trajs):
-    """Scalar metrics of a non-empty list of trajectories (one per question)."""
+    """Scalar metrics of a non-empty list of trajectories (one per question).
+
+    Metrics of score(trajs), for one method. With several samples per question only the lowest sample index (sample 0)
+    counts. All rates are percentages (x100), as the paper reports F1-Recall:
+      f1_recall, em, f1, acc  R1-Router's F1-Recall and the HotpotQA EM / F1 / Acc of reward.py, max over gold + aliases.
+                              A trajectory with format_ok False scores 0 on all four (its final answer counts as "").
+      format_fail             % of trajectories with format_ok False
+      retrievals              retrieval calls per question, len(steps); retrievals_by_kb: the same split by KB
+      reask                   % of questions with a retrieval step whose sub-question repeats an earlier step's
+                              (reward.re_asks: case and outer spaces ignored), e.g. a 1-hop question asked twice
+      routing_acc             routing accuracy (below), averaged over questions
+      routing_macro           balanced routing accuracy: the mean over gold decisions (text, table, image, stop; those that
+                              occur) of the % of them decided right, from the confusion matrix (below). routing_acc
+                              weighs the classes by frequency (text and stop are ~75% of the mini-world's decisions);
+                              this counts each class once, which is what --balance_kb in stepgrpo.py optimises
+      route_exact             % of questions with routing accuracy 1: the KB sequence equals the gold one and the model
+                              stopped right after it
+      gold_hit                % of gold steps t whose gold doc_id is in steps[t].retrieved (positions aligned, so a
+                              comparison whose two lookups come in swapped order misses both); None without gold steps.
+                              A gold step with an empty sub_question (data/real's HotpotQA: supporting paragraphs with
+                              no order) counts when any step retrieved its doc_id
+      policy_tokens           mean n_policy_tokens; time_generate, time_retrieve: mean seconds per question
+      confusion               routing confusion matrix (below), counts
+      by_type                 the metrics above (without confusion) per question type
+    """
     n = len(trajs)
     answers = [answer_scores(x) for x in trajs]
     racc = [routing_accuracy(x) for x in trajs]

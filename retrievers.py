@@ -111,9 +111,21 @@ def faiss_index(emb):
     index.add(np.ascontiguousarray(emb, dtype=np.float32))
     return index
 
+_GPU_RESOURCES = []  # faiss-gpu: one StandardGpuResources per process, shared by every index
+
 def to_gpu(index):
+    """faiss-gpu: a copy of the index on this process's GPU (torch's current device, LOCAL_RANK under torchrun), all
+    indexes sharing one StandardGpuResources with 64 MiB of scratch memory. Its default reserves ~1.5 GiB per GPU per
+    instance, and index_cpu_to_all_gpus makes one per GPU per call: 8 ranks x 3 KBs took ~36 GiB of every GPU before
+    vLLM started. CPU faiss (or no CUDA): the index unchanged."""
     import faiss
-    return faiss.index_cpu_to_all_gpus(index) if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0 else index
+    if not (hasattr(faiss, "StandardGpuResources") and torch.cuda.is_available() and faiss.get_num_gpus() > 0):
+        return index
+    if not _GPU_RESOURCES:
+        res = faiss.StandardGpuResources()
+        res.setTempMemory(64 << 20)
+        _GPU_RESOURCES.append(res)
+    return faiss.index_cpu_to_gpu(_GPU_RESOURCES[0], torch.cuda.current_device(), index)
 
 def import_bm25s():
     """bm25s with its numpy backend: when numba is importable bm25s loads it, and numba's llvmlite objects crash the

@@ -43,10 +43,11 @@ Step rewards (R1-Router Step-GRPO, see route_reward / answer_reward):
   answer_reward = R         if there is one gold with more than 5 words
                   [R == 1]  otherwise (short gold, or several golds)
                   where R = f1_recall(pred, golds)
-  format_reward = [the step parses]
+  score_route   = w_format [the step parses] + route_reward (this repo's
+                  format term: --w_format in stepgrpo.py, 0 gives R1-Router's)
   retrieval_hit_reward = [the gold doc id is among the retrieved ids]
-  re_asks       whether a sub-question repeats an earlier step's (stepgrpo.py's
-                --w_repeat penalty, evaluate.py's re-ask rate)
+  re_asks       whether a sub-question repeats an earlier step's (the re-ask
+                rate of evaluate.py and stepgrpo.py's log)
 """
 
 import re
@@ -369,16 +370,6 @@ def answer_reward(pred_answer: str, golds: list[str]) -> float:
     if len(golds) == 1 and len(golds[0].split(" ")) > 5:
         return recall
     return 1.0 if recall == 1 else 0.0
-
-
-def format_reward(text: str, kind: str) -> float:
-    """1.0 if `text` parses as a `kind` ("route" or "answer") step, else 0.0.
-
-    Not part of the reference reward (there a malformed step already scores 0); offered
-    for logging and as an optional shaping term.
-    """
-    parse = {"route": parse_route, "answer": parse_answer}[kind]
-    return float(parse(text).ok)
 
 
 def retrieval_hit_reward(retrieved_ids, gold_doc_id) -> float:

@@ -132,8 +132,13 @@ class Batched:
 
 class VLLMEngine:
     """vLLM, in-process (no engine subprocess: fast to start, and weights can be swapped in place)."""
-    def __init__(self, model, max_model_len=4096, dtype="auto", seed=0, gpu_memory_utilization=0.5):
+    GPU_FRACTION = 0.5  # of each GPU, for the engine's weights and KV cache (the trainer's shards and Adam get the rest)
+
+    def __init__(self, model, max_model_len=4096, dtype="auto", seed=0, gpu_memory_utilization=GPU_FRACTION):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # the V1 model runner on CUDA too (vLLM 0.32 defaults to V2 there): the CPU runner the tests run subclasses V1,
+        # so a GPU run takes the code paths (sampling logprobs, prompt logprobs, reload_weights) that were tested
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         on_cpu = not torch.cuda.is_available()
         if on_cpu:  # KV cache size in GiB; bind OMP threads to all cores (the default binds one: ~30% slower)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # 100 trajectories x 800 tokens of SmolLM2 KV ~ 3.7 GiB
@@ -201,15 +206,28 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self.asleep = True
 
-    def sync_weights(self, state_dict):
-        """Load new weights into the running engine (no restart) and drop KV blocks computed with the old ones."""
+    def sync_weights(self, weights):
+        """Load new weights into the running engine (no restart). `weights`: a state dict, or (name, tensor) pairs
+        consumed one at a time (trainutil.full_params gathers each parameter from the FSDP shards only when asked),
+        so beyond the engine's own copy at most one full parameter exists at once. Asleep (GPU): wake the weights,
+        load, free the trainer's cached blocks, then wake the KV cache (TRL's and verl's order). Finally drop KV
+        blocks computed with the old weights."""
         if self.asleep:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=["weights"])
+        dtype = getattr(torch, self.dtype)
+        tied = getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
+
+        def stream():
+            for name, t in weights.items() if isinstance(weights, dict) else weights:
+                t = t.to(dtype)  # the engine's dtype: a bf16 copy on GPU, half the fp32 master's size
+                yield name, t
+                if tied and name == "model.embed_tokens.weight":  # vLLM's lm_head needs its own copy
+                    yield "lm_head.weight", t
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=stream()))
+        if self.asleep:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        sd = dict(state_dict)
-        if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:  # tied embeddings: vLLM needs lm_head too
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=list(sd.items())))
         self.llm.reset_prefix_cache()
 
     def close(self):
@@ -252,8 +270,8 @@ class HFEngine(Batched):
     def sleep(self):
         pass  # no sleep mode: the HF engine keeps its weights where they are
 
-    def sync_weights(self, state_dict):
-        self.model.load_state_dict(state_dict, strict=False)
+    def sync_weights(self, weights):
+        self.model.load_state_dict(dict(weights), strict=False)
 
     def close(self):
         pass

@@ -1,5 +1,5 @@
 """
-sft.py: supervised fine-tuning on golden step trajectories (synth.py), FSDP2, one file, CPU or GPU.
+sft.py: supervised fine-tuning on golden step trajectories (synth.py), FSDP2, CPU or GPU. Defaults are the recipe.
 
     python sft.py --model models/SmolLM2-135M-Instruct --data data/mini/traj --out out/sft
     torchrun --standalone --nproc_per_node 2 sft.py --model models/SmolLM2-135M-Instruct --data data/mini/traj --out out/sft
@@ -8,32 +8,15 @@ sft.py: supervised fine-tuning on golden step trajectories (synth.py), FSDP2, on
 
 Data: <data>/train.jsonl and <data>/dev.jsonl, one trajectory a row with `ids` (a whole chat transcript, tokenised
 with the model's tokenizer) and `mask` (1 where the policy wrote the token). The loss is next-token cross-entropy
-on the policy's tokens only: the target at position t counts iff mask[t] == 1. It is summed over the GLOBAL batch
-(every rank, every micro-batch of one optimizer step) and divided by the global count of such tokens, so any
-world size x grad_accum split of the same global batch gives the same gradient (up to float reduction order).
+on the policy's tokens only, summed over the GLOBAL batch (every rank, every micro-batch of one optimizer step) and
+divided by the global count of such tokens, so any world size x grad_accum split of the same global batch gives the
+same gradient (tests/test_sft.py: 2 ranks equal 1 process). Global batch G = batch_size x grad_accum x world rows;
+each epoch is a permutation seeded by seed + epoch, global step s of an epoch takes rows perm[s*G:(s+1)*G] and rank
+r the r-th slice of those. A single process is an FSDP2 world of one, so it runs the multi-rank code paths.
 
-Same code with or without torchrun: a single process is an FSDP2 world of one (a gloo/nccl group over an in-memory
-store), so the sharding, mixed precision, state-dict and clipping paths are the ones a multi-rank run takes.
-Global batch = batch_size x grad_accum x world rows; each epoch is a permutation seeded by seed + epoch; global
-step s of an epoch takes rows perm[s*G:(s+1)*G] (the tail < G rows of an epoch is dropped) and rank r the r-th
-slice of those; so the global batches depend on the global batch size only, not on how it is split.
---dtype bf16: bf16 compute, fp32 master weights, gradient reduction and optimizer state (FSDP2
-MixedPrecisionPolicy), on CPU as on GPU; --dtype auto (default) takes it on CUDA and AVX512-BF16 CPUs, else fp32.
-flash-attn 2 on GPU if installed. On 2 cores two ranks are slower than one: FSDP on CPU is for correctness.
-
-Outputs in --out:
-    step_<N>/            a Hugging Face folder (config, safetensors, tokenizer): transformers and vLLM load it as is;
-                         + trainer_state.pt (full optimizer state, step, epoch, position, RNG, args) for --resume
-    latest               text file naming the newest checkpoint folder ("step_<N>"), replaced atomically
-    final -> step_<N>    symlink to the checkpoint written at the end of training: `--model out/sft/final`
-    log.jsonl            one record per step (loss, lr, grad_norm, tokens/s) and per evaluation (eval_loss)
---keep N newest step_* folders are kept (0: all); SmolLM2 takes 0.54 GB of weights + 1.1 GB of optimizer state each.
-
-Equivalence (tests/test_sft.py, tiny model): 2 gloo ranks vs 1 process on the same global batches, max weight
-difference ~1e-8 after SGD steps at lr 0.5 (--optim sgd, plain SGD: unlike Adam it shows a wrong gradient scale),
-~3e-8 after 2 AdamW steps at lr 1e-3. That needs the float64 grad norm below: torch's fp32 clip_grad_norm_ alone
-differed by 1.6e-5 relative between the two. Speed (SmolLM2-135M, fp32, 2 cores, ~800-token transcripts):
-~130 tokens/s (~35 policy tokens/s) with --batch_size 1 at 6 GB RSS; --batch_size 4 is no faster and needs 13 GB.
+Outputs in --out (trainutil.py): step_<N>/ (an HF folder transformers and vLLM load, + trainer_state.pt for
+--resume), latest, final -> step_<N>, log.jsonl (loss, lr, grad_norm, tokens/s per step; eval_loss).
+Outline: arguments -> data (validated rows, masked loss) -> checkpoints -> dev loss -> one step -> main.
 """
 import argparse
 import math
@@ -79,7 +62,9 @@ def get_args(argv=None):
     ap.add_argument("--eval_rows", type=int, default=128, help="evaluate on the first N dev rows (0: all)")
     ap.add_argument("--save_every", type=int, default=12, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--keep", type=int, default=2, help="keep the newest N step_* checkpoints (0: all)")
-    ap.add_argument("--resume", action="store_true", help="continue from <out>/latest")
+    ap.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
+                    help="continue from <out>/latest; auto: if there is one, else start (a restarted job)")
+    ap.add_argument("--timeout", type=float, default=30, help="minutes a collective may wait (checkpoints at 7B)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wandb_mode", default=os.environ.get("WANDB_MODE", "offline"), choices=["online", "offline", "disabled"])
     return ap.parse_args(argv)
@@ -187,7 +172,7 @@ def main(argv=None):
 
     # ---- inputs (every rank checks, so every rank exits on bad input before any collective)
     out = Path(args.out)
-    start = trainutil.resolve_start(args.model, out, args.resume)
+    start, resuming = trainutil.resolve_start(args.model, out, args.resume)
     try:
         config = AutoConfig.from_pretrained(start)
         train = [r for sp in args.train_splits for r in load_rows(Path(args.data) / f"{sp}.jsonl", args.max_len, config.vocab_size)]
@@ -200,7 +185,7 @@ def main(argv=None):
     if steps_per_epoch == 0:
         sys.exit(f"error: {args.data}/{{{','.join(args.train_splits)}}}.jsonl have {len(train)} rows, fewer than one global batch ({G})")
     total = args.train_steps
-    own_group = trainutil.init_group(world)
+    own_group = trainutil.init_group(world, args.timeout)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
@@ -213,7 +198,7 @@ def main(argv=None):
     else:
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     step = 0
-    if args.resume:  # weights came from the checkpoint folder; now the optimizer, the step and the RNG
+    if resuming:  # weights came from the checkpoint folder; now the optimizer, the step and the RNG
         state = trainutil.load_trainer_state(model, opt, start, args, print0)
         step = state["step"]
         if state["args"]["seed"] != args.seed or state["global_batch"] != G:
@@ -221,12 +206,12 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     print0(f"{n_params / 1e6:.1f}M parameters, world {world} ({device.type}, {args.dtype}), {len(train)} train rows, "
            f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world}, {steps_per_epoch} steps/epoch, {total} steps")
-    record = trainutil.Log(out, rank, step, args.resume, args.wandb_mode, vars(args))
+    record = trainutil.Log(out, rank, step, resuming, args.wandb_mode, vars(args))
     bar = trainutil.progress(rank, total, step, "sft")
 
     #### training loop
     perm, perm_epoch = None, -1
-    saved_at = step if args.resume else -1
+    saved_at = step if resuming else -1
     while step < total:
         epoch, pos = divmod(step, steps_per_epoch)
         if epoch != perm_epoch:  # the epoch's order depends on seed + epoch only: resuming mid-epoch rebuilds it

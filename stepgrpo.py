@@ -48,7 +48,8 @@ def get_args(argv=None):
     ap.add_argument("--data", default="data/mini", help="corpus.py folder: questions, KBs and indexes")
     ap.add_argument("--split", nargs="+", default=["train"], help="question splits trained on, mixed")
     ap.add_argument("--out", default="out/stepgrpo")
-    ap.add_argument("--resume", action="store_true", help="continue from <out>/latest")
+    ap.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
+                    help="continue from <out>/latest; auto: if there is one, else start (a restarted job)")
     # rollouts and rewards
     ap.add_argument("--rollout", default="teacher_prefix", choices=["teacher_prefix", "onpolicy"],
                     help="teacher_prefix: a group is n completions of one golden-prefix step (R1-Router); onpolicy: "
@@ -66,7 +67,6 @@ def get_args(argv=None):
     ap.add_argument("--topk", type=int, default=3, help="evidence documents per sub-question")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
-    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"], help="rollout engine")
     # optimisation
     ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--clip_eps", type=float, default=0.2)
@@ -86,6 +86,7 @@ def get_args(argv=None):
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="compute dtype (master weights, grads and optimizer stay fp32); auto: bf16 where native")
     ap.add_argument("--check_sync", action="store_true", help="after each sync, log the max |engine - trainer| logprob")
+    ap.add_argument("--timeout", type=float, default=30, help="minutes a collective may wait (checkpoints at 7B)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wandb_mode", default=os.environ.get("WANDB_MODE", "offline"), choices=["online", "offline", "disabled"])
     return ap.parse_args(argv)
@@ -188,8 +189,8 @@ def token_logprobs(model, ids, attn, sel, pos=None):
         entropy = -(logp.exp() * logp).sum(-1)  # [N]
     return logp.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1), entropy
 
-def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom, n_seq):
-    """logp, old, ref, adv: [N] over the policy tokens of a micro-batch; seq [N]: each token's sequence (0..n_seq-1).
+def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom):
+    """logp, old, ref, adv: [N] over the policy tokens of a micro-batch; seq [N]: each token's sequence index (< N).
       ratio = exp(logp - old)   (old: the sampling engine's own logprobs)
       l_t = -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) + kl_coef (exp(ref - logp) - (ref - logp) - 1)   (k3 KL)
     Returns the loss to backprop, already divided by the global `denom` (policy tokens for token normalisation; for
@@ -202,7 +203,7 @@ def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom, n_s
     if norm_mode == "token":
         loss = per_tok.sum() / denom
     else:  # each sequence's token mean, summed
-        count = per_tok.new_zeros(n_seq).index_add_(0, seq, torch.ones_like(per_tok))  # [n_seq]
+        count = per_tok.new_zeros(len(seq)).index_add_(0, seq, torch.ones_like(per_tok))  # [N] tokens of each sequence
         loss = (per_tok / count[seq]).sum() / denom
     clipped = ((ratio - 1).abs() > clip_eps).float()
     return loss, kl.detach(), clipped
@@ -298,17 +299,19 @@ def pack_group(prefix, group, adv):
 
 def collate(rows, pad_id, device):
     """Right-pad to ids [B, T]; sel [B, T-1] marks positions whose next token is a policy token; old logprobs,
-    advantages and sequence index of those tokens, flattened to [N] in sel's (row-major) order. attn: the padding
-    mask [B, T] and pos None, or, if a row is packed (pack_group), a tree mask [B, 1, T, T] and position ids [B, T]."""
+    advantages and sequence index of those tokens (numbered from 0 in order of appearance), flattened to [N] in sel's
+    (row-major) order. attn: the padding mask [B, T] and pos None, or, if a row is packed (pack_group), a tree mask
+    [B, 1, T, T] and position ids [B, T]."""
     T = max(len(s["ids"]) for s in rows)
     ids = torch.tensor([s["ids"] + [pad_id] * (T - len(s["ids"])) for s in rows], device=device)
     attn = torch.tensor([[1] * len(s["ids"]) + [0] * (T - len(s["ids"])) for s in rows], device=device)
     sel = torch.tensor([s["mask"][1:] + [0] * (T - len(s["ids"])) for s in rows], device=device).bool()
     pick = lambda key: torch.tensor([v for s in rows for v, m in zip(s[key][1:], s["mask"][1:]) if m], device=device).float()
     first = np.cumsum([0] + [s.get("n_seq", 1) for s in rows])  # index of each row's first sequence
-    seq = torch.tensor([first[b] + max(g, 0) for b, s in enumerate(rows)
-                        for g, m in zip(s.get("seg", [-1] * len(s["ids"]))[1:], s["mask"][1:]) if m],
-                       dtype=torch.long, device=device)
+    raw = [first[b] + max(g, 0) for b, s in enumerate(rows)
+           for g, m in zip(s.get("seg", [-1] * len(s["ids"]))[1:], s["mask"][1:]) if m]
+    dense = {k: i for i, k in enumerate(dict.fromkeys(raw))}  # numbered in order of appearance: every index < N
+    seq = torch.tensor([dense[k] for k in raw], dtype=torch.long, device=device)
     pos = None
     if any("seg" in s for s in rows):
         seg = torch.tensor([s.get("seg", [-1] * len(s["ids"])) + [1 << 30] * (T - len(s["ids"])) for s in rows], device=device)
@@ -338,6 +341,12 @@ def micro_batches(rows, args, pad_id, device):
     denom = denom.clamp(min=1).item() / dist.get_world_size()  # FSDP averages gradients over ranks: / world makes it a sum
     return micro, denom, 1 - len(live) / max(1, len(rows))
 
+def add_stats(sums, weight, loss, kl, clipped, entropy):
+    """sums[k] += weight x this micro-batch's loss and its per-token sums (float64 scalars on the data's device)."""
+    for k, v in (("loss", loss.detach()), ("kl", kl.sum()), ("clipped", clipped.sum()), ("entropy", entropy.sum()),
+                 ("tokens", torch.ones_like(kl).sum())):
+        sums[k] += weight * v.double()
+
 def update(model, ref, opt, micro, denom, args):
     """--ppo_epochs passes of the PPO-clipped loss over the micro-batches (ref: frozen reference model, or None when
     --kl_coef is 0), each pass one optimizer step. Returns this rank's sums: loss, kl and clipped over its policy tokens,
@@ -353,16 +362,36 @@ def update(model, ref, opt, micro, denom, args):
         for (ids, attn, pos, sel, old, adv, seq, weight), ref_lp in zip(micro, refs):
             logp, ent = token_logprobs(model, ids, attn, sel, pos)  # [N] each
             ref_lp = logp.detach() if ref_lp is None else ref_lp  # no reference: KL term 0
-            loss, kl, clipped = grpo_loss(logp, old, ref_lp, adv, seq, args.clip_eps, args.kl_coef, args.loss_norm,
-                                          denom, int(seq.max()) + 1 if len(seq) else 1)
+            loss, kl, clipped = grpo_loss(logp, old, ref_lp, adv, seq, args.clip_eps, args.kl_coef, args.loss_norm, denom)
             (loss * weight).backward()
-            for k, v in (("loss", loss.detach()), ("kl", kl.sum()), ("clipped", clipped.sum()), ("entropy", ent.sum()),
-                         ("tokens", torch.ones_like(kl).sum())):
-                sums[k] += weight * v.double()
+            add_stats(sums, weight, loss, kl, clipped, ent)
         grad_norm += trainutil.clip_grad_norm(model, args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return sums, grad_norm
+
+def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id, peak, seed):
+    """One step on this rank's questions `mine`: rollouts and rewards, the update, the new weights into the engine.
+    Returns the rows, the rollout stats, the update's sums and grad norm, and the phases' seconds (+ --check_sync)."""
+    device = next(model.parameters()).device
+    make_batch = onpolicy_batch if args.rollout == "onpolicy" else teacher_prefix_batch
+    t = time.perf_counter()
+    with peak("rollout"):
+        rows, stats = make_batch(engine, retriever, mine, args, encode, w, seed)
+    timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"))
+    engine.sleep()  # GPU: the engine's memory goes to the update until the sync wakes it
+    t = time.perf_counter()
+    micro, denom, timing["skipped"] = micro_batches(rows, args, pad_id, device)
+    with peak("update"):
+        sums, grad_norm = update(model, ref, opt, micro, denom, args)
+    timing["update_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    with peak("sync"):
+        engine.sync_weights(trainutil.full_params(model))
+    timing["sync_s"] = time.perf_counter() - t
+    if args.check_sync:  # the engine must now score a rollout exactly as the trainer does
+        timing["sync_max_diff"] = sync_gap(model, engine, rows[0]["ids"], device)  # the same on every rank
+    return rows, stats, sums, grad_norm, timing
 
 def sync_gap(model, engine, ids, device):
     """--check_sync: max |engine - trainer| logprob over every token of one rollout, the max over ranks."""
@@ -389,6 +418,12 @@ def log_record(step, epoch, stats, sums, grad_norm, timing, rows, args):
                 entropy=tot["entropy"] / n_tok, grad_norm=grad_norm / args.ppo_epochs,
                 adv_abs=float(np.mean([abs(a) for s in rows for a, m in zip(s["adv"], s["mask"]) if m] or [0.0])),  # rank 0's
                 **{k: tot[k] / world for k in timing})
+
+def gather_peaks(gib, world):
+    """{phase: [GiB on rank 0, rank 1, ...]} from every rank's PeakMemory readings (checkpoint: the last save's)."""
+    parts = [None] * world
+    dist.all_gather_object(parts, dict(gib))
+    return {k: [p.get(k, 0.0) for p in parts] for k in parts[0]}
 
 #### dev evaluation (checkpoint choice)
 
@@ -417,7 +452,7 @@ def main(argv=None):
     check_args(args, world)
     args.dtype = trainutil.resolve_dtype(args.dtype, device)  # the resolved choice is what trainer_state.pt records
     out = Path(args.out)
-    start = trainutil.resolve_start(args.model, out, args.resume)
+    start, resuming = trainutil.resolve_start(args.model, out, args.resume)
     import retrievers
     try:
         questions = [q for sp in args.split for q in corpus.load_questions(args.data, sp)]
@@ -425,7 +460,7 @@ def main(argv=None):
         ret = retrievers.make_retriever(args.retriever, args.data)
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
-    own_group = trainutil.init_group(world)
+    own_group = trainutil.init_group(world, args.timeout)
     encoder = retrievers.Encoder()  # all-MiniLM-L6-v2, for the sub-question cosine
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(start)
@@ -439,19 +474,20 @@ def main(argv=None):
                                  tree_mask=tree) if args.kl_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
     step, dev_hist = 0, {}  # dev_hist: step -> dev score (--eval_questions)
-    if args.resume:
+    if resuming:
         state = trainutil.load_trainer_state(model, opt, start, args, print0)
         step, dev_hist = state["step"], state.get("dev", {})
-    engine = rollout.make_engine(args.backend, start, seed=args.seed + rank)  # each rank owns one engine
+    trainutil.check_gpu_budget(model, rollout.VLLMEngine.GPU_FRACTION)
+    engine = rollout.VLLMEngine(start, seed=args.seed + rank)  # each rank owns one engine
     w = Weights(args.w_format, args.w_hit, kb_balance(questions, args.max_steps) if args.balance_kb else None)
     if w.route_scale:
         print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
-    make_batch = onpolicy_batch if args.rollout == "onpolicy" else teacher_prefix_batch
     per_epoch = len(questions) // args.batch_questions
-    log = trainutil.Log(out, rank, step, args.resume, args.wandb_mode, vars(args))
+    log = trainutil.Log(out, rank, step, resuming, args.wandb_mode, vars(args))
     print0(f"Step-GRPO ({args.rollout}, reward {args.reward}): world {world} ({device.type}, {args.dtype}), {len(questions)} "
            f"questions, {args.batch_questions} x {args.group_size} per step, {args.train_steps} steps")
     bar = trainutil.progress(rank, args.train_steps, step, "step-grpo")
+    peak, peaks = trainutil.PeakMemory(), {}  # peaks: phase -> the highest GiB of each rank over the run
     if dev_qs and step == 0:  # the starting policy's dev score: what the trained checkpoints have to beat
         dev = dev_eval(engine, ret, dev_qs, args, rank, world)
         log(dict(step=0, **dev))
@@ -463,46 +499,39 @@ def main(argv=None):
         epoch, pos = divmod(step, per_epoch)
         perm = torch.randperm(len(questions), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
         mine = [questions[i] for i in perm[pos * args.batch_questions:(pos + 1) * args.batch_questions][rank::world]]
-        # ---- rollouts and rewards
-        t = time.perf_counter()
-        rows, stats = make_batch(engine, ret, mine, args, encoder.encode, w, seed=args.seed + 7919 * step + 104729 * rank)
-        timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"))
-        engine.sleep()  # GPU: the engine's memory goes to the update until the sync wakes it
-        # ---- policy update(s)
-        t = time.perf_counter()
-        micro, denom, timing["skipped"] = micro_batches(rows, args, pad_id, device)
-        sums, grad_norm = update(model, ref, opt, micro, denom, args)
-        timing["update_s"] = time.perf_counter() - t
-        # ---- load the new weights into this rank's engine
-        t = time.perf_counter()
-        engine.sync_weights(trainutil.full_state_dict(model))
-        timing["sync_s"] = time.perf_counter() - t
-        if args.check_sync:  # the engine must now score a rollout exactly as the trainer does
-            timing["sync_max_diff"] = sync_gap(model, engine, rows[0]["ids"], device)  # the same on every rank
+        rows, stats, sums, grad_norm, timing = train_step(model, ref, opt, engine, ret, mine, args, encoder.encode, w,
+                                                          pad_id, peak, seed=args.seed + 7919 * step + 104729 * rank)
         step += 1
         rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, args)
+        rec["memory_gib"] = gather_peaks(peak.gib, world)  # per phase since the last record, one value a rank
         saving = (args.save_every and step % args.save_every == 0) or step == args.train_steps
         if saving and dev_qs:
             t = time.perf_counter()
             rec.update(dev_eval(engine, ret, dev_qs, args, rank, world), dev_s=time.perf_counter() - t)
             dev_hist[step] = rec["dev_score"]
         log(rec)
+        peaks = {k: [max(a, b) for a, b in zip(v, peaks.get(k, v))] for k, v in rec["memory_gib"].items()}
         if bar:
             bar.update(1)
             bar.set_postfix(route=f"{rec['route_r'] or 0:.3f}", kb_acc=f"{rec['kb_acc'] or 0:.2f}",
                             fmt=f"{rec['format_ok']:.2f}", sync=f"{rec['sync_s']:.2f}s")
         if saving:
             best = max(dev_hist, key=dev_hist.get) if dev_hist else None  # the earliest of equal scores
-            trainutil.save_checkpoint(model, opt, tok, out, step, dict(args=vars(args), dev=dev_hist), rank, args.keep,
-                                      protect=f"step_{best}" if best else None)
+            with peak("checkpoint"):
+                trainutil.save_checkpoint(model, opt, tok, out, step, dict(args=vars(args), dev=dev_hist), rank, args.keep,
+                                          protect=f"step_{best}" if best else None)
             if rank == 0 and best:
                 trainutil.link_step(out, best, "best")
+    last = gather_peaks(peak.gib, world)  # the last checkpoint's, which no record holds
+    peaks = {k: [max(a, b) for a, b in zip(v, peaks.get(k, v))] for k, v in last.items()}
     if rank == 0:
         trainutil.link_step(out, step, "final")
         bar.close()
         log.close()
         plot_curves(out)
     print0(f"done: {step} steps; final checkpoint {out / 'final'}; learning curves {out / 'curves.png'}")
+    print0("peak memory (GiB), rank " + " / ".join(map(str, range(world))) + ": " +
+           ", ".join(f"{k} " + " / ".join(f"{v:.1f}" for v in vs) for k, vs in peaks.items()))
     if dev_hist:
         b = max(dev_hist, key=dev_hist.get)
         print0(f"best on dev (mean of F1-Recall and routing accuracy): step {b}, {dev_hist[b]:.1f}; {out / 'best'}")

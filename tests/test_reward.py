@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from reward import (
     KB_TO_RET, RET_TO_KB, Answer, Route, acc, answer_reward, exact_match, f1, f1_recall, format_answer,
-    format_reward, format_route, normalize_answer, parse_answer, parse_route, retrieval_hit_reward,
-    route_reward, vqa_prf,
+    format_route, normalize_answer, parse_answer, parse_route, retrieval_hit_reward,
+    route_reward, score_route, vqa_prf,
 )
 
 FAST = settings(max_examples=300, deadline=None)
@@ -395,15 +395,15 @@ def test_answer_reward_several_golds_all_or_nothing():
     assert answer_reward("", ["x"]) == 0.0 and answer_reward("x", []) == 0.0
 
 
-def test_format_reward():
-    assert format_reward(route_text(), "route") == 1.0
-    assert format_reward(route_text(ret="Foo"), "route") == 0.0
-    assert format_reward("<think>t</think><answer>a</answer>", "answer") == 1.0
-    assert format_reward("<think>t</think><answer>a</answer>", "route") == 0.0
-    assert format_reward(route_text(), "answer") == 0.0
-    with pytest.raises(KeyError):
-        format_reward(route_text(), "ans")
-
+def test_score_route_adds_the_format_term_to_route_reward():
+    enc = lambda texts: np.array([[1.0, 0.0] if "x" in t else [0.0, 1.0] for t in texts])  # "x" in it or not
+    gold = dict(sub_question="Where is x?", kb="table")
+    right, wrong_kb = parse_route(route_text(sq="Where is x?", ret="Table Retriever")), parse_route(route_text(sq="Where is x?"))
+    assert score_route(right, gold, enc) == pytest.approx(0.2 + 1.0)
+    assert score_route(wrong_kb, gold, enc, w_format=0.0) == pytest.approx(0.5)  # R1-Router's reward alone
+    stop = parse_route(route_text(sq="None", ret="None"))
+    assert score_route(stop, None, enc) == pytest.approx(1.2)  # both stop: "none" == "none", no KB on either side
+    assert score_route(parse_route("garbage"), gold, enc) == 0.0  # a step that does not parse: 0, format term included
 
 def test_retrieval_hit_reward():
     assert retrieval_hit_reward(["d1", "d2"], "d2") == 1.0

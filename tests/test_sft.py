@@ -148,6 +148,26 @@ def test_dtype_auto_takes_bf16_only_where_native():
     assert trainutil.resolve_dtype("auto", torch.device("cpu")) == ("bf16" if native else "fp32")
     assert [trainutil.resolve_dtype(d, torch.device("cpu")) for d in ("bf16", "fp32")] == ["bf16", "fp32"]
 
+def test_rank0_load_fills_every_shard_and_keeps_the_head_tied(tiny_model):
+    """load_sharded builds the model on the meta device and fills it from rank 0's copy of the checkpoint: every
+    parameter and the RoPE buffer (not in the state dict) equal a plain from_pretrained, the logits too, and lm_head is
+    still the embedding (tied), so a step cannot make them drift apart. 2 ranks: test_two_ranks_fsdp_equal_one_process."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    own = trainutil.init_group(1)
+    model = trainutil.load_sharded(tiny_model, torch.device("cpu"), 1, bf16=False)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    full = dict(trainutil.full_params(model))
+    assert full.keys() == dict(ref.named_parameters()).keys()
+    assert all(torch.equal(full[k], v) for k, v in ref.named_parameters())
+    assert all(torch.equal(b, dict(ref.named_buffers())[k]) for k, b in model.named_buffers())
+    ids = torch.tensor([[5, 17, 300, 9, 41]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, ref(ids).logits, atol=1e-5)
+    if own:
+        dist.destroy_process_group()
+
 def test_two_ranks_fsdp_equal_one_process(single_run, tiny_model, traj_dir, tmp_path):
     """torchrun, 2 gloo ranks x 2 micro-batches (and activation checkpointing) vs 1 process x 4: the same global
     batches. Plain SGD, so the weights compare tightly (measured ~1e-8; AdamW's first step lr*g/(|g|+eps) would
@@ -230,8 +250,9 @@ def test_checkpoint_loads_in_transformers_and_vllm_tied_and_equal_to_the_trainer
     assert (got - lp[0]).abs().max() < 1e-3 < (got - lp[1]).abs().max()
     tok = AutoTokenizer.from_pretrained(single_run / "final")
     assert tok.chat_template == AutoTokenizer.from_pretrained(tiny_model).chat_template
-    state = torch.load(single_run / "step_2" / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 2 and state["args"]["optim"] == "sgd" and state["optimizer"]["param_groups"]
+    state = torch.load(single_run / "step_2" / "trainer_state.pt", weights_only=True)  # plain data, no pickled code
+    assert state["step"] == 2 and state["args"]["optim"] == "sgd"
+    assert (single_run / "step_2" / "trainer" / ".metadata").exists()  # the sharded model and optimizer state
 
 #### bad input
 
@@ -261,3 +282,12 @@ def test_bad_input_exits_with_one_line_naming_the_problem(tiny_model, traj_dir, 
     r = subprocess.run([sys.executable, "sft.py", "--model", str(tiny_model), "--data", str(d), "--out", str(tmp_path / "o")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.strip() == f"error: {d / 'train.jsonl'}: file not found"
+
+def test_gpu_budget_of_a_7b_run():
+    """The start-up memory check on the 7B budget worked out in README: a ~7.6B-parameter policy in fp32 shards over 8
+    H100s of 80 GiB (3.8 GB of shards, 7.6 GB of Adam state each) fits beside an engine taking half of each GPU; over 2
+    GPUs (15.2 GB of shards + 30.4 GB of Adam) it does not, and the line says which part takes how much."""
+    gib, P = 2**30, 7.6e9
+    assert trainutil.gpu_budget_error(80 * gib, 4 * P / 8, 4 * P / 8, 0.5) is None
+    error = trainutil.gpu_budget_error(80 * gib, 4 * P / 2, 4 * P / 2, 0.5, device=1)
+    assert error.startswith("error: GPU 1 (80.0 GiB) cannot hold the vLLM engine (50%: 40.0 GiB)") and "Adam state 28.3 GiB" in error

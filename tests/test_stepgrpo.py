@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
@@ -110,9 +111,9 @@ def test_loss_matches_a_direct_computation():
         pg = -min(ratio * a, min(max(ratio, 1 - eps), 1 + eps) * a)
         d = (ref[i] - logp[i]).item()
         per_tok.append(pg + beta * (math.exp(d) - d - 1))
-    loss, kl, clipped = stepgrpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "token", N, 3)
+    loss, kl, clipped = stepgrpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "token", N)
     assert loss.item() == pytest.approx(sum(per_tok) / N, rel=1e-5)
-    loss, _, _ = stepgrpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "sequence", 3, 3)
+    loss, _, _ = stepgrpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "sequence", 3)
     means = [sum(per_tok[i] for i in range(N) if seq[i] == b) / n for b, n in enumerate(lens)]
     assert loss.item() == pytest.approx(sum(means) / 3, rel=1e-5)
     assert torch.all(kl >= 0) and clipped.tolist() == [float(abs(math.exp(logp[i] - old[i]) - 1) > eps) for i in range(N)]
@@ -159,7 +160,7 @@ def test_packed_group_scores_like_separate_rows(tiny_model_dir):
     wrong = stepgrpo.token_logprobs(model, B[0], torch.ones_like(B[0]), B[3])[0]  # the packed row with a plain causal mask
     assert not torch.allclose(la, wrong, atol=1e-3)
     for norm_mode, denom in (("token", len(la)), ("sequence", 5)):
-        loss = lambda L, seq: stepgrpo.grpo_loss(L, A[4] - 0.1, L, A[5], seq, 0.2, 0.0, norm_mode, denom, int(seq.max()) + 1)[0]
+        loss = lambda L, seq: stepgrpo.grpo_loss(L, A[4] - 0.1, L, A[5], seq, 0.2, 0.0, norm_mode, denom)[0]
         assert loss(la, A[6]).item() == pytest.approx(loss(lb, B[6]).item(), abs=1e-6)
 
 def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
@@ -174,7 +175,7 @@ def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
         model.zero_grad()
         ids, attn, pos, sel, old, adv, seq = stepgrpo.collate(rows, 0, "cpu")
         logp, _ = stepgrpo.token_logprobs(model, ids, attn, sel, pos)
-        stepgrpo.grpo_loss(logp, old, old - 0.3, adv, seq, 0.2, kl_coef, norm_mode, denom, int(seq.max()) + 1)[0].backward()
+        stepgrpo.grpo_loss(logp, old, old - 0.3, adv, seq, 0.2, kl_coef, norm_mode, denom)[0].backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
     for norm_mode, denom in (("token", 8), ("sequence", 3)):
         full = grads(live + [dead], 0.0, norm_mode, denom)
@@ -312,3 +313,44 @@ def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(tmp_pa
     # --keep 1 keeps the newest checkpoint and the best one only
     assert sorted(p.name for p in evald.glob("step_*")) == sorted({f"step_{best}", "step_3"})
     assert f"best on dev (mean of F1-Recall and routing accuracy): step {best}" in r.stdout
+
+class TinyLM(torch.nn.Module):
+    """embedding -> norm -> head, with the interface trainutil.selected_logits uses (HF models read tensor values
+    while building masks, which the meta device has not)."""
+    def __init__(self, vocab=128, dim=32):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed, self.model.norm = torch.nn.Embedding(vocab, dim), torch.nn.LayerNorm(dim)
+        self.lm_head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        return Namespace(logits=self.lm_head(self.model.norm(self.model.embed(input_ids))))
+
+def test_step_bookkeeping_stays_on_the_data_device(monkeypatch):
+    # the training step's tensor bookkeeping on the meta device, as a GPU run does it on CUDA: collate (packed rows
+    # too), the policy's logprobs, the loss in both normalisations, its backward and the logged sums; a tensor made on
+    # the CPU anywhere in them meets a meta tensor and fails here, not on a user's cluster (sft.py's loss too)
+    import sft
+    meta = torch.device("meta")
+    with meta:
+        model = TinyLM()
+    packed = stepgrpo.pack_group([5, 6, 7], [([8, 9], [-0.5, -0.7]), ([10], [-0.2])], [1.0, -1.0])
+    plain = dict(ids=[5, 6], mask=[0, 1], old=[0.0, -0.3], adv=[0.0, 0.5])
+    assert all(t.device == meta for t in stepgrpo.collate([packed, plain], 0, meta) if t is not None)
+    # meta tensors have no values, so a boolean selection's size is unknown: with every position a policy token it
+    # is all of them, which torch may then assume
+    import torch.fx.experimental._config as fx_config
+    monkeypatch.setattr(fx_config, "meta_nonzero_assume_all_nonzero", True)
+    rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -0.2, -0.3, -0.4], adv=[0.0, 0.5, 0.5, 0.5]),
+            dict(ids=[5, 9, 9, 8], mask=[0, 1, 1, 1], old=[0.0, -0.1, -0.3, -0.2], adv=[0.0, -1.0, -1.0, -1.0])]
+    ids, attn, pos, sel, old, adv, seq = stepgrpo.collate(rows, 0, meta)
+    logp, ent = stepgrpo.token_logprobs(model, ids, attn, sel, pos)
+    sums = {k: torch.zeros((), dtype=torch.float64, device=meta) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
+    for norm_mode in ("token", "sequence"):
+        loss, kl, clipped = stepgrpo.grpo_loss(logp, old, logp.detach() - 0.1, adv, seq, 0.2, 0.1, norm_mode, 5.0)
+        loss.backward(retain_graph=True)
+        stepgrpo.add_stats(sums, 1.0, loss, kl, clipped, ent)
+    assert all(t.device == meta for t in (logp, ent, loss, kl, clipped, *sums.values()))
+    assert all(p.grad is not None and p.grad.device == meta for p in model.parameters())
+    s, n = sft.loss_sum(model, *sft.collate([([5, 6, 7], [1, 1, 1])], 0, meta))
+    assert s.device == meta and n.device == meta

@@ -1,0 +1,124 @@
+"""GPU tests: skipped without CUDA; on a GPU machine with requirements-gpu.txt installed, `make test-gpu` runs them (the
+2-GPU ones need 2 GPUs). They check what the CPU suite cannot: each rank's vLLM engine on its own device, sleep mode,
+the bf16 weight sync, NCCL equality of 1 and 2 ranks, Step-GRPO steps and sharded resume on GPUs, faiss on GPU."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+ROOT = Path(__file__).resolve().parents[1]
+
+def torchrun(script, args, nproc):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(script)]
+    r = subprocess.run(cmd + args, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+def test_faiss_on_gpu_returns_what_cpu_faiss_returns():
+    import faiss
+    import retrievers
+    if not hasattr(faiss, "StandardGpuResources"):
+        pytest.skip("this faiss has no GPU support")
+    rng = np.random.default_rng(0)
+    docs, queries = rng.standard_normal((5000, 384)).astype(np.float32), rng.standard_normal((64, 384)).astype(np.float32)
+    cpu = retrievers.faiss_index(docs)
+    gpu = retrievers.to_gpu(retrievers.faiss_index(docs))
+    assert type(gpu) is not type(cpu)  # moved
+    (dc, ic), (dg, ig) = cpu.search(queries, 10), gpu.search(queries, 10)
+    assert (ic == ig).mean() > 0.99 and np.allclose(dc, dg, atol=1e-3)
+
+def test_engine_sleeps_and_follows_a_bf16_sync(tiny_model_dir):
+    # sleep gives the KV cache's memory back; after a sync the engine scores like the new weights at bf16 tolerance
+    import rollout
+    from transformers import AutoModelForCausalLM
+    engine = rollout.VLLMEngine(tiny_model_dir, gpu_memory_utilization=0.3)
+    ids = engine.tok.encode("The mayor of Felo is Ly Normi, and the capital is Uldoria.")
+    old = torch.tensor(engine.prompt_logprobs(ids))
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert torch.cuda.mem_get_info()[0] - free_awake > 0.2 * torch.cuda.mem_get_info()[1]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        lp = model(torch.tensor([ids], device="cuda")).logits[0, :-1].float().log_softmax(-1)  # [T-1, V]
+    want = lp.gather(-1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0].cpu()
+    engine.sync_weights({k: v.detach() for k, v in model.named_parameters()})
+    new = torch.tensor(engine.prompt_logprobs(ids))
+    assert (new - want).abs().max() < 0.1 and (new - old).abs().max() > 0.5
+    engine.close()
+
+PROBE = """
+import os, torch, torch.distributed as dist
+import rollout, trainutil
+rank, world, device, _ = trainutil.env_rank()
+trainutil.init_group(world)
+engine = rollout.VLLMEngine(os.environ["PROBE_MODEL"], gpu_memory_utilization=0.3)
+free, total = torch.cuda.mem_get_info(device)
+used = torch.tensor([(total - free) / total], device=device)
+everyone = [torch.zeros_like(used) for _ in range(world)]
+dist.all_gather(everyone, used)
+print("USED", [round(u.item(), 3) for u in everyone], flush=True)
+engine.close()
+"""
+
+@two_gpus
+def test_each_rank_engine_is_on_its_own_gpu(tmp_path, tiny_model_dir, monkeypatch):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    monkeypatch.setenv("PROBE_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    r = torchrun(script, [], 2)
+    used = json.loads(r.stdout.split("USED", 1)[1].splitlines()[0])
+    assert all(u > 0.2 for u in used), used  # both GPUs hold an engine (its KV cache is 30% of the device)
+
+@two_gpus
+def test_two_gpu_sft_equals_one_gpu(tmp_path, tiny_model_dir, tiny_index):
+    import corpus
+    import retrievers
+    import rollout
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    qs = corpus.load_questions(tiny_index, "train")[:16]
+    trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), retrievers.Retriever(tiny_index, "bm25"), qs)
+    for split in ("train", "dev"):
+        corpus.write_jsonl(tmp_path / "traj" / f"{split}.jsonl", [dict(ids=x["ids"], mask=x["mask"]) for x in trajs])
+    common = ["--model", str(tiny_model_dir), "--data", str(tmp_path / "traj"), "--optim", "sgd", "--lr", "0.5",
+              "--train_steps", "2", "--eval_every", "0", "--save_every", "0", "--dtype", "fp32", "--wandb_mode", "disabled"]
+    torchrun(ROOT / "sft.py", common + ["--grad_accum", "4", "--out", str(tmp_path / "one")], 1)
+    torchrun(ROOT / "sft.py", common + ["--grad_accum", "2", "--out", str(tmp_path / "two")], 2)
+    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("one", "two"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+def grpo_args(model, data, out):
+    return ["--model", str(model), "--data", str(data), "--out", str(out), "--batch_questions", "2", "-n", "2",
+            "--retriever", "bm25", "--eval_questions", "0", "--lr", "1e-2", "--weight_decay", "0.1", "--kl_coef", "0.1",
+            "--wandb_mode", "disabled", "--save_every", "1", "--train_steps", "2", "--check_sync"]
+
+@two_gpus
+@pytest.mark.parametrize("mode,norm", [("teacher_prefix", "token"), ("teacher_prefix", "sequence"),
+                                       ("onpolicy", "token"), ("onpolicy", "sequence")])
+def test_two_gpu_stepgrpo_steps_keep_the_engine_in_sync(tmp_path, tiny_model_dir, tiny_index, mode, norm):
+    out = tmp_path / "run"
+    torchrun(ROOT / "stepgrpo.py", grpo_args(tiny_model_dir, tiny_index, out) + ["--rollout", mode, "--loss_norm", norm], 2)
+    recs = [json.loads(l) for l in open(out / "log.jsonl")]
+    assert [r["step"] for r in recs] == [1, 2] and all(r["sync_max_diff"] < 0.1 for r in recs)  # bf16 engine
+
+@two_gpus
+def test_two_gpu_resume_from_a_sharded_checkpoint(tmp_path, tiny_model_dir, tiny_index):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = lambda out, steps: grpo_args(tiny_model_dir, tiny_index, out) + ["--train_steps", steps, "--dtype", "fp32"]
+    torchrun(ROOT / "stepgrpo.py", args(straight, "2"), 2)
+    torchrun(ROOT / "stepgrpo.py", args(resumed, "1"), 2)
+    torchrun(ROOT / "stepgrpo.py", args(resumed, "2") + ["--resume"], 2)
+    assert (resumed / "step_1" / "trainer" / ".metadata").exists()  # the sharded trainer state was resumed from
+    a, b = (load_file(d / "final" / "model.safetensors") for d in (straight, resumed))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
