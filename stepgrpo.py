@@ -425,6 +425,10 @@ def gather_peaks(gib, world):
     dist.all_gather_object(parts, dict(gib))
     return {k: [p.get(k, 0.0) for p in parts] for k in parts[0]}
 
+def highest(peaks, new):
+    """Per phase and rank, the larger of two {phase: [GiB per rank]} readings."""
+    return {k: [max(a, b) for a, b in zip(v, peaks.get(k, v))] for k, v in new.items()}
+
 #### dev evaluation (checkpoint choice)
 
 def dev_eval(engine, retriever, qs, args, rank, world):
@@ -510,7 +514,7 @@ def main(argv=None):
             rec.update(dev_eval(engine, ret, dev_qs, args, rank, world), dev_s=time.perf_counter() - t)
             dev_hist[step] = rec["dev_score"]
         log(rec)
-        peaks = {k: [max(a, b) for a, b in zip(v, peaks.get(k, v))] for k, v in rec["memory_gib"].items()}
+        peaks = highest(peaks, rec["memory_gib"])
         if bar:
             bar.update(1)
             bar.set_postfix(route=f"{rec['route_r'] or 0:.3f}", kb_acc=f"{rec['kb_acc'] or 0:.2f}",
@@ -522,8 +526,7 @@ def main(argv=None):
                                           protect=f"step_{best}" if best else None)
             if rank == 0 and best:
                 trainutil.link_step(out, best, "best")
-    last = gather_peaks(peak.gib, world)  # the last checkpoint's, which no record holds
-    peaks = {k: [max(a, b) for a, b in zip(v, peaks.get(k, v))] for k, v in last.items()}
+    peaks = highest(peaks, gather_peaks(peak.gib, world))  # the last checkpoint's, which no record holds
     if rank == 0:
         trainutil.link_step(out, step, "final")
         bar.close()
