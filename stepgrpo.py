@@ -5,6 +5,8 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py --model out/sft/final --data data/mini --out out/stepgrpo          # the recipe (the defaults)
     torchrun --standalone --nproc_per_node 2 stepgrpo.py --model out/sft/final --data data/mini --out out/stepgrpo
     python stepgrpo.py ... --resume                              # continue from <out>/latest exactly
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 stepgrpo.py ... \
+        --resume auto                                            # a job that restarts itself after a rank dies
     python stepgrpo.py ... --teacher_spans all --no-balance_kb --w_format 0   # R1-Router's released scheme
     python stepgrpo.py ... --rollout onpolicy                    # per-step groups over whole sampled trajectories
     python stepgrpo.py ... --rollout onpolicy --reward outcome   # plain GRPO (outcome reward only), the ablation

@@ -46,6 +46,10 @@ def init_group(world, timeout_min=30):
     a collective may wait (NCCL's default is 10; rank 0 writing a 7B checkpoint's weights can take longer)."""
     import datetime
     own = not dist.is_initialized()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        # torchrun's shared rendezvous store keeps the first attempt's keys: a restarted rank reads the dead ranks' gloo
+        # or NCCL addresses and fails to connect (pytorch/pytorch#135712); without sharing, each attempt gets a new store
+        sys.exit("error: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment")
     if own:
         kw = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",

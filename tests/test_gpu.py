@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 ROOT = Path(__file__).resolve().parents[1]
 
 def torchrun(script, args, nproc):

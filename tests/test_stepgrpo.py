@@ -2,8 +2,10 @@
 2-rank torchrun runs with vLLM sync, exact resume and dev-picked checkpoints."""
 import json
 import math
+import os
 import subprocess
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -237,6 +239,54 @@ def test_resume_continues_exactly(tmp_path, tiny_model_dir, tiny_index):
     assert [r["step"] for r in rb] == [1, 2]
     for key in ("loss", "kl", "entropy", "tokens", "grad_norm"):
         assert ra[1][key] == pytest.approx(rb[1][key], rel=1e-6, abs=1e-9), key
+
+def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(tmp_path, tiny_model_dir, tiny_index):
+    # kill -9 one worker of a 2-rank job after its first checkpoint: torchrun --max-restarts 1 restarts both ranks,
+    # --resume auto picks up the newest whole checkpoint, and the job ends with the weights of an uninterrupted run
+    import psutil
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    args = ["--train_steps", "3", "--dtype", "fp32"]
+    run(common(tiny_model_dir, tiny_index, straight) + args, nproc=2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+           str(ROOT / "stepgrpo.py")] + common(tiny_model_dir, tiny_index, killed) + args + ["--resume", "auto"]
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    with open(tmp_path / "job.log", "w") as f:
+        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        while not (killed / "latest").is_file():
+            assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.05)
+        workers = psutil.Process(job.pid).children()
+        assert len(workers) == 2
+        workers[1].kill()
+        assert job.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    text = (tmp_path / "job.log").read_text()
+    assert "exitcode: -9" in text and "resuming from" in text and "at step 3" not in text  # restarted mid-run
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in records(killed)] == [1, 2, 3]
+
+def test_an_interrupted_checkpoint_is_never_resumed_from(tmp_path, tiny_model_dir):
+    # a save killed while writing leaves .step_2.tmp (or, killed between the rename and `latest`, a whole step_2 that
+    # `latest` does not name yet): --resume auto takes the checkpoint `latest` names, never the newest folder
+    import shutil
+
+    import trainutil
+    out = tmp_path / "run"
+    assert trainutil.resolve_start(str(tiny_model_dir), out, "auto") == (tiny_model_dir, False)  # nothing yet: start
+    shutil.copytree(tiny_model_dir, out / "step_1")
+    (out / "step_1" / "trainer_state.pt").write_bytes(b"")
+    (out / "latest").write_text("step_1\n")
+    (out / ".step_2.tmp").mkdir()
+    assert trainutil.resolve_start(str(tiny_model_dir), out, "auto") == (out / "step_1", True)
+    shutil.copytree(out / "step_1", out / "step_2")
+    assert trainutil.resolve_start(str(tiny_model_dir), out, "auto") == (out / "step_1", True)
+
+def test_max_restarts_with_the_shared_rendezvous_store_is_refused(tmp_path, tiny_model_dir, tiny_index):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+           str(ROOT / "stepgrpo.py")] + common(tiny_model_dir, tiny_index, tmp_path / "run")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "error: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.stderr
 
 def teacher_setup(tiny_index, spans="route"):
     from argparse import Namespace
