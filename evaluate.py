@@ -133,6 +133,8 @@ def metrics(trajs):
       f1_recall, em, f1, acc  R1-Router's F1-Recall and the HotpotQA EM / F1 / Acc of reward.py, max over gold + aliases.
                               A trajectory with format_ok False scores 0 on all four (its final answer counts as "").
       format_fail             % of trajectories with format_ok False
+      overflow                % of trajectories cut off because their next step did not fit the engine's context
+                              (every span they wrote parsed; no final answer, so the answer metrics are 0)
       retrievals              retrieval calls per question, len(steps); retrievals_by_kb: the same split by KB
       reask                   % of questions with a retrieval step whose sub-question repeats an earlier step's
                               (reward.re_asks: case and outer spaces ignored), e.g. a 1-hop question asked twice
@@ -159,6 +161,7 @@ def metrics(trajs):
     m = {"n": n}
     m.update({k: 100 * _mean(a[k] for a in answers) for k in ANSWER_METRICS})
     m["format_fail"] = 100 * _mean(not x["format_ok"] for x in trajs)
+    m["overflow"] = 100 * _mean(bool(x.get("overflow")) for x in trajs)
     m["routing_acc"] = 100 * _mean(racc)
     # (right, all) for each gold class that occurs
     rows = [(row[i], sum(row)) for i, row in enumerate(confusion(trajs)["counts"]) if sum(row)]
@@ -225,9 +228,10 @@ def _table(header, rows):
 
 def markdown(results, title):
     """The report as markdown: main table, routing details, F1-Recall per question type."""
-    main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "routing acc", "retrievals/q", "format fail %"],
+    main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "routing acc", "retrievals/q", "format fail %",
+                   "overflow %"],
                   [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc", "routing_acc")),
-                    _fmt(s["retrievals"], 2), _fmt(s["format_fail"])] for m, s in results.items()])
+                    _fmt(s["retrievals"], 2), _fmt(s["format_fail"]), _fmt(s.get("overflow"))] for m, s in results.items()])
     # .get: --combine may read a results.json written before routing_macro and reask existed
     routing = _table(["method", "routing macro", "route exact %", "gold-doc hit %", *(f"{kb}/q" for kb in KBS),
                       "re-ask %", "policy tokens/q"],

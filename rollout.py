@@ -153,6 +153,9 @@ class VLLMEngine:
         self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len, enforce_eager=on_cpu, seed=seed,
                        distributed_executor_backend=backend, gpu_memory_utilization=gpu_memory_utilization,
                        enable_sleep_mode=self.can_sleep,
+                       # sampled tokens' logprobs under the distribution they were drawn from (logits / temperature),
+                       # as the trainer computes them; vLLM's default reports the untempered ones
+                       logprobs_mode="processed_logprobs",
                        block_size=32 if on_cpu else None)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
         self.tok = self.llm.get_tokenizer()
         self.max_len = max_model_len  # prompt + new tokens; rollout() ends a longer trajectory instead of submitting it
@@ -262,7 +265,8 @@ class HFEngine(Batched):
                                       top_k=None, stop_strings=list(stop) or None, tokenizer=self.tok, pad_token_id=pad,
                                       output_logits=True, return_dict_in_generate=True)
             new = out.sequences[:, L:]  # [b, t]
-            lps = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [b, t]
+            logits = torch.stack(out.logits, 1).float() / (temperature or 1.0)  # [b, t, V], tempered as sampled
+            lps = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [b, t]
             for i in range(len(batch)):
                 res.append(truncate(self.tok, new[i].tolist(), lps[i].tolist(), stop, self.tok.eos_token_id))
         return res
@@ -341,7 +345,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         for k in range(n):
             trajs.append(dict(qid=q["id"], sample=k, question=q["question"], answers=q["answers"], type=q.get("type", ""),
                               gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True, error="",
-                              tr=start_transcript(fmt, q["question"]), phase="route"))
+                              overflow=False, tr=start_transcript(fmt, q["question"]), phase="route"))
     if seed is not None:  # engines sample with torch's default generator (see VLLMEngine.generate)
         torch.manual_seed(seed)
 
@@ -409,8 +413,9 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
             x = trajs[i]
             max_tokens, stop = (s.route_tokens, ["</ret>"]) if x["phase"] == "route" else (s.answer_tokens, ["</answer>"])
             if not fits(engine, x["tr"].ids, max_tokens):  # long evidence (tables): the trajectory ends, the batch goes on
-                fail(x, f"step {len(x['steps']) + 1} {x['phase']}: {len(x['tr'].ids)} context + {max_tokens} new tokens "
-                        f"exceed the engine's max_len {engine.max_len}")
+                # not a format failure: every span written so far parsed (and is scored so); there is no final answer
+                x.update(overflow=True, phase="done", error=f"step {len(x['steps']) + 1} {x['phase']}: {len(x['tr'].ids)} "
+                         f"context + {max_tokens} new tokens exceed the engine's max_len {engine.max_len}")
                 continue
             engine.submit(i, x["tr"].ids, max_tokens, s.temperature, s.top_p, stop)
             sent.append(i)
@@ -455,14 +460,14 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
         steps = [dict(sub_question=q["question"], kb=kb, retrieved=[d["id"] for d in hits[kb][i]], answer=None) for kb in kbs]
         trajs.append(dict(qid=q["id"], sample=0, question=q["question"], answers=q["answers"], type=q.get("type", ""),
                           gold_steps=q.get("steps", []), steps=steps, final_answer=None, format_ok=True, error="",
-                          tr=tr, timings=dict(generate=0.0, retrieve=t_ret)))
+                          overflow=False, tr=tr, timings=dict(generate=0.0, retrieve=t_ret)))
     t = time.perf_counter()
     fit = [fits(engine, x["tr"].ids, s.answer_tokens) for x in trajs]
     ok = [x for x, f in zip(trajs, fit) if f]
     for x, f in zip(trajs, fit):
         if not f:  # all the evidence does not fit the context: no answer
             n = len(x.pop("tr").ids)
-            x.update(format_ok=False, error=f"{n} context + {s.answer_tokens} new tokens exceed the engine's max_len {engine.max_len}",
+            x.update(overflow=True, error=f"{n} context + {s.answer_tokens} new tokens exceed the engine's max_len {engine.max_len}",
                      ids=[], mask=[], logprobs=[], spans=[], n_policy_tokens=0)
     outs = engine.generate([x["tr"].ids for x in ok], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed)
     for x, (ids, lps) in zip(ok, outs):

@@ -7,7 +7,8 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py ... --resume                              # continue from <out>/latest exactly
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 stepgrpo.py ... \
         --resume auto                                            # a job that restarts itself after a rank dies
-    python stepgrpo.py ... --teacher_spans all --no-balance_kb --w_format 0   # R1-Router's released scheme
+    python stepgrpo.py ... --teacher_spans all --no-balance_kb --w_format 0 --entropy_coef 1e-3 --old_logprobs trainer
+                                                                 # R1-Router's released setting
     python stepgrpo.py ... --rollout onpolicy                    # per-step groups over whole sampled trajectories
     python stepgrpo.py ... --rollout onpolicy --reward outcome   # plain GRPO (outcome reward only), the ablation
 
@@ -16,8 +17,8 @@ retrieve -> answer), scores every step (reward.py), turns the rewards into group
 --ppo_epochs PPO-clipped passes, then loads the new weights into its engine, so every rollout is on-policy.
 Outline: rewards and advantages -> loss -> rollouts to training rows -> update -> dev evaluation -> main.
 
-R1-Router's released scheme is --rollout teacher_prefix with --teacher_spans all, no format reward (--w_format 0) and
-no KL in the loss. This repo's extensions: --teacher_spans route, --balance_kb, --w_format, --w_hit, the on-policy
+R1-Router's released setting is --rollout teacher_prefix with --teacher_spans all, no format reward (--w_format 0), no
+KL in the loss, an entropy bonus of 1e-3 and old logprobs recomputed by the trainer. This repo's extensions: --teacher_spans route, --balance_kb, --w_format, --w_hit, the on-policy
 mode, the packed prompt of a group (pack_group), the dev-picked <out>/best. Formulas sit next to their functions.
 """
 import argparse
@@ -73,6 +74,10 @@ def get_args(argv=None):
     ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--clip_eps", type=float, default=0.2)
     ap.add_argument("--kl_coef", type=float, default=0.0, help="k3 KL to --model in the loss (R1-Router: 0)")
+    ap.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus in the loss (R1-Router: 1e-3)")
+    ap.add_argument("--old_logprobs", default="sampler", choices=["sampler", "trainer"],
+                    help="PPO's old logprobs: the engine's from sampling (cheaper), or recomputed by the trainer before "
+                         "the update (R1-Router); trainer logs old_gap, the mean |sampler - trainer|")
     ap.add_argument("--loss_norm", default="token", choices=["token", "sequence"])
     ap.add_argument("--ppo_epochs", type=int, default=1, help="update passes over each batch of rollouts")
     ap.add_argument("--micro_batch", type=int, default=2, help="rows per forward/backward")
@@ -102,6 +107,16 @@ def check_args(args, world):
     if args.group_size < 2:
         sys.exit(f"error: -n {args.group_size}: a group needs at least 2 samples to have a relative advantage")
 
+def check_questions(questions, args):
+    """One-line errors for training questions Step-GRPO cannot use."""
+    where = f"--data {args.data} --split {' '.join(args.split)}"
+    if len(questions) < args.batch_questions:
+        sys.exit(f"error: --batch_questions {args.batch_questions} is more than the {len(questions)} questions of {where}")
+    blank = [q["id"] for q in questions if any(not s.get("sub_question", "").strip() for s in q.get("steps", []))]
+    if blank:  # the route reward's cosine would compare every sub-question with ""
+        sys.exit(f"error: {len(blank)} questions of {where} have gold steps without a sub-question (first: {blank[0]}); "
+                 "the route reward needs gold sub-questions")
+
 #### rewards and advantages
 
 @dataclass
@@ -127,7 +142,8 @@ def span_rewards(x, encode, w):
       answer step t  w_format + answer_reward(answer, [gold intermediate answer])
       final answer   w_format
       outcome R      f1_recall(final, golds); 0 if any step failed to parse
-    A span that fails to parse ends its trajectory and gets reward 0."""
+    A span that fails to parse ends its trajectory and gets reward 0. A trajectory whose next step did not fit the
+    context (overflow) keeps the rewards of the spans it wrote and has no final answer (R = 0)."""
     gold, out = x["gold_steps"], []
     for j, sp in enumerate(x["spans"]):
         if not x["format_ok"] and j == len(x["spans"]) - 1:  # the span that failed to parse
@@ -182,26 +198,29 @@ def token_advantages(n_tokens, spans, adv):
 
 #### loss
 
-def token_logprobs(model, ids, attn, sel, pos=None):
+def token_logprobs(model, ids, attn, sel, pos=None, temperature=1.0, entropy_grad=False):
     """Logprob of each selected next token and the entropy of its prediction, both [N], where sel [B, T-1] marks the
-    positions (t predicts token t + 1) that are policy tokens: lm_head and softmax run on those alone.
-    attn: [B, T] padding mask, or [B, 1, T, T] tree mask with position ids pos [B, T] for packed groups."""
-    logp = trainutil.selected_logits(model, ids, sel, attn, pos).float().log_softmax(-1)  # [N, V]
-    with torch.no_grad():
+    positions (t predicts token t + 1) that are policy tokens: lm_head and softmax run on those alone. Both are of
+    the distribution the engine sampled from, softmax(logits / temperature) (EasyR1 divides the logits the same way).
+    attn: [B, T] padding mask, or [B, 1, T, T] tree mask with position ids pos [B, T] for packed groups.
+    entropy_grad: keep the entropy's graph (--entropy_coef; it costs one more [N, V] tensor for the backward)."""
+    logp = (trainutil.selected_logits(model, ids, sel, attn, pos).float() / temperature).log_softmax(-1)  # [N, V]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp.exp() * logp).sum(-1)  # [N]
     return logp.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1), entropy
 
-def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom):
-    """logp, old, ref, adv: [N] over the policy tokens of a micro-batch; seq [N]: each token's sequence index (< N).
-      ratio = exp(logp - old)   (old: the sampling engine's own logprobs)
+def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom, entropy=None, entropy_coef=0.0):
+    """logp, old, ref, adv, entropy: [N] over the policy tokens of a micro-batch; seq [N]: each token's sequence index.
+      ratio = exp(logp - old)   (old: the sampling engine's logprobs, or with --old_logprobs trainer the trainer's)
       l_t = -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) + kl_coef (exp(ref - logp) - (ref - logp) - 1)   (k3 KL)
+            - entropy_coef H_t   (an entropy bonus, EasyR1's entropy_coeff)
     Returns the loss to backprop, already divided by the global `denom` (policy tokens for token normalisation; for
     sequence normalisation each sequence's token mean, over the number of sequences), and the per-token kl and
     clipped indicators."""
     ratio = torch.exp(logp - old)
     pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3 estimator of KL(policy || ref)
-    per_tok = pg + kl_coef * kl
+    per_tok = pg + kl_coef * kl - (entropy_coef * entropy if entropy_coef else 0.0)
     if norm_mode == "token":
         loss = per_tok.sum() / denom
     else:  # each sequence's token mean, summed
@@ -212,7 +231,7 @@ def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom):
 
 #### rollouts -> training rows
 
-STATS = ("route_r", "kb_acc", "answer_r", "outcome", "format_ok", "retrievals", "tokens", "reask")  # logged means
+STATS = ("route_r", "kb_acc", "answer_r", "outcome", "format_ok", "overflow", "retrievals", "tokens", "reask")  # logged means
 
 def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens."""
@@ -233,10 +252,12 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
             stats["route_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "route"]
             stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
             stats["outcome"].append(o)
-            n_routes = sum(sp["kind"] == "route" for sp in x["spans"]) - (not x["format_ok"] and x["spans"][-1]["kind"] == "route")
+            failed_route = not x["format_ok"] and x["spans"][-1]["kind"] == "route"  # a format failure has >= 1 span
+            n_routes = sum(sp["kind"] == "route" for sp in x["spans"]) - failed_route
             stats["kb_acc"] += [float((x["steps"][t]["kb"] if t < len(x["steps"]) else "stop") == gold_route(x["gold_steps"], t))
                                 for t in range(n_routes)]
             stats["format_ok"].append(float(x["format_ok"]))
+            stats["overflow"].append(float(x["overflow"]))
             stats["retrievals"].append(len(x["steps"]))
             stats["reask"] += [float(reward.re_asks(st["sub_question"], x["steps"][:t])) for t, st in enumerate(x["steps"])]
             stats["tokens"].append(x["n_policy_tokens"])
@@ -255,6 +276,9 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
     kinds = (("route", "</ret>", ROUTE_TOKENS), ("answer", "</answer>", ANSWER_TOKENS))
     for kind, stop, max_tok in kinds[:1] if args.teacher_spans == "route" else kinds:
         todo = [(x, sp, prefix) for x, sp, prefix in prompts if (sp["kind"] == "route") == (kind == "route")]
+        fit = [rollout.fits(engine, prefix, max_tok) for _, _, prefix in todo]
+        stats["overflow"] += [float(not f) for f in fit]
+        todo = [t for t, f in zip(todo, fit) if f]  # a golden prefix with no room for the step: no group
         outs = engine.generate([prefix for _, _, prefix in todo for _ in range(args.group_size)],
                                max_tok, args.temperature, 1.0, [stop], seed)
         for k, (x, sp, prefix) in enumerate(todo):
@@ -351,22 +375,31 @@ def add_stats(sums, weight, loss, kl, clipped, entropy):
 
 def update(model, ref, opt, micro, denom, args):
     """--ppo_epochs passes of the PPO-clipped loss over the micro-batches (ref: frozen reference model, or None when
-    --kl_coef is 0), each pass one optimizer step. Returns this rank's sums: loss, kl and clipped over its policy tokens,
-    entropy, tokens, grad_norm (the global norm, summed over passes)."""
-    device = micro[0][0].device
-    refs = []
+    --kl_coef is 0), each pass one optimizer step. --old_logprobs trainer first replaces the sampler's logprobs with
+    the trainer's own (R1-Router's released code, via EasyR1) and sums |sampler - trainer| into old_gap. Returns this
+    rank's sums: loss, kl and clipped over its policy tokens, entropy, tokens, old_gap; grad_norm (the global norm,
+    summed over passes)."""
+    device, T = micro[0][0].device, args.temperature
+    sums = {k: torch.zeros((), dtype=torch.float64, device=device)
+            for k in ("loss", "kl", "clipped", "entropy", "tokens", "old_gap")}
+    refs, olds = [], []
     with torch.no_grad():
-        for ids, attn, pos, sel, *_ in micro:
-            refs.append(token_logprobs(ref, ids, attn, sel, pos)[0] if ref is not None else None)
-    sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
+        for ids, attn, pos, sel, old, *_, weight in micro:
+            refs.append(token_logprobs(ref, ids, attn, sel, pos, T)[0] if ref is not None else None)
+            if args.old_logprobs == "trainer":
+                mine = token_logprobs(model, ids, attn, sel, pos, T)[0]  # [N]
+                sums["old_gap"] += weight * (mine - old).abs().sum().double()
+                old = mine
+            olds.append(old)
     grad_norm = 0.0
     for _ in range(args.ppo_epochs):
-        for (ids, attn, pos, sel, old, adv, seq, weight), ref_lp in zip(micro, refs):
-            logp, ent = token_logprobs(model, ids, attn, sel, pos)  # [N] each
+        for (ids, attn, pos, sel, _, adv, seq, weight), old, ref_lp in zip(micro, olds, refs):
+            logp, ent = token_logprobs(model, ids, attn, sel, pos, T, entropy_grad=args.entropy_coef > 0)  # [N] each
             ref_lp = logp.detach() if ref_lp is None else ref_lp  # no reference: KL term 0
-            loss, kl, clipped = grpo_loss(logp, old, ref_lp, adv, seq, args.clip_eps, args.kl_coef, args.loss_norm, denom)
+            loss, kl, clipped = grpo_loss(logp, old, ref_lp, adv, seq, args.clip_eps, args.kl_coef, args.loss_norm, denom,
+                                          ent, args.entropy_coef)
             (loss * weight).backward()
-            add_stats(sums, weight, loss, kl, clipped, ent)
+            add_stats(sums, weight, loss, kl, clipped, ent.detach())
         grad_norm += trainutil.clip_grad_norm(model, args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -415,8 +448,11 @@ def log_record(step, epoch, stats, sums, grad_norm, timing, rows, args):
     n_tok = max(1.0, tot["tokens"])
     return dict(step=step, epoch=epoch,
                 **{k: tot[f"{k}.sum"] / tot[f"{k}.n"] if tot[f"{k}.n"] else None for k in STATS},
-                loss=tot["loss"] / args.ppo_epochs,  # each pass's loss is a global mean already
+                # each rank's loss is its share of the global mean times the world size (the loss is scaled so that
+                # FSDP's gradient average is a sum), so the sum over ranks is world x that mean
+                loss=tot["loss"] / (args.ppo_epochs * world),
                 kl=tot["kl"] / n_tok if args.kl_coef > 0 else None, clip_frac=tot["clipped"] / n_tok,
+                old_gap=tot["old_gap"] * args.ppo_epochs / n_tok if args.old_logprobs == "trainer" else None,
                 entropy=tot["entropy"] / n_tok, grad_norm=grad_norm / args.ppo_epochs,
                 adv_abs=float(np.mean([abs(a) for s in rows for a, m in zip(s["adv"], s["mask"]) if m] or [0.0])),  # rank 0's
                 **{k: tot[k] / world for k in timing})
@@ -466,6 +502,7 @@ def main(argv=None):
         ret = retrievers.make_retriever(args.retriever, args.data)
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
+    check_questions(questions, args)
     own_group = trainutil.init_group(world, args.timeout)
     encoder = retrievers.Encoder()  # all-MiniLM-L6-v2, for the sub-question cosine
     from transformers import AutoTokenizer

@@ -29,6 +29,8 @@ def rejection(x, max_steps):
     """Why a sampled trajectory is not a usable golden one (None = keep). Checked in order, as reported."""
     if not x["format_ok"]:
         return "format"  # a step did not parse (the parser also demands exactly one retriever per step)
+    if x.get("overflow"):
+        return "context"  # the next step did not fit the engine's context
     if any(s["answer"] is None for s in x["steps"]) or len({s["sub_question"].lower() for s in x["steps"]}) < len(x["steps"]):
         return "steps"  # an intermediate answer missing, or the same sub-question asked twice
     stopped = any(sp["kind"] == "route" and sp["step"] == len(x["steps"]) for sp in x["spans"])
@@ -38,7 +40,7 @@ def rejection(x, max_steps):
         return "answer"  # the paper keeps only final answers whose token recall is 1
     return None
 
-FILTERS = ("format", "steps", "stopping", "answer")
+FILTERS = ("format", "context", "steps", "stopping", "answer")
 
 def teacher_trajectories(engine, retriever, questions, n, settings, seed=0):
     trajs = rollout.rollout(engine, retriever, questions, n=n, s=settings, seed=seed)

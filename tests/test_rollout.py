@@ -75,11 +75,12 @@ def test_a_trajectory_that_outgrows_the_context_ends_alone(tiny_index, retriever
     capped = rollout.rollout(eng, retriever, qs, s=rollout.Settings(max_active=3))
     for x, y in zip(full, capped):
         if len(x["ids"]) - (x["spans"][-1]["end"] - x["spans"][-1]["start"]) + 96 <= eng.max_len:  # ok up to its last turn
-            assert y["ids"] == x["ids"] and y["format_ok"]
-        else:
-            assert not y["format_ok"] and f"exceed the engine's max_len {eng.max_len}" in y["error"]
+            assert y["ids"] == x["ids"] and y["format_ok"] and not y["overflow"]
+        else:  # cut off, not a format failure: every span it wrote parsed, and it has no final answer
+            assert y["overflow"] and y["format_ok"] and y["final_answer"] is None
+            assert f"exceed the engine's max_len {eng.max_len}" in y["error"]
             assert len(y["ids"]) + 96 > eng.max_len and x["ids"][:len(y["ids"])] == y["ids"]
-    assert 0 < sum(y["format_ok"] for y in capped) < len(qs)
+    assert 0 < sum(y["overflow"] for y in capped) < len(qs)
     full = rollout.answer_directly(hf_engine, retriever, qs, kbs=("text", "table", "image"), s=rollout.Settings(answer_tokens=8))
     prompt_len = sorted(len(x["ids"]) - x["n_policy_tokens"] for x in full)
     monkeypatch.setattr(hf_engine, "max_len", prompt_len[4] + 8, raising=False)  # the 5 shortest prompts fit
@@ -89,7 +90,7 @@ def test_a_trajectory_that_outgrows_the_context_ends_alone(tiny_index, retriever
         if n + 8 <= hf_engine.max_len:
             assert y["ids"][:n] == x["ids"][:n] and y["n_policy_tokens"] > 0
         else:
-            assert not y["format_ok"] and "exceed the engine's max_len" in y["error"] and y["ids"] == []
+            assert y["overflow"] and "exceed the engine's max_len" in y["error"] and y["ids"] == []
 
 def test_max_steps_forces_the_final_answer(tiny_index, retriever, hf_engine):
     qs = [q for q in corpus.load_questions(tiny_index, "train") if q["type"] == "3hop"][:3]
@@ -132,6 +133,22 @@ def test_sampling_gives_distinct_samples_and_policy_logprobs(tiny_index, retriev
     ref = vllm_engine.prompt_logprobs(x["ids"])  # logprob of token t given the prefix, under the same weights
     ref_pol = [lp for lp, m in zip(ref, x["mask"][1:]) if m]
     assert len(pol) == len(ref_pol) > 0 and torch.allclose(torch.tensor(pol), torch.tensor(ref_pol), atol=1e-3)
+
+def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_model, vllm_engine, hf_engine):
+    # sampling at temperature 0.7, both engines report each token's logprob under softmax(logits / 0.7), which is what
+    # the trainer computes with --temperature 0.7, and not the untempered one
+    import stepgrpo
+    prompt = vllm_engine.tok.encode("Which country is Uldoria in? The answer is")
+    model = hf_engine.model
+    for engine in (vllm_engine, hf_engine):
+        (ids, lps), = engine.generate([prompt], 12, temperature=0.7, seed=0)
+        full = torch.tensor([prompt + ids])
+        sel = torch.zeros(1, full.shape[1] - 1, dtype=torch.bool)
+        sel[0, len(prompt) - 1:] = True
+        with torch.no_grad():
+            tempered, plain = (stepgrpo.token_logprobs(model, full, torch.ones_like(full), sel, None, t)[0] for t in (0.7, 1.0))
+        assert len(ids) > 3 and torch.allclose(torch.tensor(lps), tempered, atol=1e-4)
+        assert (torch.tensor(lps) - plain).abs().max() > 1e-2
 
 def test_sync_weights_changes_the_engine_to_the_new_model(tiny_model, vllm_engine, hf_engine):
     from transformers import AutoModelForCausalLM

@@ -20,6 +20,28 @@ import stepgrpo
 def sp(kind, step):
     return dict(kind=kind, step=step, start=0, end=1)
 
+def test_a_trajectory_cut_by_the_context_keeps_the_rewards_of_its_spans(tiny_index, encoder):
+    # gold trajectories through the real loop, then again with a context too short for about half of them: each cut
+    # one's spans score exactly as in the whole one (its last, well-written span too), and its outcome is 0
+    from transformers import AutoTokenizer
+
+    import corpus
+    import retrievers
+    import rollout
+    tok, ret = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL), retrievers.Retriever(tiny_index, "bm25")
+    qs = corpus.load_questions(tiny_index, "train")[:8]
+    full = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)
+    eng = rollout.GoldPolicy(tok, qs)
+    eng.max_len = 96 + sorted(len(x["ids"]) for x in full)[4] - 40
+    cut = [y for y in rollout.rollout(eng, ret, qs) if y["overflow"]]
+    assert cut
+    w = stepgrpo.Weights(format=0.2)
+    for y in cut:
+        x = next(x for x in full if x["qid"] == y["qid"])
+        r, outcome = stepgrpo.span_rewards(y, encoder.encode, w)
+        assert r == pytest.approx(stepgrpo.span_rewards(x, encoder.encode, w)[0][:len(r)]) and outcome == 0.0
+        assert r and min(r) >= 0.2  # every span the gold policy wrote earns its format reward at least
+
 def test_group_advantages_normalise_each_step_against_the_same_step():
     # three samples: two retrieve once then stop, one retrieves twice (so route step 1 is a stop for the first two)
     spans = [[sp("route", 0), sp("answer", 0), sp("route", 1), sp("final", 1)],
@@ -97,6 +119,13 @@ def test_span_rewards_follow_the_formulas():
     assert r[2] == pytest.approx(0.2 + cos) and outcome == 0.0   # a stop where the gold retrieves: no KB credit
     bad = traj([], [("route", 0)], None, ok=False)
     assert stepgrpo.span_rewards(bad, enc, w) == ([0.0], 0.0)
+    # the table its right Table Retriever step fetched made the answer step overflow: the route keeps its full reward
+    cut = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria"),
+                dict(sub_question="Who founded Y?", kb="table", retrieved=["d2"], answer=None)],
+               [("route", 0), ("answer", 0), ("route", 1)], None)
+    cut["overflow"] = True
+    r, outcome = stepgrpo.span_rewards(cut, enc, w)
+    assert r[2] == pytest.approx(0.2 + 1.0 + 0.5) and outcome == 0.0
 
 def test_loss_matches_a_direct_computation():
     torch.manual_seed(0)
@@ -119,6 +148,42 @@ def test_loss_matches_a_direct_computation():
     means = [sum(per_tok[i] for i in range(N) if seq[i] == b) / n for b, n in enumerate(lens)]
     assert loss.item() == pytest.approx(sum(means) / 3, rel=1e-5)
     assert torch.all(kl >= 0) and clipped.tolist() == [float(abs(math.exp(logp[i] - old[i]) - 1) > eps) for i in range(N)]
+    ent = torch.rand(N) * 2  # the entropy bonus: -coef H_t on every token
+    loss, _, _ = stepgrpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "token", N, ent, 1e-3)
+    assert loss.item() == pytest.approx(sum(p - 1e-3 * h for p, h in zip(per_tok, ent.tolist())) / N, rel=1e-5)
+
+def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
+    # --entropy_coef: the loss's gradient is the PPO gradient minus coef x the entropy's own gradient;
+    # --old_logprobs trainer: the update's ratio uses the trainer's logprobs (ratio 1 before the first step), and
+    # old_gap is the mean |sampler - trainer| over the policy tokens
+    import trainutil
+    own = trainutil.init_group(1)
+    try:
+        model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
+        rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, 0.5, 0.5, 0.5])]
+        ids, attn, pos, sel, old, adv, seq = stepgrpo.collate(rows, 0, torch.device("cpu"))
+
+        def grad(coef, only_entropy=False):
+            model.zero_grad()
+            logp, ent = stepgrpo.token_logprobs(model, ids, attn, sel, pos, entropy_grad=True)
+            loss = -ent.sum() if only_entropy else stepgrpo.grpo_loss(logp, old, logp.detach(), adv, seq, 0.2, 0.0,
+                                                                        "token", 3.0, ent, coef)[0]
+            loss.backward()
+            return model.lm_head.weight.grad.to_local().clone()
+        g0, g1, gh = grad(0.0), grad(0.5), grad(0.0, only_entropy=True)
+        assert gh.abs().max() > 0 and torch.allclose(g1, g0 + 0.5 / 3.0 * gh, atol=1e-6)
+        model.zero_grad()
+        with torch.no_grad():
+            mine = stepgrpo.token_logprobs(model, ids, attn, sel, pos)[0]
+        args = Namespace(temperature=1.0, old_logprobs="trainer", ppo_epochs=1, entropy_coef=0.0, clip_eps=0.2,
+                         kl_coef=0.0, loss_norm="token", grad_clip=0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        sums, _ = stepgrpo.update(model, None, opt, [(ids, attn, pos, sel, old, adv, seq, 1.0)], 3.0, args)
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+    assert sums["old_gap"].item() == pytest.approx((mine - old).abs().sum().item(), rel=1e-6)
+    assert sums["clipped"].item() == 0  # ratio exp(logp - logp) = 1, although the sampler's logprobs are far off
 
 def test_only_policy_tokens_reach_the_loss(tiny_model_dir):
     # token_logprobs gives exactly the logprobs of the selected (policy) tokens, as a full forward would
@@ -321,6 +386,23 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
         completions = [tok.decode([t for t, m in zip(s["ids"], s["mask"]) if m]) for s in seqs]
         assert (spans == "route") == all("</ret>" in c and "<answer>" not in c for c in completions)
 
+def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, encoder):
+    # an engine whose context holds about half the route prefixes plus a routing step: only those make groups (each
+    # completion parses, full reward), the others are logged as overflows and never sent
+    import rollout
+    tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
+    lens = sorted(len(p) for _, sp, p in prefixes if sp["kind"] == "route")
+    eng = rollout.GoldPolicy(tok, qs)
+    eng.max_len = lens[len(lens) // 2] + stepgrpo.ROUTE_TOKENS
+    seqs, st = stepgrpo.teacher_prefix_batch(eng, ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)
+    fits = sum(n + stepgrpo.ROUTE_TOKENS <= eng.max_len for n in lens)
+    assert 0 < fits < len(lens) and len(seqs) == fits
+    assert st["overflow"] == pytest.approx([float(n + stepgrpo.ROUTE_TOKENS > eng.max_len)
+                                            for _, sp, p in prefixes if sp["kind"] == "route" for n in [len(p)]])
+    assert st["route_r"] == pytest.approx([1.2] * 2 * fits)
+    assert all(seg_start + stepgrpo.ROUTE_TOKENS <= eng.max_len
+               for s in seqs for seg_start in [s["seg"].index(0) + 1])
+
 def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, encoder):
     # an engine that, past the first step, re-asks the previous gold sub-question: exactly those route completions are
     # logged as re-asks and score below the gold's 1.2 (wrong sub-question and KB for this step)
@@ -347,6 +429,22 @@ def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
         r = subprocess.run([sys.executable, "stepgrpo.py", "--data", str(tmp_path), *extra], capture_output=True, text=True)
         last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback
         assert r.returncode != 0 and last.startswith("error: ") and flag in last, r.stderr
+
+def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_dir, tiny_index):
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(tiny_index, data)
+    qfile = data / "questions" / "train.jsonl"
+    qs = [json.loads(l) for l in open(qfile)]
+    for extra, words in ((["--batch_questions", str(len(qs) + 2)], f"is more than the {len(qs)} questions"),
+                         ([], "have gold steps without a sub-question")):
+        if not extra:  # gold steps as the HotpotQA import writes them: supporting paragraphs, no sub-questions
+            next(q for q in qs if q["steps"])["steps"][0]["sub_question"] = ""
+            qfile.write_text("".join(json.dumps(q) + "\n" for q in qs))
+        r = subprocess.run([sys.executable, "stepgrpo.py", "--model", str(tiny_model_dir), "--data", str(data),
+                            "--retriever", "bm25", "--out", str(tmp_path / "run"), *extra], capture_output=True, text=True, cwd=ROOT)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode != 0 and last.startswith("error: ") and words in last, r.stderr[-2000:]
 
 def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(tmp_path, tiny_model_dir, tiny_index):
     plain, evald = tmp_path / "plain", tmp_path / "eval"
@@ -404,3 +502,35 @@ def test_step_bookkeeping_stays_on_the_data_device(monkeypatch):
     assert all(p.grad is not None and p.grad.device == meta for p in model.parameters())
     s, n = sft.loss_sum(model, *sft.collate([([5, 6, 7], [1, 1, 1])], 0, meta))
     assert s.device == meta and n.device == meta
+
+def test_the_logged_loss_does_not_depend_on_the_world_size(monkeypatch):
+    # one process, then the same rows on two ranks (all_reduce sums two equal copies): micro_batches' denominator, the
+    # loss each rank computes (scaled for FSDP's gradient average) and log_record must give the one-process loss
+    import torch.distributed as dist
+
+    import trainutil
+    rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, 0.5, 0.5, 0.5]),
+            dict(ids=[5, 9, 9], mask=[0, 1, 1], old=[0.0, -4.1, -4.3], adv=[0.0, -1.0, -1.0])]
+    args = Namespace(kl_coef=0.0, micro_batch=2, loss_norm="token", ppo_epochs=1, old_logprobs="sampler")
+
+    def logged_loss():
+        torch.manual_seed(0)
+        model, cpu = TinyLM(), torch.device("cpu")
+        micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, cpu)
+        ids, attn, pos, sel, old, adv, seq, weight = micro[0]
+        logp, ent = stepgrpo.token_logprobs(model, ids, attn, sel, pos)
+        loss, kl, clipped = stepgrpo.grpo_loss(logp, old, logp.detach(), adv, seq, 0.2, 0.0, "token", denom)
+        sums = {k: torch.zeros((), dtype=torch.float64) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
+        stepgrpo.add_stats(sums, weight, loss, kl, clipped, ent)
+        return stepgrpo.log_record(1, 0, {k: [] for k in stepgrpo.STATS}, sums, 0.0, {}, rows, args)["loss"]
+
+    own = trainutil.init_group(1)
+    try:
+        one = logged_loss()
+        monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+        monkeypatch.setattr(dist, "all_reduce", lambda t, op=dist.ReduceOp.SUM, **k: t.mul_(2) if op == dist.ReduceOp.SUM else t)
+        assert one != 0 and logged_loss() == pytest.approx(one, rel=1e-9)
+    finally:
+        monkeypatch.undo()
+        if own:
+            dist.destroy_process_group()
