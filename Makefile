@@ -32,8 +32,8 @@ $(DATA)/traj/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
 	$(PY) synth.py --data $(DATA) --out $(DATA)/traj --limit 400
 
 # The main job: the recipe (sft.py and stepgrpo.py defaults) at CPU budgets, end to end on the embedded mini-world:
-# mini-world -> indexes -> golden trajectories -> SFT -> Step-GRPO -> prompt-only, SFT and Step-GRPO on the test split,
-# and the paired interval of Step-GRPO - SFT. Each stage is a file target: re-running skips what is done.
+# mini-world -> indexes -> golden trajectories -> SFT -> Step-GRPO -> on the test split: every baseline with the
+# prompt-only model (few-shot step format) and with SFT, Step-GRPO routed; the paired interval of Step-GRPO - SFT. Each stage is a file target: re-running skips what is done.
 SFT_STEPS ?= 36
 SFT_ACCUM ?= 4
 GRPO_STEPS ?= 3
@@ -52,7 +52,7 @@ $(OUT)/stepgrpo/final/config.json: $(OUT)/sft/final/config.json stepgrpo.py
 
 $(OUT)/eval/%/results.json: $(OUT)/stepgrpo/final/config.json
 	$(PY) evaluate.py --model $(if $(filter prompt-only,$*),$(MODEL),$(OUT)/$*/final) --name $* \
-		$(if $(filter prompt-only,$*),,--methods routed) $(EVAL_FLAGS) --out $(OUT)/eval/$*
+		$(if $(filter prompt-only,$*),--few_shot 3) $(if $(filter stepgrpo,$*),--methods routed) $(EVAL_FLAGS) --out $(OUT)/eval/$*
 
 demo: $(OUT)/eval/prompt-only/results.json $(OUT)/eval/sft/results.json $(OUT)/eval/stepgrpo/results.json
 	$(PY) corpus.py --check $(DATA)

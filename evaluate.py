@@ -7,8 +7,11 @@ evaluate.py: score R1-Router trajectories and write the report (results.json, ta
     python evaluate.py --paired out/eval/sft-test/trajectories-routed.jsonl out/eval/grpo-test/trajectories-routed.jsonl
 
 Methods (each on the same retrievers and model): routed (the model routes: R1-Router), no_retrieval, single_rag
-(the question searches every KB once; all evidence in one prompt), iterretgen (step-wise, but every sub-question
-searches every KB: fixed routing), oracle (the model's sub-questions, the gold KB at each gold step).
+(the question searches every KB once; all evidence in one prompt), iterretgen (IterRetGen, Shao et al. 2023: a fixed
+pipeline, --iters rounds of searching every KB with the question plus the previous round's generation, then
+answering; no step format), every_kb (the step format, but every sub-question searches every KB: routing removed),
+oracle (the model's sub-questions, the gold KB at each gold step). --few_shot K starts the step-format methods'
+prompts with K worked gold trajectories of the train split (prompting baselines; the rows are named method+Kshot).
 
 --probe N: routing as a distribution (route_probe below): N routes sampled at every golden prefix, counted against
 the gold decision there; written to route_probe.json and routing_confusion_probe.png.
@@ -350,17 +353,30 @@ def write_report(results, out_dir, title="R1-Router evaluation"):
 # ----------------------------------------------------------------------------------------------------------------
 # Running the methods
 
-METHODS = ("routed", "no_retrieval", "single_rag", "iterretgen", "oracle")
+METHODS = ("routed", "no_retrieval", "single_rag", "iterretgen", "every_kb", "oracle")
+STEP_FORMAT = ("routed", "every_kb", "oracle")  # the methods whose model writes R1-Router's step format
 
-def run_method(method, engine, retriever, questions, settings, seed=0):
+def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, shots=None):
+    """One method's trajectories. iters: IterRetGen's iterations; shots: few-shot conversation (few_shot_prefix) the
+    step-format methods start from."""
     import rollout
     from dataclasses import replace
-    if method == "no_retrieval":
-        return rollout.answer_directly(engine, retriever, questions, (), settings, seed)
-    if method == "single_rag":
-        return rollout.answer_directly(engine, retriever, questions, ("text", "table", "image"), settings, seed)
-    mode = {"routed": "model", "iterretgen": "all", "oracle": "oracle"}[method]
-    return rollout.rollout(engine, retriever, questions, 1, replace(settings, route_mode=mode), seed)
+    if method in ("no_retrieval", "single_rag", "iterretgen"):
+        kbs = () if method == "no_retrieval" else KBS
+        return rollout.answer_directly(engine, retriever, questions, kbs, settings, seed, iters if method == "iterretgen" else 1)
+    mode = {"routed": "model", "every_kb": "all", "oracle": "oracle"}[method]
+    return rollout.rollout(engine, retriever, questions, 1, replace(settings, route_mode=mode), seed, shots=shots)
+
+def few_shot_examples(questions, k):
+    """k questions (of a training split) for few-shot prompts: in order, each one whose gold steps use a KB the
+    earlier ones did not, so the examples show every KB they can."""
+    chosen, seen = [], set()
+    for q in questions:
+        kbs = {s["kb"] for s in q["steps"]}
+        if len(chosen) < k and kbs - seen and all(s["sub_question"] for s in q["steps"]):
+            chosen.append(q)
+            seen |= kbs
+    return chosen
 
 def route_probe(engine, retriever, questions, settings, n=8, seed=0):
     """Routing as a distribution (--probe): at every golden prefix (the gold trajectory up to one of its routing
@@ -406,6 +422,9 @@ if __name__ == "__main__":
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--iters", type=int, default=3, help="IterRetGen's retrieve-generate rounds")
+    ap.add_argument("--few_shot", type=int, default=0,
+                    help="worked gold trajectories (train split) before each question in the step-format methods")
     ap.add_argument("--max_active", type=int, default=64, help="trajectories in flight (lower it for long evidence: KV cache)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="report folder (default out/eval/<name>-<split>)")
@@ -450,12 +469,18 @@ if __name__ == "__main__":
         sys.exit(f"error: {args.model}: not a model folder (run `python rollout.py prepare` for the default)")
     engine = rollout.make_engine(args.backend, args.model, seed=args.seed)
     settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, max_active=args.max_active)
+    shots = None
+    if args.few_shot:
+        examples = few_shot_examples(corpus.load_questions(args.data, "train"), args.few_shot)
+        shots = rollout.few_shot_prefix(engine.tok, ret, examples, settings)
+        print(f"--few_shot {args.few_shot}: {len(examples)} train questions as worked examples ({len(shots)} tokens)")
     results = {}
     from tqdm import tqdm
     for method in tqdm(args.methods, desc=f"evaluating {name} on {len(qs)} {args.split} questions"):
         t = time.perf_counter()
-        trajs = run_method(method, engine, ret, qs, settings, args.seed)
-        results[f"{name}/{method}"] = dict(score(trajs), seconds=round(time.perf_counter() - t, 1))
+        trajs = run_method(method, engine, ret, qs, settings, args.seed, args.iters, shots)
+        label = f"{method}+{args.few_shot}shot" if shots and method in STEP_FORMAT else method
+        results[f"{name}/{label}"] = dict(score(trajs), seconds=round(time.perf_counter() - t, 1))
         write_jsonl(out / f"trajectories-{method}.jsonl", [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in trajs])
     if args.probe:
         out.mkdir(parents=True, exist_ok=True)

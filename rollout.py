@@ -87,9 +87,11 @@ class Transcript:
         self.mask += [1] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
 
-def start_transcript(fmt, question):
+def start_transcript(fmt, question, shots=None):
+    """The system prompt and the question (after the few-shot conversation `shots`, if given: few_shot_prefix)."""
     tr = Transcript()
-    tr.add_context(fmt.ids(fmt.prefix_tpl[0] + question + fmt.prefix_tpl[1]))
+    tr.add_context(shots + fmt.ids(fmt.user_open + question + fmt.user_close) if shots
+                   else fmt.ids(fmt.prefix_tpl[0] + question + fmt.prefix_tpl[1]))
     return tr
 
 def evidence_text(kb, docs):
@@ -330,22 +332,23 @@ class Settings:
     answer_tokens: int = 96     # max new tokens of an answer step
     temperature: float = 1.0
     top_p: float = 1.0
-    route_mode: str = "model"   # model | oracle (gold KB at each gold step) | all (every KB, IterRetGen-style)
+    route_mode: str = "model"   # model | oracle (gold KB at each gold step) | all (every KB: evaluate.py every_kb)
     max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
 
 def fits(engine, ids, max_tokens):
     """Whether a prompt plus max_tokens new tokens fits the engine's context (engines without max_len: always)."""
     return getattr(engine, "max_len", None) is None or len(ids) + max_tokens <= engine.max_len
 
-def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_prompt=SYSTEM_PROMPT):
-    """questions: rows of corpus.load_questions. Returns len(questions) * n trajectory dicts (question-major)."""
+def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_prompt=SYSTEM_PROMPT, shots=None):
+    """questions: rows of corpus.load_questions. Returns len(questions) * n trajectory dicts (question-major).
+    shots: token ids of worked examples every transcript starts with (few_shot_prefix; prompting baselines)."""
     fmt = ChatFormat(engine.tok, system_prompt.format(max_steps=s.max_steps))
     trajs = []
     for q in questions:
         for k in range(n):
             trajs.append(dict(qid=q["id"], sample=k, question=q["question"], answers=q["answers"], type=q.get("type", ""),
                               gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True, error="",
-                              overflow=False, tr=start_transcript(fmt, q["question"]), phase="route"))
+                              overflow=False, tr=start_transcript(fmt, q["question"], shots), phase="route"))
     if seed is not None:  # engines sample with torch's default generator (see VLLMEngine.generate)
         torch.manual_seed(seed)
 
@@ -445,41 +448,65 @@ def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None):
                                                                                    route_mode="model"), seed)
     return golds, [(x, sp, x["ids"][:sp["start"]]) for x in golds for sp in x["spans"]]
 
-def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=None):
-    """Baselines without routing: no retrieval (kbs=()), or single-shot RAG (the question itself searches every KB in
-    `kbs` once, and all evidence goes in one user turn). Same trajectory dicts as rollout()."""
+def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM_PROMPT):
+    """Token ids of a chat that opens with the gold trajectories of `examples` (GoldPolicy through the real loop and
+    retrieval) as earlier exchanges: the system prompt, then each example's question, steps, evidence and answer.
+    rollout(..., shots=...) puts each question after it, so a model never trained on the step format sees it done."""
+    from dataclasses import replace
+    fmt = ChatFormat(tok, system_prompt.format(max_steps=s.max_steps))
+    golds = rollout(GoldPolicy(tok, examples), retriever, examples, 1, replace(s, route_mode="model"), 0, system_prompt)
+    ids = []
+    for k, (q, x) in enumerate(zip(examples, golds)):
+        head = len(fmt.ids(fmt.prefix_tpl[0] + q["question"] + fmt.prefix_tpl[1]))  # system prompt + question
+        ids += x["ids"] if k == 0 else fmt.ids(fmt.user_open + q["question"] + fmt.user_close) + x["ids"][head:]
+    return ids
+
+def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=None, iters=1):
+    """Baselines without routing: no retrieval (kbs=()), single-shot RAG (the question searches every KB in `kbs` once,
+    all evidence in one user turn), or, with iters > 1, IterRetGen (Shao et al., 2023): iteration t searches every KB
+    with the question plus iteration t-1's generation and answers again from the new evidence; the last answer counts.
+    No step format: every search is a step of the trajectory (iters x KBs retrievals) whose sub-question is the query.
+    Same trajectory dicts as rollout(); ids/mask/logprobs are the last iteration's, n_policy_tokens all of them."""
     evidence_hint = "Use the retrieved evidence. " if kbs else ""
     fmt = ChatFormat(engine.tok, DIRECT_PROMPT.format(evidence=evidence_hint))
-    trajs, t0 = [], time.perf_counter()
-    hits = {kb: retriever.search([q["question"] for q in questions], kb, s.topk) for kb in kbs}
-    t_ret = (time.perf_counter() - t0) / max(1, len(questions))
-    for i, q in enumerate(questions):
-        tr = Transcript()
-        text = q["question"] + "".join("\n\n" + evidence_text(kb, hits[kb][i]) for kb in kbs)
-        tr.add_context(fmt.ids(fmt.prefix_tpl[0] + text + fmt.prefix_tpl[1]))
-        steps = [dict(sub_question=q["question"], kb=kb, retrieved=[d["id"] for d in hits[kb][i]], answer=None) for kb in kbs]
-        trajs.append(dict(qid=q["id"], sample=0, question=q["question"], answers=q["answers"], type=q.get("type", ""),
-                          gold_steps=q.get("steps", []), steps=steps, final_answer=None, format_ok=True, error="",
-                          overflow=False, tr=tr, timings=dict(generate=0.0, retrieve=t_ret)))
-    t = time.perf_counter()
-    fit = [fits(engine, x["tr"].ids, s.answer_tokens) for x in trajs]
-    ok = [x for x, f in zip(trajs, fit) if f]
-    for x, f in zip(trajs, fit):
-        if not f:  # all the evidence does not fit the context: no answer
-            n = len(x.pop("tr").ids)
-            x.update(overflow=True, error=f"{n} context + {s.answer_tokens} new tokens exceed the engine's max_len {engine.max_len}",
-                     ids=[], mask=[], logprobs=[], spans=[], n_policy_tokens=0)
-    outs = engine.generate([x["tr"].ids for x in ok], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed)
-    for x, (ids, lps) in zip(ok, outs):
-        x["timings"]["generate"] = (time.perf_counter() - t) / len(trajs)
-        tr = x.pop("tr")
-        tr.add_policy(ids, lps, "final", 0)
-        text = engine.tok.decode(ids, skip_special_tokens=True)
-        a = reward.parse_answer(text)
-        # a baseline has no step format to fail: without <answer> tags its whole text (tags removed) is the answer
-        answer = a.answer if a.ok else " ".join(re.sub(r"</?[a-z-]+>", " ", text).split())
-        x.update(final_answer=answer or None, format_ok=bool(answer), error="" if answer else "empty answer",
-                 ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, n_policy_tokens=sum(tr.mask))
+    trajs = [dict(qid=q["id"], sample=0, question=q["question"], answers=q["answers"], type=q.get("type", ""),
+                  gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True, error="", overflow=False,
+                  ids=[], mask=[], logprobs=[], spans=[], n_policy_tokens=0, timings=dict(generate=0.0, retrieve=0.0))
+             for q in questions]
+    queries = [q["question"] for q in questions]
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        hits = {kb: retriever.search(queries, kb, s.topk) for kb in kbs}
+        t_ret, todo = (time.perf_counter() - t0) / max(1, len(questions)), []
+        for i, (q, x) in enumerate(zip(questions, trajs)):
+            x["timings"]["retrieve"] += t_ret
+            x["steps"] += [dict(sub_question=queries[i], kb=kb, retrieved=[d["id"] for d in hits[kb][i]], answer=None)
+                           for kb in kbs]
+            tr = Transcript()
+            tr.add_context(fmt.ids(fmt.prefix_tpl[0] + q["question"] +
+                                   "".join("\n\n" + evidence_text(kb, hits[kb][i]) for kb in kbs) + fmt.prefix_tpl[1]))
+            if x["overflow"]:
+                continue
+            if fits(engine, tr.ids, s.answer_tokens):
+                todo.append((i, tr))
+            else:  # the evidence does not fit the context: no answer
+                x.update(overflow=True, final_answer=None, ids=[], mask=[], logprobs=[], spans=[],
+                         error=f"{len(tr.ids)} context + {s.answer_tokens} new tokens exceed the engine's max_len {engine.max_len}")
+        t = time.perf_counter()
+        outs = engine.generate([tr.ids for _, tr in todo], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed)
+        for (i, tr), (ids, lps) in zip(todo, outs):
+            x = trajs[i]
+            x["timings"]["generate"] += (time.perf_counter() - t) / len(trajs)
+            tr.add_policy(ids, lps, "final", 0)
+            text = engine.tok.decode(ids, skip_special_tokens=True)
+            a = reward.parse_answer(text)
+            # a baseline has no step format to fail: without <answer> tags its whole text (tags removed) is the answer
+            plain = " ".join(re.sub(r"</?[a-z-]+>", " ", text).split())
+            answer = a.answer if a.ok else plain
+            x.update(final_answer=answer or None, format_ok=bool(answer), error="" if answer else "empty answer",
+                     ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans,
+                     n_policy_tokens=x["n_policy_tokens"] + len(ids))
+            queries[i] = f"{questions[i]['question']} {plain}".strip()  # IterRetGen's next query: question + generation
     return trajs
 
 # ----------------------------------------------------------------------------------------------------------------

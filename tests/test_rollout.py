@@ -182,3 +182,36 @@ def test_direct_baselines(tiny_index, retriever, hf_engine):
         assert y["steps"][0]["retrieved"] == [d["id"] for d in retriever.search([q["question"]], "text", 3)[0]]
         ans = x["final_answer"] or ""
         assert ans == " ".join(ans.split()) and "<" not in ans and x["format_ok"] == bool(ans)
+
+def test_iterretgen_searches_with_the_previous_generation(tiny_index, retriever, hf_engine):
+    # IterRetGen is a fixed pipeline, whatever the model writes: round 1 searches every KB with the question, round 2
+    # with the question plus round 1's generation; one round is single-shot RAG
+    qs = corpus.load_questions(tiny_index, "dev")[:4]
+    s = rollout.Settings(answer_tokens=12)  # sampled (seeded): the tiny random model's greedy text decodes to nothing
+    one = rollout.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s, seed=0, iters=1)
+    two = rollout.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s, seed=0, iters=2)
+    for q, x, y in zip(qs, one, two):
+        assert [st["kb"] for st in y["steps"]] == ["text", "table", "image"] * 2 and y["steps"][:3] == x["steps"]
+        query = f"{q['question']} {x['final_answer']}"  # a random model writes no <answer> tags: its text is the answer
+        assert all(st["sub_question"] == query for st in y["steps"][3:])
+        assert [st["retrieved"] for st in y["steps"][3:]] == [[d["id"] for d in retriever.search([query], kb, 3)[0]]
+                                                               for kb in ("text", "table", "image")]
+        assert x["final_answer"] and y["n_policy_tokens"] == x["n_policy_tokens"] + sum(y["mask"])
+
+def test_few_shot_prefix_puts_worked_examples_before_the_question(tiny_index, retriever, hf_engine):
+    import evaluate
+    train = corpus.load_questions(tiny_index, "train")
+    examples = evaluate.few_shot_examples(train, 3)
+    assert {s["kb"] for q in examples for s in q["steps"]} == {"text", "table", "image"}
+    shots = rollout.few_shot_prefix(hf_engine.tok, retriever, examples)
+    text = hf_engine.tok.decode(shots)
+    assert text.count(rollout.SYSTEM_PROMPT.format(max_steps=3)) == 1
+    for q in examples:  # each example: its question, every gold sub-question and its final answer
+        assert q["question"] in text and q["answers"][0] in text
+        assert all(st["sub_question"] in text for st in q["steps"])
+    qs = corpus.load_questions(tiny_index, "dev")[:2]
+    s = rollout.Settings(temperature=0.0, route_tokens=8)
+    for x in rollout.rollout(hf_engine, retriever, qs, 1, s, shots=shots):
+        assert x["ids"][:len(shots)] == shots and not any(x["mask"][:len(shots)])
+        assert x["spans"][0]["start"] > len(shots)
+        assert hf_engine.tok.decode(x["ids"][len(shots):x["spans"][0]["start"]]).count(x["question"]) == 1
