@@ -68,9 +68,11 @@ test-gpu:
 	test -f $(MODEL)/config.json || $(GPU_PY) rollout.py prepare --model $(MODEL)
 	$(GPU_PY) -m pytest -q -rs tests/test_gpu.py
 
+# BENCH_MODEL=out/demo/sft/final: a policy that writes the step format runs whole trajectories in both structures
+BENCH_MODEL ?= $(MODEL)
 bench: $(DATA)/index/meta.json $(MODEL)/config.json
 	$(PY) retrievers.py bench --data $(DATA) --methods dense bm25 hybrid
-	$(PY) rollout.py bench --model $(MODEL) --data $(DATA) --n_questions 32 -n 4
+	$(PY) rollout.py bench --model $(BENCH_MODEL) --data $(DATA) --n_questions 32 -n 4 --structure both
 
 # Peak memory of each Step-GRPO phase (rollout, update, sync, checkpoint) per rank: 2 gloo ranks, 2 steps from the main
 # job's SFT checkpoint; the closing line prints it (on GPUs, the same stepgrpo.py command under torchrun there)

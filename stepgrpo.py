@@ -67,6 +67,8 @@ def get_args(argv=None):
     ap.add_argument("--batch_questions", type=int, default=16, help="questions per step, over all ranks")
     ap.add_argument("-n", "--group_size", type=int, default=8, help="samples per golden-prefix step or per question")
     ap.add_argument("--max_steps", type=int, default=3, help="sub-questions per trajectory (R1-Router: 3)")
+    ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
+                    help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--topk", type=int, default=3, help="evidence documents per sub-question")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
@@ -236,7 +238,7 @@ STATS = ("route_r", "kb_acc", "answer_r", "outcome", "format_ok", "overflow", "r
 def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens."""
     s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=ROUTE_TOKENS,
-                         answer_tokens=ANSWER_TOKENS, temperature=args.temperature)
+                         answer_tokens=ANSWER_TOKENS, temperature=args.temperature, structure=args.structure)
     trajs = rollout.rollout(engine, retriever, qs, n=args.group_size, s=s, seed=seed)
     rows, stats = [], {k: [] for k in STATS}
     stats["retrieve_s"] = sum(x["timings"]["retrieve"] for x in trajs)
@@ -248,7 +250,9 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
         adv = group_advantages([x["spans"] for x in group], [r for r, _ in scored], [o for _, o in scored],
                                args.reward, scale)
         for x, (r, o), a in zip(group, scored, adv):
-            rows.append(dict(ids=x["ids"], mask=x["mask"], old=x["logprobs"], adv=token_advantages(len(x["ids"]), x["spans"], a)))
+            adv_tok = token_advantages(len(x["ids"]), x["spans"], a)
+            rows += [dict(ids=x["ids"][c:d], mask=x["mask"][c:d], old=x["logprobs"][c:d], adv=adv_tok[c:d])
+                     for c, d in x["segments"] if any(x["mask"][c:d])]  # a row per chat (one unless released)
             stats["route_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "route"]
             stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
             stats["outcome"].append(o)
@@ -269,7 +273,8 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
     on routing steps). r: reward.score_route for a routing step against the gold step there; w_format [parses] +
     answer_reward for an answer step (the gold intermediate answer) or the final answer (the gold answers)."""
     t0 = time.perf_counter()  # the gold policy writes its steps at no cost: this is retrieval time
-    _, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, rollout.Settings(max_steps=args.max_steps, topk=args.topk))
+    _, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, rollout.Settings(max_steps=args.max_steps, topk=args.topk,
+                                                                                     structure=args.structure))
     stats = {k: [] for k in STATS}
     stats["retrieve_s"] = time.perf_counter() - t0  # no "retrievals": a prefix's retrievals are the gold's, not the policy's
     rows = []  # one packed row per group
@@ -360,7 +365,8 @@ def micro_batches(rows, args, pad_id, device):
     n_micro = torch.tensor([max(1, math.ceil(len(live) / args.micro_batch))], device=device)
     dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
     chunks = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
-    micro = [collate(m or rows[:1], pad_id, device) + (float(bool(m)),) for m in chunks]
+    stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2)]  # no rows: nothing fit
+    micro = [collate(m or stand_in, pad_id, device) + (float(bool(m)),) for m in chunks]
     count = sum(sum(s["mask"]) for s in rows) if args.loss_norm == "token" else sum(s.get("n_seq", 1) for s in rows)
     denom = torch.tensor([count], dtype=torch.float64, device=device)
     dist.all_reduce(denom)
@@ -476,7 +482,7 @@ def dev_eval(engine, retriever, qs, args, rank, world):
     afterwards, so a run trains the same with or without it."""
     import evaluate
     rng = torch.get_rng_state(), random.getstate()
-    s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=0.0)
+    s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=0.0, structure=args.structure)
     mine = rollout.rollout(engine, retriever, qs[rank::world], 1, s, seed=0)
     torch.set_rng_state(rng[0])
     random.setstate(rng[1])

@@ -143,6 +143,8 @@ if __name__ == "__main__":
     ap.add_argument("--export_r1router", default=None, help="convert one of our trajectory files to R1-Router's format")
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--topk", type=int, default=3)
+    ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
+                    help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N questions of each split (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -156,8 +158,10 @@ if __name__ == "__main__":
         if not (Path(args.model) / "tokenizer_config.json").exists():
             sys.exit(f"error: {args.model}: no tokenizer there (run `python rollout.py prepare` for the default)")
         tok = AutoTokenizer.from_pretrained(args.model)
-        settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature)
-        gold_settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=1024, answer_tokens=1024)
+        settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
+                                    structure=args.structure)
+        gold_settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=1024, answer_tokens=1024,
+                                         structure=args.structure)
         if args.r1router:
             qs, ret = read_r1router(args.r1router)
             trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, s=gold_settings)

@@ -92,6 +92,39 @@ def test_a_trajectory_that_outgrows_the_context_ends_alone(tiny_index, retriever
         else:
             assert y["overflow"] and "exceed the engine's max_len" in y["error"] and y["ids"] == []
 
+def test_released_structure_gives_each_step_its_own_chat(tiny_index, retriever, hf_engine):
+    # R1-Router's released structure through the real loop: the gold policy's steps and answers are unchanged, and each
+    # step is one chat: routing holds the question and earlier pairs but no passages, answering holds the passages and
+    # the sub-question but not the question, the final chat holds the pairs
+    tok = hf_engine.tok
+    qs = corpus.load_questions(tiny_index, "train")[:12]
+    trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), retriever, qs, s=rollout.Settings(structure="released"))
+    for q, x in zip(qs, trajs):
+        assert x["format_ok"] and x["final_answer"] == q["answers"][0]
+        assert [s["kb"] for s in x["steps"]] == [s["kb"] for s in q["steps"]]
+        assert len(x["segments"]) == len(x["spans"]) and x["segments"][-1][1] == len(x["ids"])
+        in_span = [0] * len(x["ids"])
+        for (a, b), sp in zip(x["segments"], x["spans"]):  # one policy span a chat, at its end
+            in_span[sp["start"]:sp["end"]] = [1] * (sp["end"] - sp["start"])
+            chat = tok.decode(x["ids"][a:sp["start"]])
+            system = {"route": rollout.RELEASED_ROUTE_PROMPT, "answer": rollout.RELEASED_ANSWER_PROMPT,
+                      "final": rollout.RELEASED_FINAL_PROMPT}[sp["kind"]]
+            assert chat.count("<|im_start|>system") == 1 and system in chat and a <= sp["start"] < sp["end"] <= b
+            earlier = x["steps"][:sp["step"]]
+            if sp["kind"] == "answer":
+                st = x["steps"][sp["step"]]
+                assert chat.endswith(f"to the Question: {st['sub_question']}<|im_end|>\n<|im_start|>assistant\n")
+                assert "Origin question" not in chat
+                assert all(d["contents"] in chat for d in retriever.search([st["sub_question"]], st["kb"], 3)[0])
+            else:
+                assert f"Origin question: {x['question']}" in chat and "-0: " not in chat  # no passages
+                assert all(f"Sub-question{k + 1}: {e['sub_question']}\nAnswer{k + 1}: {e['answer']}" in chat
+                           for k, e in enumerate(earlier))
+        assert in_span == x["mask"]
+    _, prefixes = rollout.golden_prefixes(tok, retriever, qs, rollout.Settings(structure="released"))
+    assert all(tok.decode(ids).startswith("<|im_start|>system") and tok.decode(ids).count("<|im_start|>system") == 1
+               for _, _, ids in prefixes)
+
 def test_max_steps_forces_the_final_answer(tiny_index, retriever, hf_engine):
     qs = [q for q in corpus.load_questions(tiny_index, "train") if q["type"] == "3hop"][:3]
     trajs = rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs), retriever, qs, s=rollout.Settings(max_steps=2))

@@ -291,3 +291,14 @@ def test_gpu_budget_of_a_7b_run():
     assert trainutil.gpu_budget_error(80 * gib, 4 * P / 8, 4 * P / 8, 0.5) is None
     error = trainutil.gpu_budget_error(80 * gib, 4 * P / 2, 4 * P / 2, 0.5, device=1)
     assert error.startswith("error: GPU 1 (80.0 GiB) cannot hold the vLLM engine (50%: 40.0 GiB)") and "Adam state 28.3 GiB" in error
+
+def test_a_released_structure_trajectory_gives_one_row_a_chat(tiny_index, tok, tmp_path):
+    # synth.py --structure released writes each trajectory with its chats' boundaries: sft trains on each chat alone
+    ret = retrievers.Retriever(tiny_index, "bm25")
+    qs = corpus.load_questions(tiny_index, "train")[:6]
+    trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, s=rollout.Settings(structure="released"))
+    corpus.write_jsonl(tmp_path / "train.jsonl", trajs)
+    rows = sft.load_rows(tmp_path / "train.jsonl", 4096, 10**9)
+    assert rows == [(x["ids"][a:b], x["mask"][a:b]) for x in trajs for a, b in x["segments"]]
+    assert len(rows) == sum(len(x["spans"]) for x in trajs)
+    assert all(tok.decode(ids).count("<|im_start|>system") == 1 for ids, _ in rows)

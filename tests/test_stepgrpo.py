@@ -269,10 +269,12 @@ def common(model, data, out):
 def records(out):
     return [json.loads(l) for l in open(Path(out) / "log.jsonl")]
 
-@pytest.mark.parametrize("mode", ["teacher_prefix", "onpolicy"])
-def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_index, mode):
+@pytest.mark.parametrize("mode,structure", [("teacher_prefix", "transcript"), ("onpolicy", "transcript"),
+                                            ("onpolicy", "released")])
+def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_index, mode, structure):
     out = tmp_path / "run"
-    run(common(tiny_model_dir, tiny_index, out) + ["--rollout", mode, "--train_steps", "2", "--check_sync", "--dtype", "fp32"],
+    run(common(tiny_model_dir, tiny_index, out) + ["--rollout", mode, "--structure", structure, "--train_steps", "2",
+                                                   "--check_sync", "--dtype", "fp32"],
         nproc=2)
     recs = records(out)
     assert [r["step"] for r in recs] == [1, 2]
@@ -364,7 +366,7 @@ def teacher_setup(tiny_index, spans="route"):
     tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
     qs = corpus.load_questions(tiny_index, "train")[:6]
     ret = retrievers.Retriever(tiny_index, "bm25")
-    args = Namespace(max_steps=3, topk=3, temperature=1.0, group_size=2, teacher_spans=spans)
+    args = Namespace(max_steps=3, topk=3, temperature=1.0, group_size=2, teacher_spans=spans, structure="transcript")
     return tok, qs, ret, args, rollout.golden_prefixes(tok, ret, qs)[1]
 
 def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
@@ -402,6 +404,23 @@ def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, e
     assert st["route_r"] == pytest.approx([1.2] * 2 * fits)
     assert all(seg_start + stepgrpo.ROUTE_TOKENS <= eng.max_len
                for s in seqs for seg_start in [s["seg"].index(0) + 1])
+
+def test_released_structure_trains_on_one_row_a_chat(tiny_index, encoder):
+    # onpolicy rows and teacher-prefix groups of the released structure: every row is one single-turn chat that opens
+    # with its own system prompt, and the rows hold exactly the trajectories' policy tokens
+    import rollout
+    tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
+    args.structure, args.rollout, args.reward = "released", "onpolicy", "step"
+    w = stepgrpo.Weights()
+    rows, _ = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, w, seed=0)
+    golds = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, 2, rollout.Settings(max_steps=3, topk=3, structure="released"))
+    assert len(rows) == sum(len(x["segments"]) for x in golds) and sum(sum(r["mask"]) for r in rows) == sum(x["n_policy_tokens"] for x in golds)
+    for r in rows:
+        text = tok.decode(r["ids"])
+        assert text.startswith("<|im_start|>system") and text.count("<|im_start|>system") == 1
+    seqs, _ = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, w, seed=0)
+    assert len(seqs) == sum(len(x["spans"]) for x in golds[::2])
+    assert all(tok.decode(s["ids"]).count("<|im_start|>system") == 1 for s in seqs)
 
 def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, encoder):
     # an engine that, past the first step, re-asks the previous gold sub-question: exactly those route completions are
