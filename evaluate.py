@@ -5,6 +5,7 @@ evaluate.py: score R1-Router trajectories and write the report (results.json, ta
     python evaluate.py --methods routed oracle --n_questions 100 --backend hf --out out/eval/quick
     python evaluate.py --model out/sft/final --methods --probe 8 --n_questions 100    # the route probe alone
     python evaluate.py --paired out/eval/sft-test/trajectories-routed.jsonl out/eval/grpo-test/trajectories-routed.jsonl
+    python evaluate.py ... --structure released --protocol released   # R1-Router's released step structure and evaluation
 
 Methods (each on the same retrievers and model): routed (the model routes: R1-Router), no_retrieval, single_rag
 (the question searches every KB once; all evidence in one prompt), iterretgen (IterRetGen, Shao et al. 2023: a fixed
@@ -405,6 +406,8 @@ if __name__ == "__main__":
     import sys
     import time
 
+    from dataclasses import replace
+
     import retrievers
     import rollout
     from corpus import write_jsonl
@@ -422,6 +425,10 @@ if __name__ == "__main__":
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--protocol", default="strict", choices=["strict", "released"],
+                    help="strict: one attempt a step, a malformed step is a format failure; released: R1-Router's "
+                         "evaluation (temperature 1, top-k 20, top-5 passages, 5 tries a route then stop, 3 an answer "
+                         "then its raw text; sets --temperature and --topk)")
     ap.add_argument("--iters", type=int, default=3, help="IterRetGen's retrieve-generate rounds")
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
@@ -472,6 +479,8 @@ if __name__ == "__main__":
     engine = rollout.make_engine(args.backend, args.model, seed=args.seed)
     settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
                                 max_active=args.max_active, structure=args.structure)
+    if args.protocol == "released":
+        settings = replace(settings, temperature=1.0, top_k=20, topk=5, route_tries=5, answer_tries=3)
     if args.few_shot and args.structure == "released":
         sys.exit("error: --few_shot builds worked examples for --structure transcript only")
     shots = None

