@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test test-gpu bench bench-memory bench-trl vs-sft real real-eval clean
+.PHONY: setup demo test test-gpu bench bench-memory bench-trl vs-sft released real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -52,7 +52,7 @@ $(OUT)/stepgrpo/final/config.json: $(OUT)/sft/final/config.json stepgrpo.py
 
 $(OUT)/eval/%/results.json: $(OUT)/stepgrpo/final/config.json
 	$(PY) evaluate.py --model $(if $(filter prompt-only,$*),$(MODEL),$(OUT)/$*/final) --name $* \
-		$(if $(filter prompt-only,$*),--few_shot 3) $(if $(filter stepgrpo,$*),--methods routed) $(EVAL_FLAGS) --out $(OUT)/eval/$*
+		$(if $(filter prompt-only,$*),--few_shot 3 --protocol fallback) $(if $(filter stepgrpo,$*),--methods routed) $(EVAL_FLAGS) --out $(OUT)/eval/$*
 
 demo: $(OUT)/eval/prompt-only/results.json $(OUT)/eval/sft/results.json $(OUT)/eval/stepgrpo/results.json
 	$(PY) corpus.py --check $(DATA)
@@ -84,6 +84,11 @@ bench-memory: $(OUT)/sft/final/config.json
 SEEDS ?= 1 2 3
 vs-sft: $(DATA)/traj/train.jsonl
 	SEEDS="$(SEEDS)" PY=$(PY) bash runs/vs_sft.sh
+
+# R1-Router's released reward/loss, evaluation protocol and step structure against the recipe, from the main job's
+# checkpoints, on the whole test split with paired intervals, and both structures' rollout throughput (~1 h here)
+released: $(OUT)/stepgrpo/final/config.json
+	PY=$(PY) bash runs/released.sh
 
 # Real benchmarks read in place from REAL_SRC (a folder with hotpotqa/, musique/, wikitablequestions/, r1router/):
 # one data folder (text + table KBs), its indexes, then runs/real_eval.sh (README "Real data").

@@ -13,6 +13,11 @@ pipeline, --iters rounds of searching every KB with the question plus the previo
 answering; no step format), every_kb (the step format, but every sub-question searches every KB: routing removed),
 oracle (the model's sub-questions, the gold KB at each gold step). --few_shot K starts the step-format methods'
 prompts with K worked gold trajectories of the train split (prompting baselines; the rows are named method+Kshot).
+--protocol: strict (default: greedy, one try a step, a malformed step is a format failure and scores 0), fallback
+(one try, then a malformed route stops and a malformed answer counts as its raw text: what lets a prompted model
+that cannot always write the step format be scored), released (R1-Router's released evaluation, answer_generation.py:
+temperature 1, top-k 20, top-5 passages, 5 tries a route with its reminder after the third, 3 tries an answer, then
+the fallbacks). Rows of the step-format methods are named method+fallback / method+released.
 
 --probe N: routing as a distribution (route_probe below): N routes sampled at every golden prefix, counted against
 the gold decision there; written to route_probe.json and routing_confusion_probe.png.
@@ -425,10 +430,11 @@ if __name__ == "__main__":
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--protocol", default="strict", choices=["strict", "released"],
-                    help="strict: one attempt a step, a malformed step is a format failure; released: R1-Router's "
-                         "evaluation (temperature 1, top-k 20, top-5 passages, 5 tries a route then stop, 3 an answer "
-                         "then its raw text; sets --temperature and --topk)")
+    ap.add_argument("--protocol", default="strict", choices=["strict", "fallback", "released"],
+                    help="strict: one try a step, a malformed step is a format failure; fallback: one try, then a "
+                         "malformed route stops and a malformed answer is its raw text (prompting baselines); "
+                         "released: R1-Router's evaluation (temperature 1, top-k 20, top-5 passages, 5 tries a route "
+                         "with a reminder after the third, 3 an answer, then the fallbacks; sets --temperature, --topk)")
     ap.add_argument("--iters", type=int, default=3, help="IterRetGen's retrieve-generate rounds")
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
@@ -479,6 +485,8 @@ if __name__ == "__main__":
     engine = rollout.make_engine(args.backend, args.model, seed=args.seed)
     settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
                                 max_active=args.max_active, structure=args.structure)
+    if args.protocol != "strict":
+        settings = replace(settings, fallback=True)
     if args.protocol == "released":
         settings = replace(settings, temperature=1.0, top_k=20, topk=5, route_tries=5, answer_tries=3)
     if args.few_shot and args.structure == "released":
@@ -493,7 +501,8 @@ if __name__ == "__main__":
     for method in tqdm(args.methods, desc=f"evaluating {name} on {len(qs)} {args.split} questions"):
         t = time.perf_counter()
         trajs = run_method(method, engine, ret, qs, settings, args.seed, args.iters, shots)
-        label = f"{method}+{args.few_shot}shot" if shots and method in STEP_FORMAT else method
+        label = method + (f"+{args.few_shot}shot" if shots and method in STEP_FORMAT else "") + \
+            (f"+{args.protocol}" if args.protocol != "strict" and method in STEP_FORMAT else "")
         results[f"{name}/{label}"] = dict(score(trajs), seconds=round(time.perf_counter() - t, 1))
         write_jsonl(out / f"trajectories-{method}.jsonl", [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in trajs])
     if args.probe:

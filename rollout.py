@@ -512,8 +512,10 @@ class Settings:
     route_mode: str = "model"   # model | oracle (gold KB at each gold step) | all (every KB: evaluate.py every_kb)
     structure: str = "transcript"  # transcript (one growing chat) | released (a single-turn chat a step: ReleasedSteps)
     top_k: int = 0              # sampling top-k (0: off)
-    route_tries: int = 1        # attempts at a routing step before a format failure; > 1: R1-Router's released
-    answer_tries: int = 1       # evaluation, which then stops (routing) or takes the raw text (answers) instead
+    route_tries: int = 1        # attempts at a routing step (R1-Router's released evaluation: 5)
+    answer_tries: int = 1       # attempts at an answer step (released: 3)
+    fallback: bool = False      # out of attempts: stop routing / take the raw text as the answer (released), not a
+                                # format failure
     max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
 
 def fits(engine, ids, max_tokens):
@@ -559,9 +561,9 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True))
         if not r.ok and retry(x, s.route_tries):
             return
-        if not r.ok and s.route_tries == 1:
+        if not r.ok and not s.fallback:
             return fail(x, f"step {step + 1} route: {r.error}")
-        if not r.ok:  # out of retries in the released evaluation: stop routing
+        if not r.ok:  # out of tries: stop routing
             x["error"] += f"step {step + 1} route: {r.error} (stopped after {s.route_tries} tries); "
             r = reward.Route(ok=True, stop=True)
         x["tries"] = 0
@@ -576,9 +578,9 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
             x["phase"] = "search"
 
     def answer_or_retry(x, ids, where):
-        """The parsed answer, or None after a retry or a format failure; out of retries in the released evaluation,
-        the whole raw text is the answer (as answer_generation.py returns it; its second try's dropped system prompt
-        is not reproduced)."""
+        """The parsed answer, or None after a retry or a format failure; out of tries with s.fallback, the whole raw
+        text is the answer (as answer_generation.py returns it; its second try's dropped system prompt is not
+        reproduced)."""
         text = engine.tok.decode(ids, skip_special_tokens=True)
         a = reward.parse_answer(text)
         if a.ok:
@@ -586,7 +588,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
             return a
         if retry(x, s.answer_tries):
             return None
-        if s.answer_tries == 1:
+        if not s.fallback:
             return fail(x, f"{where}: {a.error}")
         x["error"] += f"{where}: {a.error} (raw text after {s.answer_tries} tries); "
         return reward.Answer(ok=True, answer=text.strip())

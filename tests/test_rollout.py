@@ -270,7 +270,7 @@ class Flaky(rollout.GoldPolicy):
 def test_released_evaluation_retries_reminds_and_falls_back(tiny_index, retriever, hf_engine):
     tok = hf_engine.tok
     qs = [q for q in corpus.load_questions(tiny_index, "train") if len(q["steps"]) == 2][:2]
-    s = rollout.Settings(route_tries=5, answer_tries=3)
+    s = rollout.Settings(route_tries=5, answer_tries=3, fallback=True)
     eng = Flaky(tok, qs, dict(route=4, answer=2))  # every step right at the last try but one: the gold trajectory
     for q, x in zip(qs, rollout.rollout(eng, retriever, qs, s=s)):
         assert x["format_ok"] and x["final_answer"] == q["answers"][0] and x["error"] == ""
@@ -284,3 +284,10 @@ def test_released_evaluation_retries_reminds_and_falls_back(tiny_index, retrieve
         assert "route" in x["error"] and "stopped after 5 tries" in x["error"] and "raw text after 3 tries" in x["error"]
     strict = rollout.rollout(Flaky(tok, qs, dict(route=1, answer=0)), retriever, qs)  # one try: a format failure
     assert all(not x["format_ok"] and x["error"].startswith("step 1 route") for x in strict)
+    # --protocol fallback: one try, then the released fallbacks (a malformed first route stops; the answer is raw)
+    eng = Flaky(tok, qs, dict(route=1, answer=1))
+    for x in rollout.rollout(eng, retriever, qs, s=rollout.Settings(fallback=True)):
+        assert x["format_ok"] and x["steps"] == [] and x["final_answer"] == "I am not sure."
+        assert x["error"] == "step 1 route: missing <think>...</think> (stopped after 1 tries); " \
+                             "final answer: missing <think>...</think> (raw text after 1 tries); "
+    assert len(eng.prompts) == 2 * len(qs)  # no second try
