@@ -562,13 +562,13 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         step = len(x["steps"])
         x["tr"].add_policy(ids, lps, "route", step)
         r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True))
-        if not r.ok and retry(x, s.route_tries):
-            return
-        if not r.ok and not s.fallback:
-            return fail(x, f"step {step + 1} route: {r.error}")
-        if not r.ok:  # out of tries: stop routing
+        if not r.ok:
+            if retry(x, s.route_tries):
+                return
+            if not s.fallback:
+                return fail(x, f"step {step + 1} route: {r.error}")
             x["error"] += f"step {step + 1} route: {r.error} (stopped after {s.route_tries} tries); "
-            r = reward.Route(ok=True, stop=True)
+            r = reward.Route(ok=True, stop=True)  # out of tries: stop routing
         x["tries"] = 0
         if s.route_mode == "oracle" and not r.stop:
             gold = x["gold_steps"]
