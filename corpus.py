@@ -9,13 +9,15 @@ memory: people, cities, countries, organisations and books with attributes and r
     data/<name>/kb/image.jsonl   {id, title, caption, path}                 PNG images drawn with PIL (kb/images/)
     data/<name>/questions/{train,dev,test}.jsonl
         {id, question, answers: [answer, *aliases], type, pattern, steps: [{sub_question, kb, doc_id, answer}]}
+    data/<name>/questions/visual_{train,dev,test}.jsonl   the same + image: "questions/images/vq12.png" (relative
+        to the data folder), a flag, logo or portrait of the image KB re-drawn; step 1 asks the image KB who is shown
 
 Each attribute lives in exactly one KB (birthplaces in text, currencies in tables, hair colours in portraits, ...),
 so routing is learnable from *what* a sub-question asks, while every entity type (and words like "year", "city",
 "colour") appears in several KBs, so it is not guessable from one keyword. `steps == []` means no retrieval needed.
 
 Run:
-    python corpus.py --world mini --out data/mini                 # ~4k documents, 5k questions, a few seconds
+    python corpus.py --world mini --out data/mini                 # ~4k documents, 5k + 900 visual questions, seconds
     python corpus.py --world mini --out data/big --n_people 5000 --n_train 20000
     python corpus.py --check data/mini                            # validate every file, report path:line errors
     python corpus.py --import_real /path/to/data --out data/real # the public benchmarks, same layout (0.5 s)
@@ -79,19 +81,22 @@ def write_atomic(path, data):
 def write_jsonl(path, rows):
     write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
-# required keys and their types, per file kind
+# required keys and their types, per file kind (a key ending in "?" is optional)
 SCHEMA = {
     "text": {"id": str, "title": str, "text": str},
     "table": {"id": str, "title": str, "header": list, "rows": list, "text": str},
     "image": {"id": str, "title": str, "caption": str, "path": str},
-    "question": {"id": str, "question": str, "answers": list, "type": str, "steps": list},
+    "question": {"id": str, "question": str, "answers": list, "type": str, "steps": list, "image?": str},
     "step": {"sub_question": str, "kb": str, "doc_id": str, "answer": str},
 }
 
 def check_row(row, kind, where):
-    for key, typ in SCHEMA[kind].items():
+    for spec, typ in SCHEMA[kind].items():
+        key = spec.rstrip("?")
+        if key not in row and spec.endswith("?"):
+            continue
         if key not in row:
-            raise DataError(f"{where}: missing field '{key}' (a {kind} row needs {list(SCHEMA[kind])})")
+            raise DataError(f"{where}: missing field '{key}' (a {kind} row needs {[k for k in SCHEMA[kind] if k[-1] != '?']})")
         if not isinstance(row[key], typ):
             raise DataError(f"{where}: field '{key}' should be {typ.__name__}, got {type(row[key]).__name__}")
     if kind == "question":
@@ -124,7 +129,15 @@ def load_kb(data_dir, kb):
     return rows
 
 def load_questions(data_dir, split):
-    return _load(Path(data_dir) / "questions" / f"{split}.jsonl", "question")
+    """Questions of one split, validated. A visual question's `image` becomes an absolute path to an existing file."""
+    path = Path(data_dir) / "questions" / f"{split}.jsonl"
+    rows = _load(path, "question")
+    for i, q in enumerate(rows):
+        if "image" in q:
+            q["image"] = str(Path(data_dir) / q["image"])
+            if not Path(q["image"]).is_file():
+                raise DataError(f"{path}: row {i + 1} (id {q['id']!r}): image file not found: {q['image']}")
+    return rows
 
 # ----------------------------------------------------------------------------------------------------------------
 # The fictional world
@@ -260,7 +273,8 @@ def linearise(t):
     """The text a retriever indexes for a table: title, header, then rows, cells joined by ' | '."""
     return " ; ".join([t["title"], " | ".join(t["header"])] + [" | ".join(r) for r in t["rows"]])
 
-def draw_image(kind, ent, path):
+def draw_image(kind, ent):
+    """The image-KB picture of an entity (a PIL image): a country's flag, an organisation's logo or a person's portrait."""
     from PIL import Image, ImageDraw
     if kind == "flag":
         f = ent["flag"]
@@ -284,7 +298,19 @@ def draw_image(kind, ent, path):
         if ent["glasses"]:
             for x in (34, 52):
                 d.ellipse((x, 36, x + 11, 46), outline=(10, 10, 10), width=2)
-    img.save(path)
+    return img
+
+def vary_image(img, rng):
+    """A KB picture re-drawn for a question, visibly different: rescaled, slightly rotated, framed, speckled."""
+    from PIL import Image, ImageOps
+    s = rng.uniform(1.2, 2.0)
+    img = img.resize((round(img.width * s), round(img.height * s)), Image.BILINEAR)
+    img = img.rotate(rng.uniform(-6, 6), Image.BILINEAR, fillcolor="white")  # same size: the corners are cut off
+    grey = rng.randint(60, 200)
+    img = ImageOps.expand(img, border=rng.randint(2, 6), fill=(grey, grey, grey))
+    for _ in range(img.width * img.height // 100):  # 1% of the pixels become specks of random colour
+        img.putpixel((rng.randrange(img.width), rng.randrange(img.height)), tuple(rng.randrange(256) for _ in range(3)))
+    return img
 
 def _shape(d, shape, centre, r, fill):
     import math
@@ -386,6 +412,24 @@ def entity_name(w, etype, e):
     ent = entities(w)[etype][e]
     return ent.get("name") or ent["title"]
 
+def follow(w, rels, etype, e, phrase, rng):
+    """Walk the relations `rels` from entity `e`, which the question calls `phrase`: (question, answers, steps), or None
+    when a hop does not apply (e.g. the person has no spouse)."""
+    steps = []
+    for rel in rels:
+        out = apply(w, rel, etype, e, rng)
+        if out is None:
+            return None
+        obj, doc, params = out
+        _, otype, kb, sub_tpl, np_tpl = RELATIONS[rel]
+        answers = obj if otype is None else [entity_name(w, otype, obj)]
+        steps.append(dict(sub_question=sub_tpl.format(s=entity_name(w, etype, e), **params), kb=kb, doc_id=doc,
+                          answer=answers[0]))
+        question = sub_tpl.format(s=phrase, **params)
+        phrase = np_tpl.format(s=phrase, **params) if np_tpl else None
+        etype, e = otype, obj
+    return question, answers, steps
+
 def chain_question(w, hops, rng):
     """A question of `hops` relations: pick the last (value) relation, then walk backwards to a start entity."""
     kb = rng.choice(KBS)  # choose the KB of the final hop first, so the three KBs are equally represented
@@ -393,25 +437,54 @@ def chain_question(w, hops, rng):
     while len(rels) < hops:  # prepend an entity-valued relation whose object is the next hop's subject
         options = [r for r, v in RELATIONS.items() if v[1] == RELATIONS[rels[0]][0]]
         rels.insert(0, rng.choice(options))
-    for _ in range(50):  # retry start entities until every hop applies (e.g. the person has a spouse)
-        etype, e = RELATIONS[rels[0]][0], rng.randrange(len(entities(w)[RELATIONS[rels[0]][0]]))
-        steps, phrase = [], entity_name(w, etype, e)
-        for rel in rels:
-            out = apply(w, rel, etype, e, rng)
-            if out is None:
-                break
-            obj, doc, params = out
-            subj, _, kb_, sub_tpl, np_tpl = RELATIONS[rel]
-            otype = RELATIONS[rel][1]
-            answers = obj if otype is None else [entity_name(w, otype, obj)]
-            steps.append(dict(sub_question=sub_tpl.format(s=entity_name(w, etype, e), **params), kb=kb_, doc_id=doc,
-                              answer=answers[0]))
-            question = sub_tpl.format(s=phrase, **params)
-            phrase = np_tpl.format(s=phrase, **params) if np_tpl else None
-            etype, e = otype, obj
-        else:
+    for _ in range(50):  # retry start entities until every hop applies
+        etype = RELATIONS[rels[0]][0]
+        e = rng.randrange(len(entities(w)[etype]))
+        if out := follow(w, rels, etype, e, entity_name(w, etype, e), rng):
+            question, answers, steps = out
             return dict(question=question, answers=answers, type=f"{hops}hop", steps=steps)
     return None
+
+# kind of image-KB picture -> (entity type, sub-question of the image step, how the question names the entity shown)
+VISUAL = {"flag": ("country", "Which country's flag is shown in the image?", "the country whose flag is shown"),
+          "logo": ("org", "Which organisation's logo is shown in the image?", "the organisation whose logo is shown"),
+          "portrait": ("person", "Who is the person in the portrait?", "the person in the portrait")}
+
+def visual_question(w, kind, e, rng):
+    """A question about the picture of entity `e`: step 1 asks the image KB who is shown, then 1 or 2 hops from there
+    as in chain_question (entity-valued relations, then a value relation)."""
+    etype, sub_question, phrase = VISUAL[kind]
+    kb, hops = rng.choice(KBS), rng.choice([1, 2])  # the KB of the final hop first, as in chain_question
+    values = [r for r, v in RELATIONS.items() if v[2] == kb and v[1] is None]
+    if hops == 1:  # not the shown entity's own image attributes: the picture itself answers those
+        options = [[r] for r in values if RELATIONS[r][0] == etype and kb != "image"]
+    else:
+        options = [[r, v] for r, x in RELATIONS.items() if x[0] == etype and x[1] for v in values if RELATIONS[v][0] == x[1]]
+    out = follow(w, rng.choice(options), etype, e, phrase, rng) if options else None
+    if out is None:
+        return None
+    question, answers, steps = out
+    first = dict(sub_question=sub_question, kb="image", doc_id=f"image-{kind}-{e}", answer=entity_name(w, etype, e))
+    return dict(question=question, answers=answers, type="visual", steps=[first, *steps])
+
+def make_visual_questions(w, pool, n, rng):
+    """n visual questions about the (kind, entity index) pictures in `pool`, no (question, entity) pair twice."""
+    out, seen = [], set()
+    for _ in range(200 * n if pool else 0):  # bounded: a small pool holds only so many distinct questions
+        if len(out) == n:
+            break
+        kind, e = rng.choice(pool)
+        q = visual_question(w, kind, e, rng)
+        if q is None or (q["question"], kind, e) in seen:
+            continue
+        seen.add((q["question"], kind, e))
+        q["pattern"] = ">".join(s["kb"] for s in q["steps"])
+        out.append(q)
+    if len(out) < n:
+        raise DataError(f"only {len(out)} distinct visual questions about the {len(pool)} uniquely drawn pictures, "
+                        f"{n} asked for; lower --n_visual_train/dev/test")
+    rng.shuffle(out)  # the sampler runs out of some kinds of question first: spread them evenly over the splits
+    return [dict(id=f"vq{i}", **q, image=f"questions/images/vq{i}.png") for i, q in enumerate(out)]
 
 def comparison_question(w, rng):
     """Two parallel lookups of the same attribute, then a comparison: the answer is one of the two names, or yes/no."""
@@ -479,17 +552,35 @@ def generate_mini(args):
     kbs = render_kbs(w)
     rng = random.Random(args.seed + 1)
     qs = make_questions(w, args.n_train + args.n_dev + args.n_test, rng)
+    splits = {"train": qs[:args.n_train], "dev": qs[args.n_train:args.n_train + args.n_dev], "test": qs[args.n_train + args.n_dev:]}
+    ents = {"portrait": w["people"], "flag": w["countries"], "logo": w["orgs"]}
+    pictures = {}  # (kind, entity index) -> its image-KB picture, in KB order
+    for doc in tqdm(kbs["image"], desc="drawing images", disable=args.quiet):
+        kind, i = doc["id"].split("-")[1:]
+        pictures[kind, int(i)] = draw_image(kind, ents[kind][int(i)])
+    # Visual questions come last, from their own generator, so the KBs and the text questions above do not move. A
+    # question image must identify its entity, so only pictures no other entity shares are shown: 1000 people have
+    # ~96 hair/shirt/glasses looks and 200 organisations 48 logos, so few portraits and logos qualify, most flags do.
+    owners = {}  # digest of the pixels -> the (kind, entity index) pairs drawn with them
+    for key, img in pictures.items():
+        owners.setdefault(hashlib.sha1(repr(img.size).encode() + img.tobytes()).hexdigest(), []).append(key)
+    pool = [keys[0] for keys in owners.values() if len(keys) == 1]
+    vrng = random.Random(args.seed + 2)
+    vqs = make_visual_questions(w, pool, args.n_visual_train + args.n_visual_dev + args.n_visual_test, vrng)
+    a, b = args.n_visual_train, args.n_visual_train + args.n_visual_dev
+    splits.update(visual_train=vqs[:a], visual_dev=vqs[a:b], visual_test=vqs[b:])
     out = Path(args.out)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")  # build everything aside, then swap in: never half-written
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "kb" / "images").mkdir(parents=True)
-    ents = {"portrait": w["people"], "flag": w["countries"], "logo": w["orgs"]}
-    for doc in tqdm(kbs["image"], desc="drawing images", disable=args.quiet):
-        kind, i = doc["id"].split("-")[1:]
-        draw_image(kind, ents[kind][int(i)], tmp / "kb" / doc["path"])
+    (tmp / "questions" / "images").mkdir(parents=True)
+    for doc, img in zip(kbs["image"], pictures.values()):
+        img.save(tmp / "kb" / doc["path"])
+    for q in tqdm(vqs, desc="drawing question images", disable=args.quiet):
+        kind, i = q["steps"][0]["doc_id"].split("-")[1:]
+        vary_image(pictures[kind, int(i)], vrng).save(tmp / q["image"])
     for kb in KBS:
         write_jsonl(tmp / "kb" / f"{kb}.jsonl", kbs[kb])
-    splits = {"train": qs[:args.n_train], "dev": qs[args.n_train:args.n_train + args.n_dev], "test": qs[args.n_train + args.n_dev:]}
     for split, rows in splits.items():
         write_jsonl(tmp / "questions" / f"{split}.jsonl", rows)
     (tmp / "world.json").write_text(json.dumps(dict(seed=args.seed, args=vars(args)), indent=1))
@@ -685,6 +776,9 @@ if __name__ == "__main__":
     ap.add_argument("--n_train", type=int, default=4000)
     ap.add_argument("--n_dev", type=int, default=500)
     ap.add_argument("--n_test", type=int, default=500)
+    ap.add_argument("--n_visual_train", type=int, default=600, help="questions about a picture (questions/visual_*.jsonl)")
+    ap.add_argument("--n_visual_dev", type=int, default=100)
+    ap.add_argument("--n_visual_test", type=int, default=200)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
     try:

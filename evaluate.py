@@ -392,15 +392,16 @@ def route_probe(engine, retriever, questions, settings, n=8, seed=0):
     it is what the route reward is the expectation of. Returns {"n", "probe_acc" (% of samples = gold), "by_gold"
     (that % per gold label), "confusion"}."""
     import rollout
-    _, prefixes = rollout.golden_prefixes(engine.tok, retriever, questions, settings, seed)
-    points = [(ids, x["gold_steps"][sp["step"]]["kb"] if sp["step"] < len(x["gold_steps"]) else STOP)
-              for x, sp, ids in prefixes if sp["kind"] == "route"]  # (prompt ids, gold label)
-    outs = engine.generate([ids for ids, _ in points for _ in range(n)], settings.route_tokens, 1.0, 1.0, ["</ret>"], seed)
+    _, prefixes = rollout.golden_prefixes(engine.tok, retriever, questions, settings, seed, getattr(engine, "vis", None))
+    points = [(ids, images, x["gold_steps"][sp["step"]]["kb"] if sp["step"] < len(x["gold_steps"]) else STOP)
+              for x, sp, ids, images in prefixes if sp["kind"] == "route"]  # (prompt ids, its images, gold label)
+    outs = engine.generate([ids for ids, _, _ in points for _ in range(n)], settings.route_tokens, 1.0, 1.0, ["</ret>"], seed,
+                           images=[im for _, im, _ in points for _ in range(n)])
     counts = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS]
     for k, (ids, _) in enumerate(outs):
         r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True))
         pred = (STOP if r.stop else r.kb) if r.ok else MISSING
-        counts[GOLD_LABELS.index(points[k // n][1])][PRED_LABELS.index(pred)] += 1
+        counts[GOLD_LABELS.index(points[k // n][2])][PRED_LABELS.index(pred)] += 1
     rate = lambda rows: 100 * sum(counts[i][PRED_LABELS.index(GOLD_LABELS[i])] for i in rows) / max(1, sum(sum(counts[i]) for i in rows))
     return {"n": n, "probe_acc": rate(range(len(GOLD_LABELS))),
             "by_gold": {g: rate([i]) if sum(counts[i]) else None for i, g in enumerate(GOLD_LABELS)},

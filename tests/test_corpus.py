@@ -1,8 +1,10 @@
 """corpus.py: determinism, schemas, internal consistency of the gold decompositions, images, loud errors on bad files."""
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -22,15 +24,32 @@ def tree_digest(folder):
             h.update(p.read_bytes())
     return h.hexdigest()
 
+def holds(kb, doc):
+    """The part of a document an answer must appear in."""
+    return {"text": doc.get("text"), "table": json.dumps(doc.get("rows")), "image": doc.get("caption")}[kb]
+
+VISUAL_SPLITS = ("visual_train", "visual_dev", "visual_test")
+
 def test_generation_is_deterministic_and_seed_dependent(tmp_path, tiny_world):
     corpus.generate_mini(tiny_world_args(tmp_path / "again"))
     corpus.generate_mini(tiny_world_args(tmp_path / "other", seed=1))
-    assert tree_digest(tmp_path / "again") == tree_digest(tiny_world)
+    assert tree_digest(tmp_path / "again") == tree_digest(tiny_world)  # visual questions and their images included
     assert tree_digest(tmp_path / "other") != tree_digest(tiny_world)
+    visual = lambda d: (d / "questions" / "visual_train.jsonl").read_bytes()
+    assert visual(tmp_path / "other") != visual(tiny_world) and visual(tiny_world).count(b"\n") == 30
+
+def test_visual_questions_leave_the_kbs_and_text_questions_unchanged(tmp_path, tiny_world):
+    plain = tmp_path / "plain"
+    corpus.generate_mini(tiny_world_args(plain, n_visual=(0, 0, 0)))
+    assert tree_digest(plain / "kb") == tree_digest(tiny_world / "kb")
+    for split in ("train", "dev", "test"):
+        assert (plain / "questions" / f"{split}.jsonl").read_bytes() == (tiny_world / "questions" / f"{split}.jsonl").read_bytes()
+    assert all(corpus.load_questions(plain, s) == [] for s in VISUAL_SPLITS)
 
 def test_files_follow_the_schema(tiny_world):
     counts = corpus.check(tiny_world)
     assert counts["train"] == 120 and counts["dev"] == 40 and counts["test"] == 40
+    assert (counts["visual_train"], counts["visual_dev"], counts["visual_test"]) == (30, 10, 10)
     assert all(counts[kb] > 0 for kb in corpus.KBS)
     for t in corpus.load_kb(tiny_world, "table"):
         assert all(len(r) == len(t["header"]) for r in t["rows"]), t["id"]
@@ -46,10 +65,8 @@ def test_gold_decompositions_are_consistent(tiny_world):
         for i, s in enumerate(q["steps"]):
             kb, doc = docs[s["doc_id"]]
             assert kb == s["kb"] and s["doc_id"].startswith(kb)
-            # the gold document really holds the intermediate answer
-            where = {"text": doc.get("text"), "table": json.dumps(doc.get("rows")), "image": doc.get("caption")}[kb]
-            if s["answer"] not in ("yes", "no"):
-                assert s["answer"] in where, (q["id"], s)
+            if s["answer"] not in ("yes", "no"):  # the gold document really holds the intermediate answer
+                assert s["answer"] in holds(kb, doc), (q["id"], s)
             if q["type"].endswith("hop") and i > 0:  # a chain: each sub-question names the previous answer
                 assert q["steps"][i - 1]["answer"] in s["sub_question"]
         if q["type"].endswith("hop"):
@@ -57,6 +74,52 @@ def test_gold_decompositions_are_consistent(tiny_world):
             assert len(q["steps"]) == int(q["type"][0])
         if q["type"] == "comparison":
             assert len(q["steps"]) == 2 and (q["answers"][0] in ("yes", "no") or q["answers"][0] in q["question"])
+
+def test_visual_questions_follow_their_picture(tiny_world):
+    docs = {d["id"]: (kb, d) for kb in corpus.KBS for d in corpus.load_kb(tiny_world, kb)}
+    qs = [q for s in VISUAL_SPLITS for q in corpus.load_questions(tiny_world, s)]
+    assert [q["id"] for q in qs] == [f"vq{i}" for i in range(50)]
+    assert len({(q["question"], q["steps"][0]["doc_id"]) for q in qs}) == len(qs)
+    assert {q["steps"][0]["doc_id"].split("-")[1] for q in qs} == {"flag", "logo", "portrait"}
+    for q in qs:
+        first, rest = q["steps"][0], q["steps"][1:]
+        etype, sub_question, phrase = corpus.VISUAL[first["doc_id"].split("-")[1]]
+        assert q["type"] == "visual" and q["pattern"] == ">".join(s["kb"] for s in q["steps"]) and len(rest) in (1, 2)
+        assert first["kb"] == "image" and first["sub_question"] == sub_question
+        assert docs[first["doc_id"]][1]["title"].endswith(f" of {first['answer']}")  # "Flag of <country>"
+        assert phrase in q["question"] and first["answer"] not in q["question"]  # only the picture names the entity
+        assert q["pattern"] != "image>image"  # no question about what the picture itself shows
+        for prev, s in zip(q["steps"], rest):  # a chain from the entity shown: each hop names the previous answer
+            kb, doc = docs[s["doc_id"]]
+            assert kb == s["kb"] and prev["answer"] in s["sub_question"]
+            if s["answer"] not in ("yes", "no"):
+                assert s["answer"] in holds(kb, doc), (q["id"], s)
+        assert q["answers"][0] == rest[-1]["answer"]
+
+def test_question_images_redraw_a_uniquely_drawn_picture(tiny_world):
+    docs = {d["id"]: d for d in corpus.load_kb(tiny_world, "image")}
+    pixels = {i: Image.open(d["path"]).convert("RGB") for i, d in docs.items()}
+    looks = Counter(p.tobytes() for p in pixels.values())
+    assert max(looks.values()) > 1  # some pictures are shared, so the uniqueness rule does exclude entities
+    for q in (q for s in VISUAL_SPLITS for q in corpus.load_questions(tiny_world, s)):
+        image, gold = Path(q["image"]), q["steps"][0]["doc_id"]
+        assert image == tiny_world / "questions" / "images" / f"{q['id']}.png"
+        assert image.read_bytes() != Path(docs[gold]["path"]).read_bytes()
+        assert Image.open(image).size != pixels[gold].size  # visibly re-drawn, not a copy
+        assert looks[pixels[gold].tobytes()] == 1, (q["id"], gold)  # no other entity looks the same
+
+def test_a_missing_question_image_is_one_line_naming_file_row_and_path(tmp_path, tiny_world):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_world, broken, ignore=shutil.ignore_patterns("index"))
+    q = corpus.read_jsonl(broken / "questions" / "visual_dev.jsonl")[2]
+    (broken / q["image"]).unlink()
+    error = rf"visual_dev\.jsonl: row 3 \(id '{q['id']}'\): image file not found: .*{q['id']}\.png$"
+    with pytest.raises(corpus.DataError, match=error):
+        corpus.load_questions(broken, "visual_dev")
+    with pytest.raises(corpus.DataError, match=error):
+        corpus.check(broken)
+    r = subprocess.run([sys.executable, str(ROOT / "corpus.py"), "--check", str(broken)], capture_output=True, text=True)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "image file not found" in r.stderr
 
 def test_image_kb_holds_real_pngs_that_show_the_answer(tiny_world):
     rgb = corpus.RGB
@@ -96,9 +159,11 @@ def test_bad_files_get_path_and_line(tmp_path, tiny_world):
                                                  steps=[dict(sub_question="?", kb="video", doc_id="x", answer="a")])) + "\n")
     with pytest.raises(corpus.DataError, match=r"row 1 .*steps\[0\]: kb 'video'"):
         corpus.load_questions(tmp_path / "q", "dev")
+    (q / "dev.jsonl").write_text(json.dumps(dict(id="q0", question="?", answers=["a"], type="visual", steps=[], image=3)) + "\n")
+    with pytest.raises(corpus.DataError, match=r"row 1 .*field 'image' should be str, got int"):
+        corpus.load_questions(tmp_path / "q", "dev")
 
 def test_cli_check_reports_errors_without_a_traceback(tmp_path, tiny_world):
-    import shutil
     broken = tmp_path / "broken"
     shutil.copytree(tiny_world, broken)
     lines = (broken / "kb" / "text.jsonl").read_text().splitlines()

@@ -1,5 +1,8 @@
-"""retrievers.py: embeddings, faiss vs brute force, BM25, recall on gold sub-questions, errors, the HTTP server."""
+"""retrievers.py: embeddings, faiss vs brute force, BM25, recall on gold sub-questions, retrieval by image, errors, the
+HTTP server."""
+import base64
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -74,8 +77,96 @@ def test_gold_sub_questions_find_their_documents(tiny_index, encoder, method):
         rec, n = retrievers.recall_at(r, qs, kb)
         assert n > 10 and rec["R@5"] >= 0.9, (method, kb, rec)
 
+VISUAL_SPLITS = ("visual_train", "visual_dev", "visual_test")
+
+def test_question_images_find_their_pictures(tiny_index):
+    qs = [q for s in VISUAL_SPLITS for q in corpus.load_questions(tiny_index, s)]
+    rec, n = retrievers.image_query_recall(retrievers.Retriever(tiny_index, "bm25"), qs)
+    assert n == 50 and rec["R@1"] >= 0.9 and rec["R@5"] >= 0.95, rec  # measured 1.0 and 1.0
+
+def assert_pixel_ranking(hits, sims, docs):
+    """Search hits of one query against its brute-force similarities to every KB picture (ties in any order)."""
+    np.testing.assert_allclose([h["score"] for h in hits], np.sort(sims)[::-1][:len(hits)], atol=1e-5)
+    ids = [d["id"] for d in docs]
+    np.testing.assert_allclose([sims[ids.index(h["id"])] for h in hits], [h["score"] for h in hits], atol=1e-5)
+
+def test_image_queries_rank_by_pixels_and_batch_with_text_queries(tiny_index):
+    from PIL import Image
+    r = retrievers.Retriever(tiny_index, "bm25")
+    docs, qs = corpus.load_kb(tiny_index, "image"), corpus.load_questions(tiny_index, "visual_dev")
+    enc = retrievers.PixelEncoder()
+    sims = enc.encode_images([q["image"] for q in qs]) @ enc.encode_images([d["path"] for d in docs]).T  # [n_q, n_docs]
+    texts = [q["question"] for q in qs]
+    images = [[q["image"], Path(q["image"]), Image.open(q["image"])][n % 3] for n, q in enumerate(qs)]  # every kind
+    by_pixels = r.search(texts, "image", 5, images=images)
+    for n, hits in enumerate(by_pixels):
+        assert len(hits) == 5 and hits[0]["id"] == qs[n]["steps"][0]["doc_id"]
+        assert_pixel_ranking(hits, sims[n], docs)
+    by_text = r.search(texts, "image", 5)
+    assert r.search(texts, "image", 5, images=[None] * len(qs)) == by_text and by_text != by_pixels
+    mixed = r.search(texts, "image", 5, images=[None if n % 2 else x for n, x in enumerate(images)])
+    assert mixed == [by_text[n] if n % 2 else by_pixels[n] for n in range(len(qs))]
+    assert r.search(texts, "table", 3, images=images) == r.search(texts, "table", 3)  # other KBs ignore images
+    with pytest.raises(ValueError, match="images: 1 entries for 10 queries"):
+        r.search(texts, "image", 3, images=[None])
+
+def test_missing_or_stale_pixel_index_is_reported(tmp_path, tiny_index):
+    import faiss
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_index, broken)
+    n = len(corpus.load_kb(broken, "image"))
+    short = retrievers.faiss_index(np.ones((n - 1, retrievers.PixelEncoder.dim)))  # one picture short
+    faiss.write_index(short, str(broken / "index" / "image.pix.faiss"))
+    with pytest.raises(corpus.DataError, match=rf"pixel index is stale \({n - 1} vectors .*; rerun `python retrievers.py build"):
+        retrievers.Retriever(broken, "bm25")
+    (broken / "index" / "image.pix.faiss").unlink()
+    with pytest.raises(corpus.DataError, match="no pixel index for the image KB; rerun `python retrievers.py build"):
+        retrievers.Retriever(broken, "bm25")
+
+@pytest.fixture(scope="module")
+def tiny_clip_dir(tmp_path_factory):
+    """A tiny random CLIP with the SmolLM2 tokenizer (no download), saved with its processor like any HF CLIP folder."""
+    import torch
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    import rollout
+    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL, model_max_length=64)
+    layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    cfg = CLIPConfig(text_config=dict(vocab_size=len(tok), max_position_embeddings=64, bos_token_id=tok.bos_token_id,
+                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **layers),
+                     vision_config=dict(image_size=32, patch_size=8, **layers), projection_dim=16)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("clip") / "clip"
+    CLIPModel(cfg).save_pretrained(out)
+    pixels = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=pixels, tokenizer=tok).save_pretrained(out)
+    return out
+
+def test_a_clip_pixel_index_equals_brute_force(tmp_path, tiny_world, tiny_clip_dir):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_world, data, ignore=shutil.ignore_patterns("index"))
+    meta = retrievers.build(data, methods=("bm25",), image_encoder=str(tiny_clip_dir), progress=False)
+    assert meta["pixel_encoder"] == str(tiny_clip_dir)
+    r, clip = retrievers.Retriever(data, "bm25"), retrievers.ClipEncoder(str(tiny_clip_dir))
+    docs, qs = corpus.load_kb(data, "image"), corpus.load_questions(data, "visual_dev")
+    emb = clip.encode_images([d["path"] for d in docs])  # [n_docs, 16]
+    sims = clip.encode_images([q["image"] for q in qs]) @ emb.T
+    for n, hits in enumerate(r.search([q["question"] for q in qs], "image", 5, images=[q["image"] for q in qs])):
+        assert len(hits) == 5
+        assert_pixel_ranking(hits, sims[n], docs)
+    # text queries keep CLIP's text->image ranking fused with bm25's: reciprocal-rank scores, at most 2 / (RRF_K + 1)
+    texts = [s["sub_question"] for q in corpus.load_questions(data, "train") for s in q["steps"] if s["kb"] == "image"][:5]
+    fused = r.search(texts, "image", 5)
+    assert all(0 < h["score"] <= 2 / (retrievers.RRF_K + 1) for hits in fused for h in hits)
+    assert fused != retrievers.Retriever(tiny_world, "bm25").search(texts, "image", 5)
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_clip_dir, moved)
+    meta["pixel_encoder"] = str(moved)
+    (data / "index" / "meta.json").write_text(json.dumps(meta))
+    shutil.rmtree(moved)
+    with pytest.raises(corpus.DataError, match="built with the CLIP folder .*moved, which is gone; rerun"):
+        retrievers.Retriever(data, "bm25")
+
 def test_missing_or_stale_index_is_reported(tmp_path, tiny_index):
-    import shutil
     with pytest.raises(corpus.DataError, match="no index found; run `python retrievers.py build"):
         retrievers.Retriever(tmp_path)
     stale = tmp_path / "stale"
@@ -131,6 +222,22 @@ def test_server_speaks_search_r1_protocol(server, tiny_index, encoder):
     remote = retrievers.RemoteRetriever(server).search(queries, "table", 3)
     assert [[d["id"] for d in r] for r in remote] == [[d["id"] for d in r] for r in local]
 
+def test_server_answers_image_queries(server, tiny_index, encoder):
+    qs = corpus.load_questions(tiny_index, "visual_dev")[:4]
+    texts = [q["question"] for q in qs]
+    images = [None if n == 1 else q["image"] for n, q in enumerate(qs)]  # query 1 ranks by its text
+    payload = {"queries": texts, "topk": 3, "return_scores": True, "kb": "image",
+               "images": [None if x is None else retrievers.png_base64(x) for x in images]}
+    code, body = post(server + "/retrieve", payload)
+    assert code == 200
+    assert [body["result"][n][0]["document"]["id"] for n in (0, 2, 3)] == [qs[n]["steps"][0]["doc_id"] for n in (0, 2, 3)]
+    local = retrievers.Retriever(tiny_index, "dense", encoder=encoder).search(texts, "image", 3, images=images)  # as served
+    for got, want in zip(body["result"], local):
+        assert [g["document"]["id"] for g in got] == [w["id"] for w in want]
+        np.testing.assert_allclose([g["score"] for g in got], [w["score"] for w in want], atol=1e-5)
+    remote = retrievers.RemoteRetriever(server).search(texts, "image", 3, images=images)
+    assert [[d["id"] for d in r] for r in remote] == [[d["id"] for d in r] for r in local]
+
 @pytest.mark.parametrize("payload, raw, reason", [
     ({"queries": ["q"], "kb": "video"}, None, "unknown kb 'video'"),
     ({"queries": []}, None, "'queries' must hold 1 to"),
@@ -138,6 +245,11 @@ def test_server_speaks_search_r1_protocol(server, tiny_index, encoder):
     ({"queries": "not a list"}, None, "list"),
     ({"topk": 3}, None, "queries"),
     (None, b'{"queries": ["unterminated', "JSON"),
+    ({"queries": ["q", "r"], "kb": "image", "images": [None]}, None, "'images' must hold one entry per query (2), got 1"),
+    ({"queries": ["q"], "kb": "image", "images": ["not base64!"]}, None, "images[0]: not a base64-encoded image"),
+    ({"queries": ["q", "r"], "kb": "image", "images": [None, base64.b64encode(b"no image").decode()]}, None,
+     "images[1]: not a base64-encoded image (cannot identify image file"),
+    ({"queries": ["q"], "kb": "image", "images": [3]}, None, "images"),
 ])
 def test_server_rejects_bad_requests_and_stays_up(server, payload, raw, reason):
     code, body = post(server + "/retrieve", payload, raw)

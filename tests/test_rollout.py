@@ -123,7 +123,7 @@ def test_released_structure_gives_each_step_its_own_chat(tiny_index, retriever, 
         assert in_span == x["mask"]
     _, prefixes = rollout.golden_prefixes(tok, retriever, qs, rollout.Settings(structure="released"))
     assert all(tok.decode(ids).startswith("<|im_start|>system") and tok.decode(ids).count("<|im_start|>system") == 1
-               for _, _, ids in prefixes)
+               for _, _, ids, _ in prefixes)
 
 def test_max_steps_forces_the_final_answer(tiny_index, retriever, hf_engine):
     qs = [q for q in corpus.load_questions(tiny_index, "train") if q["type"] == "3hop"][:3]
@@ -255,7 +255,7 @@ class Flaky(rollout.GoldPolicy):
         super().__init__(tok, questions)
         self.bad, self.attempts, self.prompts = bad, {}, []
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
         good, out = super().generate(prompts, max_tokens, temperature, top_p, stop, seed), []
         phase = "route" if "</ret>" in stop else "answer"
         for p, g in zip(prompts, good):

@@ -112,7 +112,7 @@ def test_first_step_is_sgd_on_the_global_token_mean(single_run, tiny_model, traj
     rows = sft.load_rows(traj_dir / "train.jsonl", 512, 10**9)
     batch = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()[:8]]
     model = load(tiny_model)
-    terms = [hand_nll(model, ids, mask) for ids, mask in batch]
+    terms = [hand_nll(model, ids, mask) for ids, mask, _ in batch]
     loss = sum(t for t, _ in terms) / sum(k for _, k in terms)
     loss.backward()
     params = dict(model.named_parameters())  # tied: lm_head.weight is embed_tokens.weight, listed once
@@ -299,6 +299,6 @@ def test_a_released_structure_trajectory_gives_one_row_a_chat(tiny_index, tok, t
     trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, s=rollout.Settings(structure="released"))
     corpus.write_jsonl(tmp_path / "train.jsonl", trajs)
     rows = sft.load_rows(tmp_path / "train.jsonl", 4096, 10**9)
-    assert rows == [(x["ids"][a:b], x["mask"][a:b]) for x in trajs for a, b in x["segments"]]
+    assert rows == [(x["ids"][a:b], x["mask"][a:b], []) for x in trajs for a, b in x["segments"]]
     assert len(rows) == sum(len(x["spans"]) for x in trajs)
-    assert all(tok.decode(ids).count("<|im_start|>system") == 1 for ids, _ in rows)
+    assert all(tok.decode(ids).count("<|im_start|>system") == 1 for ids, _, _ in rows)

@@ -178,7 +178,7 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
         args = Namespace(temperature=1.0, old_logprobs="trainer", ppo_epochs=1, entropy_coef=0.0, clip_eps=0.2,
                          kl_coef=0.0, loss_norm="token", grad_clip=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        sums, _ = stepgrpo.update(model, None, opt, [(ids, attn, pos, sel, old, adv, seq, 1.0)], 3.0, args)
+        sums, _ = stepgrpo.update(model, None, opt, [(ids, attn, pos, sel, old, adv, seq, {}, 1.0)], 3.0, args)
     finally:
         if own:
             torch.distributed.destroy_process_group()
@@ -375,7 +375,7 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
     import rollout
     for spans in ("all", "route"):
         tok, qs, ret, args, prefixes = teacher_setup(tiny_index, spans)
-        n_route = sum(sp["kind"] == "route" for _, sp, _ in prefixes)
+        n_route = sum(sp["kind"] == "route" for _, sp, _, _ in prefixes)
         seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode,
                                                  stepgrpo.Weights(), seed=0)
         groups = len(prefixes) if spans == "all" else n_route
@@ -393,14 +393,14 @@ def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, e
     # completion parses, full reward), the others are logged as overflows and never sent
     import rollout
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
-    lens = sorted(len(p) for _, sp, p in prefixes if sp["kind"] == "route")
+    lens = sorted(len(p) for _, sp, p, _ in prefixes if sp["kind"] == "route")
     eng = rollout.GoldPolicy(tok, qs)
     eng.max_len = lens[len(lens) // 2] + stepgrpo.ROUTE_TOKENS
     seqs, st = stepgrpo.teacher_prefix_batch(eng, ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)
     fits = sum(n + stepgrpo.ROUTE_TOKENS <= eng.max_len for n in lens)
     assert 0 < fits < len(lens) and len(seqs) == fits
     assert st["overflow"] == pytest.approx([float(n + stepgrpo.ROUTE_TOKENS > eng.max_len)
-                                            for _, sp, p in prefixes if sp["kind"] == "route" for n in [len(p)]])
+                                            for _, sp, p, _ in prefixes if sp["kind"] == "route" for n in [len(p)]])
     assert st["route_r"] == pytest.approx([1.2] * 2 * fits)
     assert all(seg_start + stepgrpo.ROUTE_TOKENS <= eng.max_len
                for s in seqs for seg_start in [s["seg"].index(0) + 1])
@@ -435,11 +435,11 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
             return super().step_text(q, n_routes, n_answers, phase, stopped)
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
     st = stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)[1]
-    later = [sp["step"] > 0 for _, sp, _ in prefixes if sp["kind"] == "route" for _ in range(2)]
+    later = [sp["step"] > 0 for _, sp, _, _ in prefixes if sp["kind"] == "route" for _ in range(2)]
     assert any(later) and not all(later)
     assert [r < 1.2 - 1e-6 for r in st["route_r"]] == later
     # one per sampled retrieval (a question with no gold step stops at step 0)
-    asked = [float(sp["step"] > 0) for x, sp, _ in prefixes if sp["kind"] == "route" and (sp["step"] or x["gold_steps"])
+    asked = [float(sp["step"] > 0) for x, sp, _, _ in prefixes if sp["kind"] == "route" and (sp["step"] or x["gold_steps"])
              for _ in range(2)]
     assert st["reask"] == asked and 0 < sum(asked) < len(asked)
 
@@ -490,6 +490,9 @@ class TinyLM(torch.nn.Module):
         self.model.embed, self.model.norm = torch.nn.Embedding(vocab, dim), torch.nn.LayerNorm(dim)
         self.lm_head = torch.nn.Linear(dim, vocab)
 
+    def get_output_embeddings(self):
+        return self.lm_head
+
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
         return Namespace(logits=self.lm_head(self.model.norm(self.model.embed(input_ids))))
 
@@ -536,7 +539,7 @@ def test_the_logged_loss_does_not_depend_on_the_world_size(monkeypatch):
         torch.manual_seed(0)
         model, cpu = TinyLM(), torch.device("cpu")
         micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, cpu)
-        ids, attn, pos, sel, old, adv, seq, weight = micro[0]
+        ids, attn, pos, sel, old, adv, seq, pix, weight = micro[0]
         logp, ent = stepgrpo.token_logprobs(model, ids, attn, sel, pos)
         loss, kl, clipped = stepgrpo.grpo_loss(logp, old, logp.detach(), adv, seq, 0.2, 0.0, "token", denom)
         sums = {k: torch.zeros((), dtype=torch.float64) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
