@@ -295,7 +295,8 @@ class Retriever:
         return [list(zip(i.tolist(), s.tolist())) for i, s in zip(ids, scores)]
 
     def search(self, queries, kb, k=3, images=None):
-        """queries: list[str] -> list (one per query) of k dicts {id, kb, title, contents, score}. images: None or one
+        """queries: list[str] -> list (one per query) of k dicts {id, kb, title, contents, score} (image KB: + path, the
+        picture's file, which a VL policy's evidence shows). images: None or one
         entry per query, a file path, a PIL image or None. On the image KB a query with an image is ranked by the
         pixels alone: its text asks something about the picture ("What is the capital of the country whose flag is
         shown?"), only the picture says which entity it is, and text similarity would pull in whatever the words
@@ -313,8 +314,9 @@ class Retriever:
         if by_text:
             ranked.update(zip(by_text, self._rank([queries[n] for n in by_text], kb, k)))
         docs = self.docs[kb]
-        return [[dict(id=docs[i]["id"], kb=kb, title=docs[i]["title"], contents=doc_contents(docs[i], kb), score=float(s))
-                 for i, s in ranked[n] if i >= 0] for n in range(len(queries))]
+        path = lambda d: {"path": d["path"]} if kb == "image" else {}  # a VL policy sees the picture itself
+        return [[dict(id=docs[i]["id"], kb=kb, title=docs[i]["title"], contents=doc_contents(docs[i], kb), score=float(s),
+                      **path(docs[i])) for i, s in ranked[n] if i >= 0] for n in range(len(queries))]
 
 class RemoteRetriever:
     """The same search() against a running `retrievers.py serve` (or any Search-R1-style server for kb='text')."""
@@ -401,7 +403,7 @@ def make_app(retriever, max_queries=1024, max_topk=100):
             results = retriever.search(req.queries, req.kb, topk, images=images)
         except Exception as e:  # never let one bad request kill the server
             raise HTTPException(500, f"search failed: {type(e).__name__}: {e}")
-        strip = lambda d: {key: d[key] for key in ("id", "contents", "title", "kb")}
+        strip = lambda d: {key: d[key] for key in ("id", "contents", "title", "kb", "path") if key in d}
         if req.return_scores:
             return {"result": [[{"document": strip(d), "score": d["score"]} for d in per_q] for per_q in results]}
         return {"result": [[strip(d) for d in per_q] for per_q in results]}

@@ -334,8 +334,10 @@ class Batched:
         queue, self.queue, out = self.__dict__.get("queue", []), [], []
         for params in dict.fromkeys(p for *_, p in queue):  # one generate call per distinct sampling setting
             batch = [(k, pr, im) for k, pr, im, p in queue if p == params]
+            self.keys = [k for k, *_ in batch]  # which request each prompt is (GoldPolicy reads its question from it)
             res = self.generate([pr for _, pr, _ in batch], *params, images=[im for *_, im in batch])
             out += [(k, *r) for (k, *_), r in zip(batch, res)]
+        self.keys = None
         return out
 
 class VLLMEngine:
@@ -513,11 +515,14 @@ class HFEngine(Batched):
 class GoldPolicy(Batched):
     """Writes the gold decomposition as policy turns (templated <think>), through the real step loop and retrieval:
     synth.py's golden trajectories, and a known-good policy for tests. It reads where each transcript stands from
-    its text: the question, how many routing steps it holds, and which phase was asked for (the stop string)."""
+    its text: how many routing steps it holds, which phase was asked for (the stop string), and the question: from
+    the request's key (rollout's (trajectory, question id): visual questions share texts, "What is the capital of the
+    country whose flag is shown?"), or in a direct generate() call from the question's text."""
     WHY = {"text": "A fact about an entity: the text retriever.", "table": "A figure or record: the table retriever.",
            "image": "How something looks: the image retriever."}  # short <think>s that state the routing reason
     def __init__(self, tok, questions, vis=None):
-        self.tok, self.by_question, self.vis = tok, {q["question"]: q for q in questions}, vis
+        self.tok, self.vis, self.keys = tok, vis, None
+        self.by_question, self.by_id = {q["question"]: q for q in questions}, {q["id"]: q for q in questions}
         self.skip = set(vis.special_ids) if vis else set()  # a VL transcript's image tokens are not text
         self.by_sub = {st["sub_question"]: (q, t) for q in questions for t, st in enumerate(q["steps"])}  # released answers
         fmt = ChatFormat(tok, "")
@@ -536,23 +541,25 @@ class GoldPolicy(Batched):
 
     def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
         res = []
-        for p in prompts:
+        for k, p in enumerate(prompts):
+            known = self.by_id[self.keys[k][1]] if self.keys else None
             text = self.tok.decode([t for t in p if t not in self.skip])
             i = text.rindex(self.user_open) + len(self.user_open)  # released structure: the only user turn
             user = text[i:text.index(self.user_end, i)]
             phase = "route" if "</ret>" in stop else "answer"
             if user.startswith("Origin question: "):  # released: a routing chat, or the final one (phase answer)
-                q, n = self.by_question[user.split("\n")[0][len("Origin question: "):]], user.count("\nSub-question")
+                q, n = known or self.by_question[user.split("\n")[0][len("Origin question: "):]], user.count("\nSub-question")
                 step = self.step_text(q, n, n, phase, phase == "answer")
             elif "to the Question: " in user:  # released: the answer chat of a sub-question
-                q, t = self.by_sub[user.split("to the Question: ")[-1]]
+                sub = user.split("to the Question: ")[-1]
+                q, t = (known, [st["sub_question"] for st in known["steps"]].index(sub)) if known else self.by_sub[sub]
                 step = self.step_text(q, t + 1, t, "answer", False)
             else:  # transcript: the first user turn is the question
                 i = text.index(self.user_open) + len(self.user_open)
                 question = text[i:text.index(self.user_end, i)]
                 text = text[i:]  # the system prompt also shows the tags
-                step = self.step_text(self.by_question[question], text.count("</ret>"), text.count("</answer>"), phase,
-                                      "<ret>None</ret>" in text)
+                step = self.step_text(known or self.by_question[question], text.count("</ret>"), text.count("</answer>"),
+                                      phase, "<ret>None</ret>" in text)
             ids = self.tok.encode(step, add_special_tokens=False)[:max_tokens]
             res.append((ids, [0.0] * len(ids)))
         return res
@@ -802,10 +809,10 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
                 x.update(overflow=True, phase="done", error=f"step {len(x['steps']) + 1} {x['phase']}: {len(prompt)} "
                          f"context + {max_tokens} new tokens exceed the engine's max_len {engine.max_len}")
                 continue
-            engine.submit(i, prompt, max_tokens, s.temperature, s.top_p, stop, s.top_k, x["tr"].prompt_images())
+            engine.submit((i, x["qid"]), prompt, max_tokens, s.temperature, s.top_p, stop, s.top_k, x["tr"].prompt_images())
             sent.append(i)
         busy, ready, t = busy + len(sent), list(itertools.islice(waiting, len(ready) - len(sent))), time.perf_counter()
-        for i, ids, lps in engine.poll():
+        for (i, _), ids, lps in engine.poll():
             busy -= 1
             handlers[trajs[i]["phase"]](trajs[i], ids, lps)
             ready += [i] if trajs[i]["phase"] != "done" else list(itertools.islice(waiting, 1))
