@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test test-gpu bench bench-memory bench-trl vs-sft released real real-eval clean
+.PHONY: setup demo test test-gpu bench bench-memory bench-trl vs-sft released visual real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -90,6 +90,11 @@ vs-sft: $(DATA)/traj/train.jsonl
 # checkpoints, on the whole test split with paired intervals, and both structures' rollout throughput (~1.5 h here)
 released: $(OUT)/stepgrpo/final/config.json
 	PY=$(PY) bash runs/released.sh
+
+# The multimodal half: the VL policy (Idefics3 around SmolLM2, `rollout.py prepare --vl`) and the text policy through
+# golden trajectories, SFT and Step-GRPO on text + visual questions, scored on test[:200] + visual_test (~1 h here)
+visual: $(DATA)/index/meta.json $(MODEL)/config.json
+	PY=$(PY) bash runs/visual.sh
 
 # Real benchmarks read in place from REAL_SRC (a folder with hotpotqa/, musique/, wikitablequestions/, r1router/):
 # one data folder (text + table KBs), its indexes, then runs/real_eval.sh (README "Real data").

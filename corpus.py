@@ -21,6 +21,7 @@ Run:
     python corpus.py --world mini --out data/big --n_people 5000 --n_train 20000
     python corpus.py --check data/mini                            # validate every file, report path:line errors
     python corpus.py --import_real /path/to/data --out data/real # the public benchmarks, same layout (0.5 s)
+    python corpus.py --import_real /path/to/data --webqa_images /path/to/webqa  # + a visual set, given its pictures
 
 Outline: file I/O and schema checks -> the mini-world (entities, KBs, questions) -> --check -> --import_real.
 """
@@ -609,6 +610,8 @@ WTQ_MAX_ROWS = 30  # longer tables keep their first 30 rows, and their text says
 WTQ_N = 300        # questions per WikiTableQuestions split (train and test drawn disjointly, seed 0)
 R1_N = 500         # questions per R1-Router question set
 R1_SETS = {"r1_2wiki": "2wikimultihopqa_val.jsonl", "r1_openwikitqa": "openwikitqa_val.jsonl", "r1_tabfact": "tabfact_val.jsonl"}
+R1_VISUAL_SETS = {"r1_infoseek": "infoseek_val.jsonl", "r1_dynvqa": "DynVQA_en.202412.jsonl", "r1_webqa": "webqa_val.jsonl"}
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp")  # a visual question's picture is <image_id> + one of these
 
 def _get(row, key, typ, where):
     value = row.get(key) if isinstance(row, dict) else None
@@ -623,6 +626,27 @@ def _answers(a, where):
     if not out:
         raise DataError(f"{where}: no usable answer in {a!r}")
     return out
+
+def _r1_visual_answers(name, r, where):
+    """A visual set's answer list for _answers(): InfoSeek's answer + answer_eval (its numeric {wikidata, range} entries
+    have no string and drop out), Dyn-VQA's answers (its few numbers as text), WebQA's answer without its quotes."""
+    a = _get(r, "answer", list, where)
+    if name == "r1_infoseek":
+        return a + _get(r, "answer_eval", list, where)
+    if name == "r1_dynvqa":
+        return [str(x) if isinstance(x, int) else x for x in a]
+    return [x[1:-1] if isinstance(x, str) and len(x) > 1 and x[0] == x[-1] == '"' else x for x in a]  # '"..."' -> ...
+
+def _r1_image(folder, r, where):
+    """The absolute path of a visual question's picture: <image_id>.jpg (.jpeg, .png, .webp) in `folder`."""
+    image_id = r.get("image_id")
+    if not isinstance(image_id, (str, int)):
+        raise DataError(f"{where}: field 'image_id' should be str or int, got {type(image_id).__name__}")
+    for ext in IMAGE_EXTS:
+        if (folder / f"{image_id}{ext}").is_file():
+            return str(folder / f"{image_id}{ext}")
+    raise DataError(f"{where}: image {image_id} not found in {folder} (looked for {image_id}{IMAGE_EXTS[0]}, "
+                    f"{', '.join(IMAGE_EXTS[1:])})")
 
 def _wtq_unescape(s):  # README_dataset.md: newline -> \n, backslash -> \\, pipe -> \p
     return re.sub(r"\\([np\\])", lambda m: {"n": "\n", "p": "|", "\\": "\\"}[m.group(1)], s)
@@ -666,11 +690,19 @@ def _wtq_table(src, rel):
 #     questions/r1_2wiki.jsonl, r1_openwikitqa.jsonl, r1_tabfact.jsonl   the first 500 of R1-Router's released 2WikiMQA,
 #                                    Open-WikiTable and TabFact sets: questions and answers only, steps [] (pattern
 #                                    "unknown": their gold route is not known, so only the answer metrics mean anything)
-# Not imported: R1-Router's WebQA, InfoSeek and Dyn-VQA sets (their images are not here), and the 2WikiMQA, Open-WikiTable
-# and TabFact corpora (not released with the question sets), so r1_* questions are answered from the KBs above at best.
-def import_real(src, out):
-    """Build one data folder from HotpotQA, MuSiQue, WikiTableQuestions and the R1-Router question sets in `src`."""
-    src, out = Path(src), Path(out)
+#     questions/r1_infoseek.jsonl, r1_dynvqa.jsonl, r1_webqa.jsonl   only given the folder of that set's pictures
+#                                    (--infoseek_images, --dynvqa_images, --webqa_images): the first 500 of R1-Router's
+#                                    InfoSeek, Dyn-VQA and WebQA sets, as the r1_* sets above + image, the absolute path
+#                                    of <image_id>.jpg (.jpeg, .png, .webp) in that folder (a missing one is an error);
+#                                    answers: InfoSeek's answer + answer_eval (not its numeric ranges), all of Dyn-VQA's
+#                                    (English and Chinese), WebQA's one sentence without its surrounding quotes
+# Not imported: a visual set whose picture folder is not given, and the corpora behind R1-Router's sets (not released
+# with the question sets), so r1_* questions are answered from the KBs above at best (the image KB stays empty: a visual
+# question's picture reaches only a policy that sees images).
+def import_real(src, out, images=None):
+    """Build one data folder from HotpotQA, MuSiQue, WikiTableQuestions and the R1-Router question sets in `src`;
+    `images` maps a visual set (r1_infoseek, r1_dynvqa, r1_webqa) to the folder of its pictures, the others are skipped."""
+    src, out, images = Path(src), Path(out), images or {}
     text, splits = {}, {}
 
     def para(p, where):  # text KB, deduplicated on (title, text); the id is a hash, so it never moves
@@ -743,6 +775,23 @@ def import_real(src, out):
                              answers=_answers(r.get("answer"), f"{path}:{n}"), type=name, pattern="unknown", steps=[]))
         splits[name] = rows
 
+    # R1-Router's visual sets, each only with the folder of its pictures: the same + the question's picture
+    for name, file in R1_VISUAL_SETS.items():
+        if not images.get(name):
+            continue
+        folder = Path(images[name]).resolve()
+        if not folder.is_dir():
+            raise DataError(f"{folder}: folder of {name} pictures not found")
+        path, rows = src / "r1router" / file, []
+        for n, r in iter_jsonl(path):
+            if len(rows) == R1_N:
+                break
+            where = f"{path}:{n}"
+            rows.append(dict(id=f"{name}-{len(rows)}", question=_get(r, "question", str, where),
+                             answers=_answers(_r1_visual_answers(name, r, where), where), type=name, pattern="unknown",
+                             steps=[], image=_r1_image(folder, r, where)))
+        splits[name] = rows
+
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")  # build aside, validate, then swap in
     shutil.rmtree(tmp, ignore_errors=True)
     kbs = dict(text=list(text.values()), table=list(tables.values()), image=[])  # no image corpus: an empty image KB
@@ -767,6 +816,9 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=None, help="output folder (default data/mini, or data/real with --import_real)")
     ap.add_argument("--check", metavar="DIR", help="only validate an existing data folder")
     ap.add_argument("--import_real", metavar="SRC", help="convert the public benchmarks in SRC (hotpotqa/, musique/, wikitablequestions/, r1router/) instead")
+    ap.add_argument("--infoseek_images", metavar="DIR", help="with --import_real: InfoSeek's pictures (<image_id>.jpg, ...); imports r1_infoseek")
+    ap.add_argument("--dynvqa_images", metavar="DIR", help="with --import_real: Dyn-VQA's pictures (<image_id>.jpg, ...); imports r1_dynvqa")
+    ap.add_argument("--webqa_images", metavar="DIR", help="with --import_real: WebQA's pictures (<image_id>.jpg, ...); imports r1_webqa")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n_people", type=int, default=1000)
     ap.add_argument("--n_cities", type=int, default=150)
@@ -787,7 +839,8 @@ if __name__ == "__main__":
             sys.exit(0)
         args.out = args.out or ("data/real" if args.import_real else "data/mini")
         if args.import_real:
-            counts = import_real(args.import_real, args.out)
+            counts = import_real(args.import_real, args.out, images=dict(
+                r1_infoseek=args.infoseek_images, r1_dynvqa=args.dynvqa_images, r1_webqa=args.webqa_images))
             print(f"wrote {args.out}: " + ", ".join(f"{counts[kb]} {kb} docs" for kb in KBS) + "; "
                   + ", ".join(f"{n} {k} questions" for k, n in counts.items() if k not in KBS))
             sys.exit(0)

@@ -50,7 +50,7 @@ from corpus import KBS  # ("text", "table", "image")
 STOP, MISSING = "stop", "missing"
 GOLD_LABELS = [*KBS, STOP]
 PRED_LABELS = [*KBS, STOP, MISSING]
-TYPES = ("none", "1hop", "2hop", "3hop", "comparison")  # display order; other types follow, sorted
+TYPES = ("none", "1hop", "2hop", "3hop", "comparison", "visual")  # display order; other types follow, sorted
 ANSWER_METRICS = {"f1_recall": reward.f1_recall, "em": reward.exact_match, "f1": reward.f1, "acc": reward.acc}
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -422,8 +422,8 @@ if __name__ == "__main__":
     ap.add_argument("--model", default=rollout.DEFAULT_MODEL, help="HF causal LM folder")
     ap.add_argument("--name", default=None, help="label of the model in the table (default: folder name)")
     ap.add_argument("--data", default="data/mini")
-    ap.add_argument("--split", default="test")
-    ap.add_argument("--n_questions", type=int, default=0, help="0 = the whole split")
+    ap.add_argument("--split", nargs="+", default=["test"], help="question splits, concatenated (e.g. test visual_test)")
+    ap.add_argument("--n_questions", type=int, default=0, help="the first N of each split (0: all)")
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--probe", type=int, default=0, help="route probe: N sampled routes at every golden prefix (0: off)")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
@@ -469,15 +469,15 @@ if __name__ == "__main__":
             except (OSError, AttributeError, TypeError, AssertionError, json.JSONDecodeError) as e:
                 sys.exit(f"error: {f}: not a results.json written by evaluate.py ({type(e).__name__})")
             results.update(part)
-        print_table(write_report(results, args.out or "out/eval/summary", title=f"{args.data} {args.split}"))
+        print_table(write_report(results, args.out or "out/eval/summary", title=f"{args.data} {' '.join(args.split)}"))
         sys.exit(0)
     if not args.methods and not args.probe:
         sys.exit("error: nothing to do: give --methods and/or --probe N")
     name = args.name or Path(args.model).name
-    out = Path(args.out or f"out/eval/{name}-{args.split}")
+    split = "+".join(args.split)
+    out = Path(args.out or f"out/eval/{name}-{split}")
     try:
-        qs = corpus.load_questions(args.data, args.split)
-        qs = qs[:args.n_questions] if args.n_questions else qs
+        qs = [q for sp in args.split for q in corpus.load_questions(args.data, sp)[:args.n_questions or None]]
         ret = retrievers.make_retriever(args.retriever, args.data)
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
@@ -499,7 +499,7 @@ if __name__ == "__main__":
         print(f"--few_shot {args.few_shot}: {len(examples)} train questions as worked examples ({len(shots)} tokens)")
     results = {}
     from tqdm import tqdm
-    for method in tqdm(args.methods, desc=f"evaluating {name} on {len(qs)} {args.split} questions"):
+    for method in tqdm(args.methods, desc=f"evaluating {name} on {len(qs)} {split} questions"):
         t = time.perf_counter()
         trajs = run_method(method, engine, ret, qs, settings, args.seed, args.iters, shots)
         label = method + (f"+{args.few_shot}shot" if shots and method in STEP_FORMAT else "") + \
@@ -508,11 +508,11 @@ if __name__ == "__main__":
         write_jsonl(out / f"trajectories-{method}.jsonl", [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in trajs])
     if args.probe:
         out.mkdir(parents=True, exist_ok=True)
-        p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=args.model, split=args.split, questions=len(qs))
+        p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=args.model, split=split, questions=len(qs))
         corpus.write_atomic(out / "route_probe.json", json.dumps(p, indent=2) + "\n")
         corpus.write_atomic(out / "routing_confusion_probe.png", confusion_chart(p["confusion"], f"route probe ({args.probe} samples a prefix)", name))
         print(f"route probe: {p['probe_acc']:.1f}% of sampled routes take the gold KB; by gold decision: "
               + ", ".join(f"{g} {v:.1f}%" for g, v in p["by_gold"].items() if v is not None) + f"  ({out}/route_probe.json)")
     if results:
-        print_table(write_report(results, out, title=f"{name} on {args.data} {args.split} ({len(qs)} questions)"))
+        print_table(write_report(results, out, title=f"{name} on {args.data} {split} ({len(qs)} questions)"))
         print(f"report written to {out}/ (results.json, table.md, metrics.png, routing_confusion_*.png)")

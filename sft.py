@@ -116,9 +116,9 @@ def collate(rows, pad_id, device):
         labels[i, :len(x)] = torch.where(torch.tensor(m, dtype=torch.bool), torch.tensor(x), -100)
     return ids.to(device), labels.to(device)
 
-def pixels(rows, vis, device):
+def pixels(rows, vis, ids):
     """A VL micro-batch's image inputs (rollout.VisionIO.pixels; {} for a text model or rows without images)."""
-    return vis.pixels([[p for *_, p in sorted(r[2])] for r in rows], device) if vis else {}
+    return vis.pixels([[p for *_, p in sorted(r[2])] for r in rows], ids.device, ids) if vis else {}
 
 def loss_sum(model, ids, labels, pix=None):
     """Sum of the next-token NLLs over label positions (fp32) and their count. ids, labels: [B, T]; pix: pixels().
@@ -151,7 +151,8 @@ def evaluate(model, rows, args, rank, world, pad_id, device, vis=None):
     B, tot = args.batch_size, torch.zeros(2, device=device)  # [loss sum, token count]
     for b in range(math.ceil(len(rows) / (B * world))):
         chunk = rows[(b * world + rank) * B:(b * world + rank + 1) * B]
-        s, n = loss_sum(model, *collate(chunk or rows[:1], pad_id, device), pixels(chunk or rows[:1], vis, device))
+        ids, labels = collate(chunk or rows[:1], pad_id, device)
+        s, n = loss_sum(model, ids, labels, pixels(chunk or rows[:1], vis, ids))
         tot += torch.stack([s, n.float()]) * (1.0 if chunk else 0.0)
     dist.all_reduce(tot)
     model.train()
@@ -162,7 +163,7 @@ def train_step(model, opt, rows, lr, args, pad_id, device, vis=None):
     the global mean over every rank's label tokens. Returns the log record's numbers."""
     world = dist.get_world_size()
     chunks = [rows[a * args.batch_size:(a + 1) * args.batch_size] for a in range(args.grad_accum)]
-    micro = [(*collate(c, pad_id, device), pixels(c, vis, device)) for c in chunks]  # [(ids [B, T], labels [B, T], pix)]
+    micro = [(ids, labels, pixels(c, vis, ids)) for c in chunks for ids, labels in [collate(c, pad_id, device)]]
     t0 = time.perf_counter()
     counts = torch.tensor([sum((lab[:, 1:] != -100).sum().item() for _, lab, _ in micro), sum(len(r[0]) for r in rows)],
                           dtype=torch.float64, device=device)

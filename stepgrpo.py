@@ -316,7 +316,12 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                 stats["tokens"].append(len(ids))
                 rs.append(r)
             scale = w.route_scale[gold_route(x["gold_steps"], t)] if w.route_scale and kind == "route" else 1.0
-            rows.append(dict(pack_group(prefix, group, norm(rs) * scale), images=images))
+            adv = norm(rs) * scale
+            if getattr(getattr(engine, "vis", None), "mrope", False):  # 3-D positions: a row per completion, not a packed group
+                rows += [dict(ids=prefix + ids, mask=[0] * len(prefix) + [1] * len(ids), old=[0.0] * len(prefix) + list(lps),
+                              adv=[float(a)] * (len(prefix) + len(ids)), images=images) for (ids, lps), a in zip(group, adv)]
+            else:
+                rows.append(dict(pack_group(prefix, group, adv), images=images))
     return rows, stats
 
 def pack_group(prefix, group, adv):
@@ -374,8 +379,8 @@ def micro_batches(rows, args, pad_id, device, vis=None):
     dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
     chunks = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
     stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2)]  # no rows: nothing fit
-    pixels = lambda m: vis.pixels([[p for *_, p in sorted(s.get("images", []))] for s in m], device) if vis else {}
-    micro = [collate(m or stand_in, pad_id, device) + (pixels(m or stand_in), float(bool(m))) for m in chunks]
+    pixels = lambda m, ids: vis.pixels([[p for *_, p in sorted(s.get("images", []))] for s in m], device, ids) if vis else {}
+    micro = [c + (pixels(m or stand_in, c[0]), float(bool(m))) for m in chunks for c in [collate(m or stand_in, pad_id, device)]]
     count = sum(sum(s["mask"]) for s in rows) if args.loss_norm == "token" else sum(s.get("n_seq", 1) for s in rows)
     denom = torch.tensor([count], dtype=torch.float64, device=device)
     dist.all_reduce(denom)
@@ -449,8 +454,9 @@ def sync_gap(model, engine, row, device):
     prompt's image tokens included), the max over ranks."""
     ids, images, vis = row["ids"], row.get("images", []), engine.vis
     with torch.no_grad():
-        pix = vis.pixels([[p for *_, p in sorted(images)]], device) if vis else {}
-        mine = token_logprobs(model, torch.tensor([ids], device=device), torch.ones(1, len(ids), device=device),
+        x = torch.tensor([ids], device=device)
+        pix = vis.pixels([[p for *_, p in sorted(images)]], device, x) if vis else {}
+        mine = token_logprobs(model, x, torch.ones(1, len(ids), device=device),
                               torch.ones(1, len(ids) - 1, dtype=torch.bool, device=device), pix=pix)[0]  # [T-1]
     diff = (torch.tensor(engine.prompt_logprobs(ids, images), device=device) - mine).abs().max().reshape(1)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)

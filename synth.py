@@ -158,6 +158,7 @@ if __name__ == "__main__":
         if not (Path(args.model) / "tokenizer_config.json").exists():
             sys.exit(f"error: {args.model}: no tokenizer there (run `python rollout.py prepare` for the default)")
         tok = AutoTokenizer.from_pretrained(args.model)
+        vis = rollout.VisionIO.load(args.model)  # a VL policy's transcripts hold the question image and retrieved pictures
         settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
                                     structure=args.structure)
         gold_settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=1024, answer_tokens=1024,
@@ -175,7 +176,7 @@ if __name__ == "__main__":
             qs = corpus.load_questions(args.data, split)
             qs = qs[:args.limit] if args.limit else qs
             if engine is None:
-                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, s=gold_settings)
+                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis), ret, qs, s=gold_settings)
                 report = f"{sum(x['format_ok'] for x in trajs)} of {len(trajs)} well-formed"
             else:
                 trajs, counts = teacher_trajectories(engine, ret, qs, args.n, settings, args.seed)

@@ -122,3 +122,39 @@ def test_two_gpu_resume_from_a_sharded_checkpoint(tmp_path, tiny_model_dir, tiny
     assert (resumed / "step_1" / "trainer" / ".metadata").exists()  # the sharded trainer state was resumed from
     a, b = (load_file(d / "final" / "model.safetensors") for d in (straight, resumed))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+def test_vl_engine_on_gpu_sleeps_syncs_and_trains(tmp_path, tiny_model_dir, tiny_index):
+    # the VL path on CUDA: a bf16 VL engine with images asleep and woken around a sync, scoring a prompt with pictures
+    # like the new weights (vision tower included) at bf16 tolerance; then VL Step-GRPO on 2 GPUs with --check_sync
+    import corpus
+    import retrievers
+    import rollout
+    vl = rollout.prepare_vl(tmp_path / "vl", text_model=tiny_model_dir)
+    vis = rollout.VisionIO.load(vl)
+    qs = corpus.load_questions(tiny_index, "visual_train")[:2]
+    _, prefixes = rollout.golden_prefixes(vis.tok, retrievers.Retriever(tiny_index, "bm25"), qs, vis=vis)
+    ids, images = next((p, im) for _, _, p, im in prefixes if len(im) > 1)
+    engine = rollout.VLLMEngine(vl, gpu_memory_utilization=0.3)
+    old = torch.tensor(engine.prompt_logprobs(ids, images))
+    engine.sleep()
+    model = rollout.auto_model(vl).from_pretrained(vl, dtype=torch.float32).cuda()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "vision_model" in name or "layers.0." in name:
+                p.add_(0.05 * torch.randn_like(p))
+        x = torch.tensor([ids], device="cuda")
+        lp = model(input_ids=x, **vis.pixels([[p for *_, p in images]], "cuda", x)).logits[0, :-1].float().log_softmax(-1)
+    want = lp.gather(-1, x[0, 1:, None])[:, 0].cpu()
+    engine.sync_weights({k: v.detach() for k, v in model.named_parameters()})
+    new = torch.tensor(engine.prompt_logprobs(ids, images))
+    assert (new - want).abs().max() < 0.1 and (new - old).abs().max() > 0.1
+    engine.close()
+    if torch.cuda.device_count() >= 2:
+        out = tmp_path / "grpo"
+        torchrun(ROOT / "stepgrpo.py", ["--model", str(vl), "--data", str(tiny_index), "--split", "visual_train", "--out",
+                                        str(out), "--batch_questions", "2", "-n", "2", "--retriever", "bm25",
+                                        "--eval_questions", "0", "--train_steps", "2", "--kl_coef", "0.1",
+                                        "--weight_decay", "0.1", "--lr", "1e-2", "--check_sync", "--wandb_mode", "disabled"], 2)
+        recs = [json.loads(line) for line in open(out / "log.jsonl")]
+        assert [r["step"] for r in recs] == [1, 2] and all(r["sync_max_diff"] < 0.1 for r in recs)

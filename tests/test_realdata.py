@@ -1,6 +1,7 @@
 """corpus.py --import_real on tiny fixtures written here in each benchmark's own format (never rows of the real data):
 the exact converted rows, ids that resolve in the KBs, "#k" substituted, WTQ unescaping and answer joining, the empty
-image KB through retrievers.py, and path:line errors on broken input."""
+image KB through retrievers.py, path:line errors on broken input, and R1-Router's visual sets given folders of tiny
+pictures (absolute image paths, cleaned answers, a missing picture named)."""
 import json
 import subprocess
 import sys
@@ -59,7 +60,32 @@ def write_fixture(src):
     jsonl(src / "r1router" / "2wikimultihopqa_val.jsonl", [dict(question="Who is older, A or B?", answer="A")])
     jsonl(src / "r1router" / "openwikitqa_val.jsonl", [dict(question="When?", answer=["2011-12", "", "2011-12", " 2012 "])])
     jsonl(src / "r1router" / "tabfact_val.jsonl", [dict(question="is x 5?", answer="yes"), dict(question="is y 6?", answer="no")])
-    jsonl(src / "r1router" / "webqa_val.jsonl", [dict(question="image question", answer=["x"], image_id="1")])  # skipped
+    # the visual sets: skipped unless given their pictures (PICTURES)
+    jsonl(src / "r1router" / "infoseek_val.jsonl", [
+        dict(data_id="infoseek_val_00000000", image_id="oven_00000001", question="What is the purpose of this object?",
+             answer=["navigation aid"], answer_eval=["light signal", "navigation aid", " beacon "]),
+        dict(data_id="infoseek_val_00000001", image_id="oven_00000002", question="How tall is this tower, in metres?",
+             answer=["38"], answer_eval=[{"wikidata": 38.0, "range": [34.2, 41.8]}]),
+        dict(data_id="infoseek_val_00000002", image_id="oven_00000001", question="Who built this object?",
+             answer=["Mara Quell", "M. Quell"], answer_eval=["Mara Quell"])])
+    jsonl(src / "r1router" / "DynVQA_en.202412.jsonl", [
+        dict(question="Who built this lighthouse?", question_id="en1", answer=["玛拉·奎尔", "Mara Quell"],
+             gloden_query="Who built Ashby Tower?", image_id=1),
+        dict(question="How many towers did she build?", question_id="en2", answer=[1, "一", "one", 1],
+             gloden_query="How many towers did Mara Quell build?", image_id=2)])
+    jsonl(src / "r1router" / "webqa_val.jsonl", [
+        dict(question="Is Ashby Tower painted white?", answer=['"Ashby Tower is painted white."'], image_id="30000001"),
+        dict(question="What is written on the door?", answer=['""Keep out" is written on the door."'], image_id="30000002")])
+
+PICTURES = ("infoseek/oven_00000001.jpg", "infoseek/oven_00000002.png", "dynvqa/1.png", "dynvqa/2.jpeg",
+            "webqa/30000001.webp", "webqa/30000002.png")
+
+def write_pictures(folder):
+    from PIL import Image
+    for name in PICTURES:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (4, 4), "white").save(folder / name)
+    return {f"r1_{kind}": folder / kind for kind in ("infoseek", "dynvqa", "webqa")}
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
@@ -135,7 +161,60 @@ def test_r1router_sets(real):
                                                     type="r1_2wiki", pattern="unknown", steps=[])]
     assert load_questions(out, "r1_openwikitqa")[0]["answers"] == ["2011-12", "2012"]  # list: stripped, distinct
     assert [q["answers"] for q in load_questions(out, "r1_tabfact")] == [["yes"], ["no"]]
-    assert not (out / "questions" / "webqa.jsonl").exists()
+    for name in ("r1_infoseek", "r1_dynvqa", "r1_webqa"):  # no picture folders given: skipped
+        assert not (out / "questions" / f"{name}.jsonl").exists()
+
+@pytest.fixture(scope="module")
+def visual(real, tmp_path_factory):
+    images = write_pictures(tmp_path_factory.mktemp("pictures"))
+    out = tmp_path_factory.mktemp("repo") / "real"
+    return images, out, import_real(real[0], out, images=images)
+
+def test_visual_sets(visual, real):
+    images, out, counts = visual
+    assert counts == dict(real[2], r1_infoseek=3, r1_dynvqa=2, r1_webqa=2)
+    assert corpus.check(out) == counts
+    pic = lambda kind, name: str(images[f"r1_{kind}"] / name)
+    row = lambda name, k, question, answers, image: dict(id=f"{name}-{k}", question=question, answers=answers,
+                                                        type=name, pattern="unknown", steps=[], image=image)
+    assert load_questions(out, "r1_infoseek") == [  # answer, then answer_eval aliases; numeric ranges drop out
+        row("r1_infoseek", 0, "What is the purpose of this object?", ["navigation aid", "light signal", "beacon"],
+            pic("infoseek", "oven_00000001.jpg")),
+        row("r1_infoseek", 1, "How tall is this tower, in metres?", ["38"], pic("infoseek", "oven_00000002.png")),
+        row("r1_infoseek", 2, "Who built this object?", ["Mara Quell", "M. Quell"],
+            pic("infoseek", "oven_00000001.jpg"))]  # pictures may be shared
+    assert load_questions(out, "r1_dynvqa") == [  # every answer, numbers as text
+        row("r1_dynvqa", 0, "Who built this lighthouse?", ["玛拉·奎尔", "Mara Quell"], pic("dynvqa", "1.png")),
+        row("r1_dynvqa", 1, "How many towers did she build?", ["1", "一", "one"], pic("dynvqa", "2.jpeg"))]
+    assert load_questions(out, "r1_webqa") == [  # the surrounding quotes stripped, inner ones kept
+        row("r1_webqa", 0, "Is Ashby Tower painted white?", ["Ashby Tower is painted white."],
+            pic("webqa", "30000001.webp")),
+        row("r1_webqa", 1, "What is written on the door?", ['"Keep out" is written on the door.'],
+            pic("webqa", "30000002.png"))]
+    for name in images:  # stored as absolute paths to the user's pictures, not copied into the data folder
+        for q in corpus.read_jsonl(out / "questions" / f"{name}.jsonl"):
+            assert Path(q["image"]).is_absolute() and Path(q["image"]).is_file()
+    assert sorted(p.name for p in out.rglob("*") if p.is_file() and p.suffix != ".jsonl") == ["real.json"]
+
+def test_visual_sets_keep_the_first_rows(visual, real, tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus, "R1_N", 1)
+    counts = import_real(real[0], tmp_path / "out", images=visual[0])
+    assert counts["r1_infoseek"] == counts["r1_dynvqa"] == counts["r1_webqa"] == 1
+    assert load_questions(tmp_path / "out", "r1_webqa")[0]["id"] == "r1_webqa-0"
+
+def test_missing_picture_names_file_line_and_path(visual, real, tmp_path):
+    import shutil
+    images = {name: tmp_path / "pictures" / name for name in visual[0]}
+    for name, folder in visual[0].items():
+        shutil.copytree(folder, images[name])
+    (images["r1_infoseek"] / "oven_00000002.png").unlink()
+    with pytest.raises(DataError) as e:
+        import_real(real[0], tmp_path / "out", images=images)
+    assert str(e.value) == (f"{real[0]}/r1router/infoseek_val.jsonl:2: image oven_00000002 not found in "
+                            f"{images['r1_infoseek']} (looked for oven_00000002.jpg, .jpeg, .png, .webp)")
+    with pytest.raises(DataError, match=r"/nowhere: folder of r1_dynvqa pictures not found$"):
+        import_real(real[0], tmp_path / "out", images=dict(r1_dynvqa=tmp_path / "nowhere"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pictures"]  # nothing half-written
 
 def test_cli_prints_the_summary(real, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "corpus.py"), "--import_real", str(real[0]), "--out", str(tmp_path / "r")],
@@ -143,6 +222,21 @@ def test_cli_prints_the_summary(real, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "4 text docs, 2 table docs, 0 image docs; 2 hotpotqa questions" in r.stdout
     assert not (tmp_path / "data").exists()  # --out honoured; the default would be data/real
+
+def test_cli_picture_flags(real, tmp_path):
+    write_pictures(tmp_path / "pics")
+    flags = [a for kind in ("infoseek", "dynvqa", "webqa") for a in (f"--{kind}_images", f"pics/{kind}")]  # relative
+    cmd = lambda out: [sys.executable, str(ROOT / "corpus.py"), "--import_real", str(real[0]), "--out", out, *flags]
+    r = subprocess.run(cmd("r"), capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "2 r1_dynvqa questions, 3 r1_infoseek questions" in r.stdout and "2 r1_webqa questions" in r.stdout
+    assert load_questions(tmp_path / "r", "r1_dynvqa")[0]["image"] == str(tmp_path / "pics" / "dynvqa" / "1.png")
+    (tmp_path / "pics" / "webqa" / "30000001.webp").unlink()
+    r = subprocess.run(cmd("r2"), capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert r.stderr.endswith("webqa_val.jsonl:1: image 30000001 not found in "
+                             f"{tmp_path / 'pics' / 'webqa'} (looked for 30000001.jpg, .jpeg, .png, .webp)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pics", "r"]
 
 class HashEncoder:
     """A stand-in for MiniLM (loading it takes seconds): L2-normalised hashed bag of lower-cased words."""
