@@ -199,11 +199,11 @@ class VisionIO:
 
     def pixels(self, rows, device, ids=None):
         """Model inputs (pixel_values, and pixel_attention_mask or image_grid_thw, ...) of the pictures of a batch,
-        rows: per sequence its image paths in order; {} when no row has one. A multimodal-RoPE model also gets
+        rows: per sequence its images [[start, n, path]] (Transcript.images); {} when no row has one. A multimodal-RoPE model also gets
         mm_token_type_ids (1 at image tokens) of the batch's ids [B, T]."""
         if not any(rows):
             return {}
-        out = self.proc.image_processor([[self.image(p) for p in r] for r in rows], return_tensors="pt")
+        out = self.proc.image_processor([[self.image(p) for *_, p in sorted(r)] for r in rows], return_tensors="pt")
         if self.mrope:
             out["mm_token_type_ids"] = (ids == self.image_token_id).long()  # [B, T]
         return {k: v.to(device) for k, v in out.items()}
@@ -506,7 +506,7 @@ class HFEngine(Batched):
             L = max(map(len, batch))
             x = torch.tensor([[pad] * (L - len(p)) + p for p in batch], device=self.device)  # [b, L], left-padded
             am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=self.device)
-            pix = self.vis.pixels([[p for *_, p in sorted(im)] for im in images[s:s + self.batch_size]], self.device, x) \
+            pix = self.vis.pixels(images[s:s + self.batch_size], self.device, x) \
                 if self.vis else {}
             out = self.model.generate(input_ids=x, attention_mask=am, **pix, max_new_tokens=max_tokens, do_sample=temperature > 0,
                                       temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
@@ -1071,7 +1071,7 @@ def bench(args):
         L = max(len(p) for p, _ in batch)
         x = torch.tensor([[engine.tok.eos_token_id] * (L - len(p)) + p for p, _ in batch])
         am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p, _ in batch])
-        pix = hf.vis.pixels([[path for *_, path in sorted(im)] for _, im in batch], "cpu", x) if hf.vis else {}
+        pix = hf.vis.pixels([im for _, im in batch], "cpu", x) if hf.vis else {}
         with torch.inference_mode():
             hf.model.generate(input_ids=x, attention_mask=am, **pix, max_new_tokens=n_new, min_new_tokens=n_new,
                               do_sample=False, pad_token_id=engine.tok.eos_token_id)

@@ -118,7 +118,7 @@ def collate(rows, pad_id, device):
 
 def pixels(rows, vis, ids):
     """A VL micro-batch's image inputs (rollout.VisionIO.pixels; {} for a text model or rows without images)."""
-    return vis.pixels([[p for *_, p in sorted(r[2])] for r in rows], ids.device, ids) if vis else {}
+    return vis.pixels([r[2] for r in rows], ids.device, ids) if vis else {}
 
 def loss_sum(model, ids, labels, pix=None):
     """Sum of the next-token NLLs over label positions (fp32) and their count. ids, labels: [B, T]; pix: pixels().

@@ -379,7 +379,7 @@ def micro_batches(rows, args, pad_id, device, vis=None):
     dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
     chunks = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
     stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2)]  # no rows: nothing fit
-    pixels = lambda m, ids: vis.pixels([[p for *_, p in sorted(s.get("images", []))] for s in m], device, ids) if vis else {}
+    pixels = lambda m, ids: vis.pixels([s.get("images", []) for s in m], device, ids) if vis else {}
     micro = [c + (pixels(m or stand_in, c[0]), float(bool(m))) for m in chunks for c in [collate(m or stand_in, pad_id, device)]]
     count = sum(sum(s["mask"]) for s in rows) if args.loss_norm == "token" else sum(s.get("n_seq", 1) for s in rows)
     denom = torch.tensor([count], dtype=torch.float64, device=device)
@@ -455,7 +455,7 @@ def sync_gap(model, engine, row, device):
     ids, images, vis = row["ids"], row.get("images", []), engine.vis
     with torch.no_grad():
         x = torch.tensor([ids], device=device)
-        pix = vis.pixels([[p for *_, p in sorted(images)]], device, x) if vis else {}
+        pix = vis.pixels([images], device, x) if vis else {}
         mine = token_logprobs(model, x, torch.ones(1, len(ids), device=device),
                               torch.ones(1, len(ids) - 1, dtype=torch.bool, device=device), pix=pix)[0]  # [T-1]
     diff = (torch.tensor(engine.prompt_logprobs(ids, images), device=device) - mine).abs().max().reshape(1)

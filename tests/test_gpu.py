@@ -144,7 +144,7 @@ def test_vl_engine_on_gpu_sleeps_syncs_and_trains(tmp_path, tiny_model_dir, tiny
             if "vision_model" in name or "layers.0." in name:
                 p.add_(0.05 * torch.randn_like(p))
         x = torch.tensor([ids], device="cuda")
-        lp = model(input_ids=x, **vis.pixels([[p for *_, p in images]], "cuda", x)).logits[0, :-1].float().log_softmax(-1)
+        lp = model(input_ids=x, **vis.pixels([images], "cuda", x)).logits[0, :-1].float().log_softmax(-1)
     want = lp.gather(-1, x[0, 1:, None])[:, 0].cpu()
     engine.sync_weights({k: v.detach() for k, v in model.named_parameters()})
     new = torch.tensor(engine.prompt_logprobs(ids, images))

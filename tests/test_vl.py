@@ -111,7 +111,7 @@ def trainer_logprobs(model, vis, ids, images, suppress=()):
     T = len(ids)
     with torch.no_grad():
         return stepgrpo.token_logprobs(model, torch.tensor([ids]), torch.ones(1, T, dtype=torch.long),
-                                       torch.ones(1, T - 1, dtype=torch.bool), pix=vis.pixels([[p for *_, p in images]], "cpu"),
+                                       torch.ones(1, T - 1, dtype=torch.bool), pix=vis.pixels([images], "cpu"),
                                        suppress=suppress)[0]
 
 def test_sync_into_a_vl_engine_and_image_tokens_never_sampled(ret, visual, vis, tiny_vl, engine):
@@ -134,9 +134,9 @@ def test_sync_into_a_vl_engine_and_image_tokens_never_sampled(ret, visual, vis, 
     image_id = vis.tok.convert_tokens_to_ids("<image>")
     with torch.no_grad():  # tied head: <image>'s logit becomes 50 x the greedy choice's
         emb = model.get_input_embeddings().weight
-        first = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=1, do_sample=False, **vis.pixels([[p for *_, p in images]], "cpu"))[0, -1]
+        first = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=1, do_sample=False, **vis.pixels([images], "cpu"))[0, -1]
         emb[image_id] = 50 * emb[first]
-        plain = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=1, do_sample=False, **vis.pixels([[p for *_, p in images]], "cpu"))[0, -1]
+        plain = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=1, do_sample=False, **vis.pixels([images], "cpu"))[0, -1]
     assert plain.item() == image_id  # unsuppressed, the model would write an image token
     engine.sync_weights(dict(trainutil.full_params(model)))
     outs = engine.generate([ids] * 4, 12, 1.0, seed=0, images=[images] * 4)
