@@ -94,7 +94,7 @@ def run_ours():
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        engine.sync_weights(trainutil.full_params(model))
+        engine.sync_weights(trainutil.policy_params(model))
         t4 = time.perf_counter()
         rec.append(dict(total=t4 - t0, generate=t1 - t0, reward=t2 - t1, update=t3 - t2, sync=t4 - t3, tokens=denom,
                         reward_mean=float(np.mean(r))))

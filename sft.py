@@ -59,6 +59,13 @@ def get_args(argv=None):
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32); "
                          "auto: bf16 on CUDA and AVX512-BF16 CPUs, else fp32")
+    ap.add_argument("--lora_r", type=int, default=0, help="LoRA rank: train adapters on a frozen base (0: all weights)")
+    ap.add_argument("--lora_alpha", type=float, default=32.0, help="LoRA scale is alpha / r")
+    ap.add_argument("--lora_dropout", type=float, default=0.05)
+    ap.add_argument("--lora_targets", nargs="+", default=["all-linear"],
+                    help="module names to adapt (all-linear: every linear layer but the output head)")
+    ap.add_argument("--quant", default="none", choices=["none", "nf4", "int8"],
+                    help="QLoRA: the frozen base quantised by bitsandbytes (needs --lora_r)")
     ap.add_argument("--eval_every", type=int, default=24, help="dev loss every N steps and at the end (0: never)")
     ap.add_argument("--eval_rows", type=int, default=128, help="evaluate on the first N dev rows (0: all)")
     ap.add_argument("--save_every", type=int, default=12, help="checkpoint every N steps (0: only at the end)")
@@ -139,7 +146,7 @@ def lr_at(step, args, total):
 def save_checkpoint(model, opt, tok, args, step, steps_per_epoch, rank):  # tok: tokenizer or VL processor
     state = dict(epoch=step // steps_per_epoch, position=step % steps_per_epoch, args=vars(args),
                  global_batch=args.batch_size * args.grad_accum * dist.get_world_size())
-    trainutil.save_checkpoint(model, opt, tok, args.out, step, state, rank, args.keep)
+    trainutil.save_checkpoint(model, opt, tok, args.out, step, state, rank, args.keep, merged=step >= args.train_steps)
 
 #### evaluation
 
@@ -190,13 +197,14 @@ def main(argv=None):
     args = get_args(argv)
     from transformers import AutoConfig, AutoTokenizer
     rank, world, device, print0 = trainutil.env_rank()
+    lora = trainutil.lora_of(args)
     args.dtype = trainutil.resolve_dtype(args.dtype, device)  # the resolved choice is what trainer_state.pt records
 
     # ---- inputs (every rank checks, so every rank exits on bad input before any collective)
     out = Path(args.out)
-    start, resuming = trainutil.resolve_start(args.model, out, args.resume)
+    start, weights, resuming = trainutil.resolve_start(args.model, out, args.resume, lora is not None)
     try:
-        config = AutoConfig.from_pretrained(start)
+        config = AutoConfig.from_pretrained(weights)
         vl, vocab = hasattr(config, "vision_config"), config.get_text_config().vocab_size
         train = [r for sp in args.train_splits for r in load_rows(Path(args.data) / f"{sp}.jsonl", args.max_len, vocab, vl)]
         dev = load_rows(Path(args.data) / f"{args.dev_split}.jsonl", args.max_len, vocab, vl) if args.eval_every else []
@@ -213,21 +221,23 @@ def main(argv=None):
     random.seed(args.seed)
 
     # ---- model (FSDP2, fp32 master weights) and optimizer
-    tok, vis = AutoTokenizer.from_pretrained(start), rollout.VisionIO.load(start)  # vis: a VL model's image plumbing
+    tok, vis = AutoTokenizer.from_pretrained(weights), rollout.VisionIO.load(weights)  # vis: a VL model's image plumbing
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    model = trainutil.load_sharded(start, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16")
+    model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
+                                   lora=lora)
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     if args.optim == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+        opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        opt = torch.optim.SGD(params, lr=args.lr, weight_decay=args.weight_decay)
     step = 0
     if resuming:  # weights came from the checkpoint folder; now the optimizer, the step and the RNG
         state = trainutil.load_trainer_state(model, opt, start, args, print0)
         step = state["step"]
         if state["args"]["seed"] != args.seed or state["global_batch"] != G:
             print0("warning: seed or global batch size changed: the data order does not continue the old run's")
-    n_params = sum(p.numel() for p in model.parameters())
-    print0(f"{n_params / 1e6:.1f}M parameters, world {world} ({device.type}, {args.dtype}), {len(train)} train rows, "
+    n_params, n_train = (sum(p.numel() for p in ps) for ps in (model.parameters(), params))
+    print0(f"{n_params / 1e6:.1f}M parameters ({n_train / 1e6:.2f}M trained), world {world} ({device.type}, {args.dtype}), {len(train)} train rows, "
            f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world}, {steps_per_epoch} steps/epoch, {total} steps")
     record = trainutil.Log(out, rank, step, resuming, args.wandb_mode, vars(args))
     bar = trainutil.progress(rank, total, step, "sft")

@@ -94,6 +94,15 @@ def get_args(argv=None):
     ap.add_argument("--activation_checkpointing", action="store_true")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="compute dtype (master weights, grads and optimizer stay fp32); auto: bf16 where native")
+    ap.add_argument("--lora_r", type=int, default=0,
+                    help="LoRA rank: train adapters on a frozen base, which is also the KL reference (0: all weights)")
+    ap.add_argument("--lora_alpha", type=float, default=32.0, help="LoRA scale is alpha / r")
+    ap.add_argument("--lora_dropout", type=float, default=0.0,
+                    help="0: with dropout the trainer's logprobs are not those of the policy the engine samples")
+    ap.add_argument("--lora_targets", nargs="+", default=["all-linear"],
+                    help="module names to adapt (all-linear: every linear layer but the output head)")
+    ap.add_argument("--quant", default="none", choices=["none", "nf4", "int8"],
+                    help="QLoRA: the frozen base quantised by bitsandbytes (needs --lora_r)")
     ap.add_argument("--check_sync", action="store_true", help="after each sync, log the max |engine - trainer| logprob")
     ap.add_argument("--timeout", type=float, default=30, help="minutes a collective may wait (checkpoints at 7B)")
     ap.add_argument("--seed", type=int, default=0)
@@ -394,8 +403,8 @@ def add_stats(sums, weight, loss, kl, clipped, entropy):
         sums[k] += weight * v.double()
 
 def update(model, ref, opt, micro, denom, args, suppress=()):
-    """--ppo_epochs passes of the PPO-clipped loss over the micro-batches (ref: frozen reference model, or None when
-    --kl_coef is 0), each pass one optimizer step. --old_logprobs trainer first replaces the sampler's logprobs with
+    """--ppo_epochs passes of the PPO-clipped loss over the micro-batches (ref: the frozen reference model, or None
+    when --kl_coef is 0 or the policy is LoRA, whose reference is itself with adapters off), each pass one optimizer step. --old_logprobs trainer first replaces the sampler's logprobs with
     the trainer's own (R1-Router's released code, via EasyR1) and sums |sampler - trainer| into old_gap. Returns this
     rank's sums: loss, kl and clipped over its policy tokens, entropy, tokens, old_gap; grad_norm (the global norm,
     summed over passes). suppress: token ids the engines never sample (token_logprobs)."""
@@ -405,7 +414,11 @@ def update(model, ref, opt, micro, denom, args, suppress=()):
     refs, olds = [], []
     with torch.no_grad():
         for ids, attn, pos, sel, old, *_, pix, weight in micro:
-            refs.append(token_logprobs(ref, ids, attn, sel, pos, T, pix=pix, suppress=sup)[0] if ref is not None else None)
+            if args.kl_coef > 0:
+                with trainutil.reference(model, ref) as r:
+                    refs.append(token_logprobs(r, ids, attn, sel, pos, T, pix=pix, suppress=sup)[0])
+            else:
+                refs.append(None)
             if args.old_logprobs == "trainer":
                 mine = token_logprobs(model, ids, attn, sel, pos, T, pix=pix, suppress=sup)[0]  # [N]
                 sums["old_gap"] += weight * (mine - old).abs().sum().double()
@@ -443,7 +456,7 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     timing["update_s"] = time.perf_counter() - t
     t = time.perf_counter()
     with peak("sync"):
-        engine.sync_weights(trainutil.full_params(model))
+        engine.sync_weights(trainutil.policy_params(model))
     timing["sync_s"] = time.perf_counter() - t
     if args.check_sync:  # the engine must now score a rollout exactly as the trainer does
         timing["sync_max_diff"] = sync_gap(model, engine, rows[0], device)  # the same on every rank
@@ -517,9 +530,10 @@ def main(argv=None):
     args = get_args(argv)
     rank, world, device, print0 = trainutil.env_rank()
     check_args(args, world)
+    lora = trainutil.lora_of(args)
     args.dtype = trainutil.resolve_dtype(args.dtype, device)  # the resolved choice is what trainer_state.pt records
     out = Path(args.out)
-    start, resuming = trainutil.resolve_start(args.model, out, args.resume)
+    start, weights, resuming = trainutil.resolve_start(args.model, out, args.resume, lora is not None)
     import retrievers
     try:
         questions = [q for sp in args.split for q in corpus.load_questions(args.data, sp)]
@@ -531,30 +545,35 @@ def main(argv=None):
     own_group = trainutil.init_group(world, args.timeout)
     encoder = retrievers.Encoder()  # all-MiniLM-L6-v2, for the sub-question cosine
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(start)
-    vis = rollout.VisionIO.load(start)
+    tok = AutoTokenizer.from_pretrained(weights)
+    vis = rollout.VisionIO.load(weights)
     files = vis.proc if vis else tok  # saved beside the weights: a VL model's processor, else the tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
     tree = args.rollout == "teacher_prefix"  # packed groups: 4D attention masks (SDPA, not flash-attn)
-    model = trainutil.load_sharded(start, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16", tree_mask=tree)
+    model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
+                                   tree_mask=tree, lora=lora)
     ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=args.dtype == "bf16",
-                                 tree_mask=tree) if args.kl_coef > 0 else None
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
+                                 tree_mask=tree) if args.kl_coef > 0 and not lora else None  # LoRA: adapters off
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
     step, dev_hist = 0, {}  # dev_hist: step -> dev score (--eval_questions)
     if resuming:
         state = trainutil.load_trainer_state(model, opt, start, args, print0)
         step, dev_hist = state["step"], state.get("dev", {})
     trainutil.check_gpu_budget(model, rollout.VLLMEngine.GPU_FRACTION)
-    engine = rollout.VLLMEngine(start, seed=args.seed + rank)  # each rank owns one engine
+    engine = rollout.VLLMEngine(weights, seed=args.seed + rank)  # each rank owns one engine
+    if lora:  # the engine holds the base: give it the policy (resumed adapters; a quantised base as the trainer sees it)
+        engine.sync_weights(trainutil.policy_params(model))
     w = Weights(args.w_format, args.w_hit, kb_balance(questions, args.max_steps) if args.balance_kb else None)
     if w.route_scale:
         print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
     per_epoch = len(questions) // args.batch_questions
     log = trainutil.Log(out, rank, step, resuming, args.wandb_mode, vars(args))
-    print0(f"Step-GRPO ({args.rollout}, reward {args.reward}): world {world} ({device.type}, {args.dtype}), {len(questions)} "
+    print0(f"Step-GRPO ({args.rollout}, reward {args.reward}): world {world} ({device.type}, {args.dtype}), "
+           f"{sum(p.numel() for p in params) / 1e6:.2f}M trained weights{' (LoRA)' if lora else ''}, {len(questions)} "
            f"questions, {args.batch_questions} x {args.group_size} per step, {args.train_steps} steps")
     bar = trainutil.progress(rank, args.train_steps, step, "step-grpo")
     peak, peaks = trainutil.PeakMemory(), {}  # peaks: phase -> the highest GiB of each rank over the run
@@ -589,7 +608,8 @@ def main(argv=None):
             best = max(dev_hist, key=dev_hist.get) if dev_hist else None  # the earliest of equal scores
             with peak("checkpoint"):
                 trainutil.save_checkpoint(model, opt, files, out, step, dict(args=vars(args), dev=dev_hist), rank, args.keep,
-                                          protect=f"step_{best}" if best else None)
+                                          protect=f"step_{best}" if best else None,
+                                          merged=step == args.train_steps or best == step)  # LoRA: final and best
             if rank == 0 and best:
                 trainutil.link_step(out, best, "best")
     peaks = highest(peaks, gather_peaks(peak.gib, world))  # the last checkpoint's, which no record holds

@@ -9,18 +9,24 @@ hardware computes it natively (CUDA, AVX512-BF16 CPUs) and fp32 elsewhere.
 
 Checkpoint layout (in --out):
     step_<N>/          Hugging Face folder (config, safetensors, tokenizer) that transformers and vLLM load as is,
-                       + trainer/ (sharded model and optimizer state, torch.distributed.checkpoint: one file a rank)
+                       + trainer/ (sharded trainable weights and optimizer state, torch.distributed.checkpoint)
                        + trainer_state.pt (step, RNG, and the script's own data position, args)
+                       LoRA (--lora_r): adapter/ (peft's format: PeftModel.from_pretrained(base, "step_<N>/adapter"))
+                       instead of the full weights, except in the final (and stepgrpo's best) checkpoint, which has
+                       the merged weights too; trainer/ then holds the adapters and their optimizer state only
     .step_<N>.tmp/     a checkpoint being written (renamed to step_<N> when whole; never resumed from)
     latest             text file naming the newest whole checkpoint folder, replaced atomically
     final -> step_<N>  symlink written at the end of training: `--model out/<run>/final`
     log.jsonl          one record per step (on --resume, records after the checkpoint are dropped)
 """
+import contextlib
 import json
+import logging
 import os
 import random
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +35,9 @@ import torch.distributed as dist
 import corpus
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# bitsandbytes (imported by peft) asks the hub for a CPU kernel on AVX512-BF16 machines and warns when offline; its own
+# kernel is used instead
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 def env_rank():
     """-> rank, world, device from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (alone: a world of one), and print0."""
@@ -58,11 +67,12 @@ def init_group(world, timeout_min=30):
         sys.exit(f"error: the process group has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
     return own
 
-def resolve_start(model, out, resume):
-    """-> (the folder to load weights from, whether this run resumes): --model, or with --resume the newest whole
+def resolve_start(model, out, resume, lora=False):
+    """-> (checkpoint folder, weights folder, whether this run resumes): --model, or with --resume the newest whole
     checkpoint in --out (`latest` names a checkpoint only once it is complete, so an interrupted save is never the one
     resumed from). --resume auto resumes when there is a checkpoint and starts from --model otherwise: a job that
-    is restarted after a failure picks up where it stopped. Exits on bad input."""
+    is restarted after a failure picks up where it stopped. The weights folder is the checkpoint, except for a LoRA
+    run's, whose base is --model (the checkpoint's trainer state holds the adapters). Exits on bad input."""
     out, start = Path(out), Path(model)
     resuming = resume == "yes" or (resume == "auto" and (out / "latest").is_file())
     if resuming:
@@ -71,9 +81,15 @@ def resolve_start(model, out, resume):
         start = out / (out / "latest").read_text().strip()
         if not (start / "trainer_state.pt").is_file():
             sys.exit(f"error: --resume: {start}/trainer_state.pt not found")
-    if not (start / "config.json").is_file():
-        sys.exit(f"error: {start}: not a model folder (no config.json)")
-    return start, resuming
+        if (start / "adapter").is_dir() != lora:
+            sys.exit(f"error: --resume: {start} is {'a LoRA' if not lora else 'not a LoRA'} checkpoint but --lora_r is "
+                     f"{'0' if not lora else 'set'}; resume with the run's own flags")
+    weights = Path(model) if resuming and lora else start
+    if not (weights / "config.json").is_file():
+        hint = ": LoRA adapters of an unfinished run (resume it, or start from its final checkpoint)" \
+            if (weights / "adapter").is_dir() else " (no config.json)"
+        sys.exit(f"error: {weights}: not a model folder{hint}")
+    return start, weights, resuming
 
 def resolve_dtype(dtype, device):
     """--dtype auto -> "bf16" on CUDA and on CPUs with native bf16 (AVX512-BF16), else "fp32": where bf16 is emulated
@@ -92,7 +108,45 @@ def blocks(model):
             inside.update(id(x) for b in m for x in b.modules())
     return out
 
-def load_sharded(path, device, world, activation_checkpointing=False, train=True, bf16=True, tree_mask=False):
+@dataclass
+class Lora:
+    """LoRA adapters (peft) on a frozen base: rank r, scale alpha / r, dropout, target modules ("all-linear": every
+    linear layer but the output head, in the decoder and, in a VL model, the vision tower and connector), and the
+    base's storage: quant "none" (fp32 master), or bitsandbytes "nf4" / "int8" (QLoRA)."""
+    r: int
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple = ("all-linear",)
+    quant: str = "none"
+
+def lora_of(args):
+    """The script's LoRA flags -> Lora, or None (--lora_r 0: full fine-tuning). Exits on flags that cannot work."""
+    if not args.lora_r:
+        if args.quant != "none":
+            sys.exit(f"error: --quant {args.quant} quantises a frozen base: it needs LoRA adapters (--lora_r)")
+        return None
+    if args.quant != "none":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            sys.exit(f"error: --quant {args.quant} needs bitsandbytes (pip install bitsandbytes)")
+    return Lora(args.lora_r, args.lora_alpha, args.lora_dropout, tuple(args.lora_targets), args.quant)
+
+def add_lora(model, lora):
+    """model -> peft model with fresh adapters (A seeded the same on every rank and on the meta device; B = 0, so the
+    adapted model starts equal to the base). Only the adapters require gradients."""
+    from peft import LoraConfig, get_peft_model
+    targets = lora.targets[0] if lora.targets == ("all-linear",) else list(lora.targets)
+    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    with torch.random.fork_rng(devices=[]):  # the adapters' init leaves training's RNG stream alone
+        torch.manual_seed(0)
+        return get_peft_model(model, cfg)
+
+def is_quantized(p):
+    """A bitsandbytes-quantised parameter (FSDP2 leaves these out: each rank holds them whole)."""
+    return type(p).__name__ in ("Params4bit", "Int8Params")
+
+def load_sharded(path, device, world, activation_checkpointing=False, train=True, bf16=True, tree_mask=False, lora=None):
     """fp32 master weights; each block (blocks(): decoder layers, vision-encoder layers) is one FSDP unit, the root
     holds the rest (embeddings, final norm, lm_head; a VL model's patch embedding and connector).
     Only rank 0 reads the checkpoint into host memory (one full fp32 copy, 28 GiB at 7B, not one per rank); every rank
@@ -100,11 +154,14 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     (set_model_state_dict(broadcast_from_rank0=True)); buffers outside the state dict (RoPE's inv_freq) likewise.
     bf16: FSDP2 mixed precision, i.e. bf16 forward/backward compute, fp32 gradient reduction and optimizer state, on
     CPU as on GPU (resolve_dtype says where it is native).
-    tree_mask: the model will get 4D attention masks (stepgrpo's packed groups), which SDPA takes and flash-attn not."""
+    tree_mask: the model will get 4D attention masks (stepgrpo's packed groups), which SDPA takes and flash-attn not.
+    lora: a Lora, adapters on the frozen base (the same sharding; only the adapters get gradients and Adam state).
+    With a quantised base every rank reads the checkpoint and quantises it itself (bitsandbytes quantises on load),
+    and keeps the quantised weights whole (4.5 GiB at 7B in nf4); the rest is sharded as above."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoConfig
+    from transformers import AutoConfig, BitsAndBytesConfig
     from rollout import auto_model
     auto, attn = auto_model(path), "sdpa"
     if device.type == "cuda" and not tree_mask:
@@ -113,28 +170,39 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
             attn = "flash_attention_2"
         except ImportError:
             pass
-    full, buffers = {}, {}
-    if dist.get_rank() == 0:
-        src = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
-        full, buffers = src.state_dict(), dict(src.named_buffers())
-        generation_config = src.generation_config
-    with torch.device("meta"):
-        model = auto.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32, attn_implementation=attn)
+    quant = lora.quant if lora else "none"
+    full, buffers, generation_config = {}, {}, None
+    if quant != "none":
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float32) \
+            if quant == "nf4" else BitsAndBytesConfig(load_in_8bit=True)
+        model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attn, quantization_config=q,
+                                     device_map={"": device})
+    else:
+        if dist.get_rank() == 0:
+            src = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+            src = add_lora(src, lora) if lora else src
+            full, buffers = src.state_dict(), dict(src.named_buffers())
+            generation_config = src.generation_config
+        with torch.device("meta"):
+            model = auto.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32, attn_implementation=attn)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = add_lora(model, lora) if lora else model
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    mesh = init_device_mesh(device.type, (world,))
+    mesh, whole = init_device_mesh(device.type, (world,)), {p for p in model.parameters() if is_quantized(p)}
     for block in blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    model.to_empty(device=device)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for name, b in model.named_buffers():
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=whole)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=whole)
+    if quant == "none":
+        model.to_empty(device=device)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for name, b in model.named_buffers():
+            if dist.get_rank() == 0:
+                b.copy_(buffers[name])
+            dist.broadcast(b, src=0)
         if dist.get_rank() == 0:
-            b.copy_(buffers[name])
-        dist.broadcast(b, src=0)
-    if dist.get_rank() == 0:
-        model.generation_config = generation_config
+            model.generation_config = generation_config
     model.train(train)
     if not train:
         model.requires_grad_(False)
@@ -155,8 +223,8 @@ def gpu_budget_error(total, allocated, shards, engine_fraction, device=0):
 
 def check_gpu_budget(model, engine_fraction):
     """At start-up, before the engine exists: exit with gpu_budget_error's line if this rank's GPU is too small."""
-    if torch.cuda.is_available():
-        shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    if torch.cuda.is_available():  # Adam state is kept for the trainable weights alone (LoRA: the adapters)
+        shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         error = gpu_budget_error(torch.cuda.mem_get_info()[1], torch.cuda.memory_allocated(), shards, engine_fraction,
                                  torch.cuda.current_device())
         if error:
@@ -187,30 +255,37 @@ def selected_logits(model, ids, sel, attn=None, pos=None, pixels=None):
     finally:
         hook.remove()
 
-def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=None):
-    """step_<N>/ (every rank takes part): the HF folder of the full weights (gathered to rank 0's host memory; what
-    transformers and vLLM load), trainer/ the sharded model and optimizer state (torch.distributed.checkpoint: each
-    rank writes its own shards, so no rank holds the whole optimizer state), trainer_state.pt (step, RNG and the
-    script's `state`: data position, args, ...). All of it goes to .step_<N>.tmp, renamed when whole; then `latest`
-    names it, and all but the newest `keep` step folders and `protect` (e.g. the best one's) are removed. tok saves the
-    tokenizer files beside the weights (a VL model's processor: tokenizer, chat template and image processor)."""
+def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=None, merged=True):
+    """step_<N>/ (every rank takes part): the HF folder of the policy's full weights (gathered to rank 0's host memory;
+    what transformers and vLLM load), trainer/ the sharded trainable weights and optimizer state
+    (torch.distributed.checkpoint: each rank writes its own shards, so no rank holds the whole optimizer state),
+    trainer_state.pt (step, RNG and the script's `state`: data position, args, ...). A LoRA policy's folder holds its
+    adapters in peft's format, and its merged weights only if `merged` (they are as large as a full checkpoint).
+    All of it goes to .step_<N>.tmp, renamed when whole; then `latest` names it, and all but the newest `keep` step
+    folders and `protect` (e.g. the best one's) are removed. tok saves the tokenizer files beside the weights (a VL
+    model's processor: tokenizer, chat template and image processor)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-    from rollout import auto_model
-    out = Path(out)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    out, lora = Path(out), hasattr(model, "peft_config")
     tmp, dst = out / f".step_{step}.tmp", out / f"step_{step}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    msd, osd = get_state_dict(model, opt)  # this rank's shards
+    msd, osd = trainable_state(model, opt)  # this rank's shards
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "trainer"))
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # rank 0 only
+    if lora:
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                  ignore_frozen_params=True))  # rank 0 only
+        if rank == 0:  # a folder of its own: transformers would read adapter files beside weights as "load the base"
+            (tmp / "adapter").mkdir()
+            save_file(get_peft_model_state_dict(model, state_dict=sd), tmp / "adapter" / "adapter_model.safetensors")
+            model.peft_config["default"].save_pretrained(tmp / "adapter")
+    if merged or not lora:
+        export_hf(model, tmp, rank)
     if rank == 0:
-        cpu_model = auto_model(model.config).from_config(model.config, dtype=torch.float32)  # fresh, unsharded, tied like the original
-        cpu_model.load_state_dict(full)  # strict: every key (lm_head too; when tied it is the same tensor)
-        cpu_model.generation_config = model.generation_config
-        cpu_model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
                    cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
@@ -224,15 +299,41 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
                 shutil.rmtree(p)
     dist.barrier()
 
+def export_hf(model, folder, rank):
+    """The policy's effective weights (policy_params: LoRA merged, a quantised base dequantised) as an HF folder on
+    rank 0, in fp32, of the base model's class and config (no quantisation config): transformers and vLLM load it."""
+    import copy
+    from rollout import auto_model
+    full = {name: t.cpu() if rank == 0 else None for name, t in policy_params(model)}  # a collective: every rank
+    if rank != 0:
+        return
+    config = copy.deepcopy(model.config)
+    config.__dict__.pop("quantization_config", None)
+    cpu_model = auto_model(config).from_config(config, dtype=torch.float32)  # fresh, unsharded, tied like the original
+    missing, unexpected = cpu_model.load_state_dict(full, strict=False)
+    params = {n for n, _ in cpu_model.named_parameters()}  # a tied head is an alias, not a parameter of its own
+    assert not unexpected and set(missing).isdisjoint(params), (missing, unexpected)
+    cpu_model.generation_config = model.generation_config
+    cpu_model.save_pretrained(folder)
+
+def trainable_state(model, opt):
+    """This rank's shards of the trainable weights and of the optimizer state: what trainer/ holds (LoRA: the adapters;
+    ignore_frozen_params alone would keep a frozen tied head, which is not a parameter of its own)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(ignore_frozen_params=True))
+    trainable = {n.removeprefix("_orig_mod.") for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in msd.items() if k in trainable}, osd
+
 def load_trainer_state(model, opt, ckpt, args, print0):
     """Restore the sharded model and optimizer state (each rank reads its own shards) and the RNG; returns the saved
     dict. trainer_state.pt is read with weights_only: tensors and plain data, so loading runs no pickled code."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     state = torch.load(Path(ckpt) / "trainer_state.pt", weights_only=True)
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = trainable_state(model, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(Path(ckpt) / "trainer"))
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd,
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     if torch.cuda.is_available() and state["rng"]["cuda"] is not None:
@@ -241,11 +342,36 @@ def load_trainer_state(model, opt, ckpt, args, print0):
     print0(f"resuming from {ckpt} at step {state['step']}" + (f"; changed args (old, new): {changed}" if changed else ""))
     return state
 
-def full_params(model):
-    """(name, full tensor) of every parameter, each all-gathered from its FSDP2 shards only when the consumer asks
-    for it (a collective: every rank must iterate, in the same order), for the engine's streamed weight sync."""
+def policy_params(model):
+    """(name, full tensor) of each of the policy's effective weights, named as in the base model's HF state dict, for
+    the engine's streamed sync and export_hf. Each is all-gathered from its FSDP2 shards only when the consumer asks
+    for it (a collective: every rank must iterate, in the same order). A LoRA layer gives W + (alpha / r) B A, its
+    base W dequantised first when quantised (what the trainer's forward computes with); the adapters themselves and
+    the "base_model.model." / ".base_layer" parts of peft's names do not appear."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.integrations import dequantize_module_weight
+    full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+    modules = dict(model.named_modules())
     for name, p in model.named_parameters():
-        yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        if ".lora_" in name:  # merged into their layer's weight below
+            continue
+        owner, _, leaf = name.rpartition(".")
+        m = modules[owner.removesuffix(".base_layer")]
+        w = dequantize_module_weight(modules[owner]).detach() if is_quantized(p) else full(p)
+        if isinstance(m, LoraLayer) and leaf == "weight":
+            a, b = full(m.lora_A["default"].weight), full(m.lora_B["default"].weight)  # [r, in], [out, r]
+            w = w.float() + m.scaling["default"] * (b.float() @ a.float())  # [out, in]
+        yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), w
+
+@contextlib.contextmanager
+def reference(model, ref):
+    """`with reference(model, ref) as r:` r is the frozen KL reference: `ref` (a second model), or for a LoRA policy
+    (ref None) the policy with its adapters disabled, i.e. the base it started from (no second copy of the weights)."""
+    if ref is not None:
+        yield ref
+    else:
+        with model.disable_adapter():
+            yield model
 
 class PeakMemory:
     """`with peak("update"):` records the phase's peak memory in GiB, in self.gib[phase]: on CUDA the peak of

@@ -45,3 +45,20 @@ def tiny_model_dir(tmp_path_factory):
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+@pytest.fixture(scope="session")
+def traj_dir(tmp_path_factory, tiny_index):
+    """Golden trajectories of the tiny world (rollout.py's GoldPolicy through the real step loop, BM25), tokenised
+    with the SmolLM2 tokenizer: 32 train and 6 dev rows."""
+    from transformers import AutoTokenizer
+    import corpus
+    import retrievers
+    import rollout
+    out = tmp_path_factory.mktemp("traj")
+    tok, ret = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL), retrievers.Retriever(tiny_index, "bm25")
+    for split, n in (("train", 32), ("dev", 6)):
+        qs = corpus.load_questions(tiny_index, split)[:n]
+        trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)
+        assert all(x["format_ok"] for x in trajs)
+        corpus.write_jsonl(out / f"{split}.jsonl", trajs)
+    return out

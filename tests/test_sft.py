@@ -43,17 +43,6 @@ def tok():
 def tiny_model(tiny_model_dir):
     return tiny_model_dir
 
-@pytest.fixture(scope="module")
-def traj_dir(tmp_path_factory, tiny_index, tok):
-    out = tmp_path_factory.mktemp("traj")
-    ret = retrievers.Retriever(tiny_index, "bm25")
-    for split, n in (("train", 32), ("dev", 6)):
-        qs = corpus.load_questions(tiny_index, split)[:n]
-        trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)
-        assert all(x["format_ok"] for x in trajs)
-        corpus.write_jsonl(out / f"{split}.jsonl", trajs)
-    return out
-
 def load(model_dir):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -158,7 +147,7 @@ def test_rank0_load_fills_every_shard_and_keeps_the_head_tied(tiny_model):
     model = trainutil.load_sharded(tiny_model, torch.device("cpu"), 1, bf16=False)
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    full = dict(trainutil.full_params(model))
+    full = dict(trainutil.policy_params(model))
     assert full.keys() == dict(ref.named_parameters()).keys()
     assert all(torch.equal(full[k], v) for k, v in ref.named_parameters())
     assert all(torch.equal(b, dict(ref.named_buffers())[k]) for k, b in model.named_buffers())

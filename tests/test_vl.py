@@ -128,7 +128,7 @@ def test_sync_into_a_vl_engine_and_image_tokens_never_sampled(ret, visual, vis, 
         for name, p in model.named_parameters():
             if "vision_model" in name or "layers.0." in name:
                 p.add_(0.05 * torch.randn_like(p))
-    engine.sync_weights(dict(trainutil.full_params(model)))
+    engine.sync_weights(dict(trainutil.policy_params(model)))
     new, mine = torch.tensor(engine.prompt_logprobs(ids, images)), trainer_logprobs(model, vis, ids, images)
     assert (new - mine).abs().max() < 1e-4 and (new - old).abs().max() > 1e-2
     image_id = vis.tok.convert_tokens_to_ids("<image>")
@@ -138,7 +138,7 @@ def test_sync_into_a_vl_engine_and_image_tokens_never_sampled(ret, visual, vis, 
         emb[image_id] = 50 * emb[first]
         plain = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=1, do_sample=False, **vis.pixels([images], "cpu"))[0, -1]
     assert plain.item() == image_id  # unsuppressed, the model would write an image token
-    engine.sync_weights(dict(trainutil.full_params(model)))
+    engine.sync_weights(dict(trainutil.policy_params(model)))
     outs = engine.generate([ids] * 4, 12, 1.0, seed=0, images=[images] * 4)
     hf = rollout.HFEngine(model)
     assert all(not set(o) & set(vis.special_ids) for o, _ in outs + hf.generate([ids] * 4, 12, 1.0, seed=0, images=[images] * 4))

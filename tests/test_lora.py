@@ -1,0 +1,200 @@
+"""LoRA and QLoRA (peft, bitsandbytes) in sft.py and stepgrpo.py: only the adapters get gradients and optimizer state,
+the reference is the base with adapters off, the merged weights are what the trainer computes with (on the meta
+device too), 2-rank LoRA SFT equals one process, exact resume, the merged export loads in transformers and vLLM and
+equals the adapted model, Step-GRPO from an SFT-LoRA checkpoint keeps its engine equal to the trainer (nf4 too).
+
+Policy: the tiny random Llama (tied embeddings); data: the tiny world's golden trajectories (conftest.py)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import sft
+import stepgrpo
+import trainutil
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--max_len", "512", "--batch_size", "2", "--wandb_mode", "disabled", "--warmup_steps", "0", "--dtype", "fp32",
+        "--lora_r", "4", "--lora_dropout", "0", "--eval_every", "0"]
+ADAPTERS = "adapter/adapter_model.safetensors"
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+@pytest.fixture(scope="module")
+def group():
+    own = trainutil.init_group(1)
+    yield
+    if own:
+        torch.distributed.destroy_process_group()
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model_dir, traj_dir, tmp_path_factory):
+    """One process, AdamW, 2 steps of a global batch of 8 = 2 rows x 4 micro-batches; checkpoints at steps 1, 2."""
+    out = tmp_path_factory.mktemp("lora") / "single"
+    sft.main(["--model", str(tiny_model_dir), "--data", str(traj_dir), "--out", str(out), "--grad_accum", "4",
+              "--train_steps", "2", "--save_every", "1", "--lr", "1e-2", *FAST])
+    return out
+
+def adapter_diff(a, b):
+    a, b = load_file(Path(a) / ADAPTERS), load_file(Path(b) / ADAPTERS)
+    assert a.keys() == b.keys() and len(a) == 2 * 7 * 2  # A and B of 7 linear layers x 2 blocks
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+#### the adapters, the merge and the reference, in process
+
+def test_only_the_adapters_get_gradients_and_the_merge_is_the_adapted_model(tiny_model_dir, traj_dir, group):
+    from transformers import AutoModelForCausalLM
+    rows = sft.load_rows(traj_dir / "train.jsonl", 256, 10**9)[:2]
+    ids, labels = sft.collate(rows, 0, torch.device("cpu"))
+    grads = []
+    for ckpt in (False, True):  # activation checkpointing gives the same gradients
+        model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, ckpt, bf16=False, lora=trainutil.Lora(4))
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+        s, n = sft.loss_sum(model, ids, labels)
+        (s / n).backward()
+        assert {n for n, p in model.named_parameters() if p.grad is not None} == trained
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None})
+    assert all(torch.allclose(grads[0][k], grads[1][k], atol=1e-6) for k in grads[0])
+    assert all(g.abs().max() > 0 for k, g in grads[0].items() if ".lora_B." in k)  # B = 0 at the start: A's grad is 0
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    merged = dict(trainutil.policy_params(model))
+    assert merged.keys() == dict(base.named_parameters()).keys()  # the base model's names, no adapters
+    assert all(torch.equal(merged[k], v) for k, v in base.named_parameters())  # B = 0: the adapted model is the base
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.to_local().normal_(0, 0.1)
+        merged = dict(trainutil.policy_params(model))
+        base_logits = base(ids).logits
+        assert (model(ids).logits - base_logits).abs().max() > 1e-2
+        with trainutil.reference(model, None) as ref:  # the KL reference: the same model, adapters off
+            assert torch.allclose(ref(ids).logits, base_logits, atol=1e-5)
+        base.load_state_dict(merged, strict=False)
+        assert torch.allclose(model(ids).logits, base(ids).logits, atol=1e-4)  # W + (alpha / r) B A
+
+def test_the_merge_on_the_meta_device_makes_no_tensor_elsewhere(tiny_model_dir):
+    """policy_params of a model whose weights are on a non-CPU device (meta): a stray CPU tensor in the merge fails."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    model = trainutil.add_lora(model, trainutil.Lora(4, targets=("q_proj", "down_proj")))
+    out = dict(trainutil.policy_params(model))
+    assert all(t.device.type == "meta" for t in out.values())
+    shapes = {k.replace(".base_layer.", "."): v.shape for k, v in model.get_base_model().named_parameters() if ".lora_" not in k}
+    assert {k: v.shape for k, v in out.items()} == shapes
+
+#### sft.py: 2 ranks, resume, the checkpoints
+
+def test_two_ranks_lora_sft_equal_one_process(lora_run, tiny_model_dir, traj_dir, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "sft.py",
+           "--model", str(tiny_model_dir), "--data", str(traj_dir), "--out", str(out), "--grad_accum", "2",
+           "--train_steps", "2", "--save_every", "1", "--lr", "1e-2", "--activation_checkpointing", *FAST]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "world 2" in r.stdout and "M trained" in r.stdout
+    for step in (1, 2):
+        assert adapter_diff(out / f"step_{step}", lora_run / f"step_{step}") < 1e-5
+    assert adapter_diff(lora_run / "step_2", lora_run / "step_1") > 1e-3  # step 2 did something
+
+def test_lora_sft_resumes_exactly_and_keeps_checkpoints_small(lora_run, tiny_model_dir, traj_dir, tmp_path):
+    b = tmp_path / "b"
+    b.mkdir()
+    shutil.copytree(lora_run / "step_1", b / "step_1")
+    (b / "latest").write_text("step_1\n")
+    sft.main(["--model", str(tiny_model_dir), "--data", str(traj_dir), "--out", str(b), "--grad_accum", "4",
+              "--train_steps", "2", "--save_every", "1", "--lr", "1e-2", *FAST, "--resume"])
+    assert adapter_diff(lora_run / "step_2", b / "step_2") == 0.0
+    a, c = load_file(lora_run / "step_2" / "model.safetensors"), load_file(b / "step_2" / "model.safetensors")
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    # an intermediate checkpoint holds adapters and their optimizer state only; the final one the merged weights too
+    assert not (lora_run / "step_1" / "model.safetensors").exists() and (lora_run / "step_2" / "config.json").exists()
+    trainer = sum(f.stat().st_size for f in (lora_run / "step_1" / "trainer").iterdir())
+    assert trainer < (tiny_model_dir / "model.safetensors").stat().st_size / 10  # no base weights (a tied head neither)
+    with pytest.raises(SystemExit, match="not a model folder: LoRA adapters"):
+        trainutil.resolve_start(str(lora_run / "step_1"), tmp_path / "c", None)
+    with pytest.raises(SystemExit, match="is a LoRA checkpoint but --lora_r is 0"):
+        trainutil.resolve_start(str(tiny_model_dir), lora_run, "yes")
+
+VLLM_LOGPROBS = """
+import json, sys
+import rollout
+if __name__ == "__main__":
+    print(json.dumps(rollout.VLLMEngine(sys.argv[1], max_model_len=1024).prompt_logprobs(json.loads(sys.argv[2]))))
+"""
+
+def test_merged_export_loads_in_transformers_and_vllm_and_equals_the_adapted_model(lora_run, tiny_model_dir, traj_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    final = lora_run / "final"
+    load = lambda d: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    merged, base = load(final), load(tiny_model_dir)
+    adapted = PeftModel.from_pretrained(load(tiny_model_dir), final / "adapter").eval()  # peft's own reading of the adapter files
+    ids = sft.load_rows(traj_dir / "dev.jsonl", 300, 10**9)[0][0]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        lp = [m(x).logits[0, :-1].log_softmax(-1).gather(1, x[0, 1:, None])[:, 0] for m in (merged, adapted, base)]
+    assert (lp[0] - lp[1]).abs().max() < 1e-4 < (lp[0] - lp[2]).abs().max()
+    assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()  # still tied
+    r = subprocess.run([sys.executable, "-c", VLLM_LOGPROBS, str(final), json.dumps(ids)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.tensor(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert (got - lp[1]).abs().max() < 1e-3 < (got - lp[2]).abs().max()
+
+#### stepgrpo.py: from the SFT-LoRA checkpoint, engine = trainer after each sync, exact resume; QLoRA
+
+def grpo(model, data, out, *extra, nproc=1):
+    # the tiny random policy earns no reward: the entropy bonus moves the adapters (B = 0 gives the KL no gradient at
+    # the start), then the KL to the base with adapters off is > 0
+    args = ["--model", str(model), "--data", str(data), "--out", str(out), "--batch_questions", "2", "-n", "2",
+            "--retriever", "bm25", "--eval_questions", "0", "--lr", "1e-2", "--kl_coef", "0.1", "--entropy_coef", "0.5",
+            "--wandb_mode", "disabled", "--save_every", "1", "--dtype", "fp32", "--lora_r", "4", *extra]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+    r = subprocess.run(launcher + [str(ROOT / "stepgrpo.py")] + args, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(l) for l in open(Path(out) / "log.jsonl")]
+
+def test_lora_step_grpo_from_an_sft_lora_checkpoint_keeps_the_engine_equal_to_the_trainer(lora_run, tiny_index, tmp_path):
+    recs = grpo(lora_run / "final", tiny_index, tmp_path / "run", "--train_steps", "2", "--check_sync", nproc=2)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # the engine samples from the merged adapted policy
+    assert recs[1]["kl"] > 0  # moved away from the start (the SFT-LoRA checkpoint's merged weights, adapters off)
+    start, final = load_file(lora_run / "final" / "model.safetensors"), load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert max((start[k] - final[k]).abs().max().item() for k in start) > 1e-4
+
+def test_lora_step_grpo_resumes_exactly(lora_run, tiny_index, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    a = grpo(lora_run / "final", tiny_index, straight, "--train_steps", "2")
+    grpo(lora_run / "final", tiny_index, resumed, "--train_steps", "1")
+    b = grpo(lora_run / "final", tiny_index, resumed, "--train_steps", "2", "--resume")
+    assert adapter_diff(straight / "step_2", resumed / "step_2") == 0.0
+    assert adapter_diff(straight / "step_2", straight / "step_1") > 1e-4
+    for key in ("loss", "kl", "entropy", "tokens", "grad_norm"):
+        assert a[1][key] == pytest.approx(b[1][key], rel=1e-6, abs=1e-9), key
+
+def test_qlora_nf4_base_on_cpu_trains_adapters_and_syncs_the_dequantised_policy(tiny_model_dir, tiny_index, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    recs = grpo(tiny_model_dir, tiny_index, tmp_path / "q", "--train_steps", "1", "--check_sync", "--quant", "nf4")
+    assert recs[0]["sync_max_diff"] < 1e-4
+    base, final = load_file(tiny_model_dir / "model.safetensors"), load_file(tmp_path / "q" / "final" / "model.safetensors")
+    # the export is the dequantised nf4 base plus the adapters: bitsandbytes' own round trip of the base weight
+    import bitsandbytes.functional as bf
+    q, ad = "model.layers.0.self_attn.q_proj", load_file(tmp_path / "q" / "final" / ADAPTERS)
+    a, b = (ad[f"base_model.model.{q}.lora_{x}.weight"] for x in "AB")
+    nf4 = bf.dequantize_4bit(*bf.quantize_4bit(base[q + ".weight"], quant_type="nf4", compress_statistics=True))
+    assert torch.allclose(final[q + ".weight"] - 32 / 4 * b @ a, nf4, atol=1e-6)
+    assert (nf4 - base[q + ".weight"]).abs().max() > 1e-3 and (b @ a).abs().max() > 0
+    assert torch.equal(base["model.embed_tokens.weight"], final["model.embed_tokens.weight"])  # not quantised, frozen
