@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test test-gpu bench bench-memory bench-trl vs-sft released visual real real-eval clean
+.PHONY: setup demo test test-gpu bench bench-memory bench-trl vs-sft released visual lora real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -95,6 +95,10 @@ released: $(OUT)/stepgrpo/final/config.json
 # golden trajectories, SFT and Step-GRPO on text + visual questions, scored on test[:200] + visual_test (~1 h here)
 visual: $(DATA)/index/meta.json $(MODEL)/config.json
 	PY=$(PY) bash runs/visual.sh
+
+# Full fine-tuning against LoRA and QLoRA: speed, memory, checkpoint size, sync; quality at equal wall-clock time
+lora: demo
+	PY=$(PY) bash runs/lora.sh
 
 # Real benchmarks read in place from REAL_SRC (a folder with hotpotqa/, musique/, wikitablequestions/, r1router/):
 # one data folder (text + table KBs), its indexes, then runs/real_eval.sh (README "Real data").

@@ -5,6 +5,8 @@ sft.py: supervised fine-tuning on golden step trajectories (synth.py), FSDP2, CP
     torchrun --standalone --nproc_per_node 2 sft.py --model models/SmolLM2-135M-Instruct --data data/mini/traj --out out/sft
     python sft.py ... --out out/sft --resume            # continue from <out>/latest: same data order, same LR schedule
     python sft.py ... --train_steps 5 --eval_every 0 --save_every 0 --wandb_mode disabled      # a quick smoke run
+    python sft.py ... --lora_r 16                               # LoRA adapters on the frozen base (peft)
+    python sft.py ... --lora_r 16 --quant nf4                   # QLoRA: the base quantised (bitsandbytes)
 
 Data: <data>/train.jsonl and <data>/dev.jsonl, one trajectory a row with `ids` (a whole chat transcript, tokenised
 with the model's tokenizer) and `mask` (1 where the policy wrote the token). The loss is next-token cross-entropy
@@ -15,7 +17,7 @@ each epoch is a permutation seeded by seed + epoch, global step s of an epoch ta
 r the r-th slice of those. A single process is an FSDP2 world of one, so it runs the multi-rank code paths.
 
 Outputs in --out (trainutil.py): step_<N>/ (an HF folder transformers and vLLM load, + trainer_state.pt for
---resume), latest, final -> step_<N>, log.jsonl (loss, lr, grad_norm, tokens/s per step; eval_loss).
+--resume), latest, final -> step_<N>, log.jsonl (loss, lr, grad_norm, tokens/s, peak memory per step; eval_loss).
 Outline: arguments -> data (validated rows, masked loss) -> checkpoints -> dev loss -> one step -> main.
 """
 import argparse
@@ -241,6 +243,7 @@ def main(argv=None):
            f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world}, {steps_per_epoch} steps/epoch, {total} steps")
     record = trainutil.Log(out, rank, step, resuming, args.wandb_mode, vars(args))
     bar = trainutil.progress(rank, total, step, "sft")
+    peak = trainutil.PeakMemory()
 
     #### training loop
     perm, perm_epoch = None, -1
@@ -251,8 +254,10 @@ def main(argv=None):
             perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
             perm_epoch = epoch
         mine = perm[pos * G:(pos + 1) * G][rank * G // world:(rank + 1) * G // world]  # this rank's rows
-        r = dict(step=step + 1, epoch=epoch, **train_step(model, opt, [train[i] for i in mine], lr_at(step, args, total),
-                                                          args, pad_id, device, vis))
+        with peak("step"):
+            r = dict(step=step + 1, epoch=epoch, **train_step(model, opt, [train[i] for i in mine],
+                                                              lr_at(step, args, total), args, pad_id, device, vis))
+        r["memory_gib"] = peak.gib["step"]  # this rank's peak (CPU: resident memory; CUDA: allocated)
         step += 1
         record(r)
         if rank == 0:

@@ -339,14 +339,14 @@ def test_an_interrupted_checkpoint_is_never_resumed_from(tmp_path, tiny_model_di
 
     import trainutil
     out = tmp_path / "run"
-    assert trainutil.resolve_start(str(tiny_model_dir), out, "auto") == (tiny_model_dir, False)  # nothing yet: start
+    assert trainutil.resolve_start(str(tiny_model_dir), out, "auto") == (tiny_model_dir,) * 2 + (False,)  # nothing yet
     shutil.copytree(tiny_model_dir, out / "step_1")
     (out / "step_1" / "trainer_state.pt").write_bytes(b"")
     (out / "latest").write_text("step_1\n")
     (out / ".step_2.tmp").mkdir()
-    assert trainutil.resolve_start(str(tiny_model_dir), out, "auto") == (out / "step_1", True)
+    assert trainutil.resolve_start(str(tiny_model_dir), out, "auto") == (out / "step_1", out / "step_1", True)
     shutil.copytree(out / "step_1", out / "step_2")
-    assert trainutil.resolve_start(str(tiny_model_dir), out, "auto") == (out / "step_1", True)
+    assert trainutil.resolve_start(str(tiny_model_dir), out, "auto") == (out / "step_1", out / "step_1", True)
 
 def test_max_restarts_with_the_shared_rendezvous_store_is_refused(tmp_path, tiny_model_dir, tiny_index):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
