@@ -482,7 +482,9 @@ if __name__ == "__main__":
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
     if not (Path(args.model) / "config.json").exists():
-        sys.exit(f"error: {args.model}: not a model folder (run `python rollout.py prepare` for the default)")
+        why = "LoRA adapters of an unfinished run: evaluate its final or best checkpoint (merged weights)" \
+            if (Path(args.model) / "adapter").is_dir() else "run `python rollout.py prepare` for the default"
+        sys.exit(f"error: {args.model}: not a model folder ({why})")
     engine = rollout.make_engine(args.backend, args.model, seed=args.seed)
     settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
                                 max_active=args.max_active, structure=args.structure)

@@ -405,8 +405,9 @@ def add_stats(sums, weight, loss, kl, clipped, entropy):
         sums[k] += weight * v.double()
 
 def update(model, ref, opt, micro, denom, args, suppress=()):
-    """--ppo_epochs passes of the PPO-clipped loss over the micro-batches (ref: the frozen reference model, or None
-    when --kl_coef is 0 or the policy is LoRA, whose reference is itself with adapters off), each pass one optimizer step. --old_logprobs trainer first replaces the sampler's logprobs with
+    """--ppo_epochs passes of the PPO-clipped loss over the micro-batches, each pass one optimizer step. ref: the frozen
+    reference model, or None when --kl_coef is 0 or the policy is LoRA (trainutil.reference: adapters off).
+    --old_logprobs trainer first replaces the sampler's logprobs with
     the trainer's own (R1-Router's released code, via EasyR1) and sums |sampler - trainer| into old_gap. Returns this
     rank's sums: loss, kl and clipped over its policy tokens, entropy, tokens, old_gap; grad_norm (the global norm,
     summed over passes). suppress: token ids the engines never sample (token_logprobs)."""

@@ -2,7 +2,7 @@
 # Full fine-tuning against LoRA (r 16, alpha 32, all linear layers) and QLoRA (nf4 base) on SmolLM2-135M, CPU:
 #   1. speed, one run each: SFT 8 steps of the recipe's global batch (8 rows) from the pretrained model;
 #      Step-GRPO 2 steps of the recipe (16 questions x 8) from the main job's SFT checkpoint (make demo);
-#   2. quality at equal wall-clock time: the full fine-tuning run continues to 6 steps, the LoRA run (lr 5e-5, 10x the
+#   2. quality at equal wall-clock time: the full fine-tuning run continues to 4 steps, the LoRA run (lr 5e-5, 10x the
 #      recipe's) to as many steps as take the same time at the speed measured in 1; both scored routed on the whole
 #      test split (500 questions), then the paired bootstrap of LoRA - full.
 # Run from the repo root after `make demo`, or as `make lora`. A finished stage is skipped; training resumes.
@@ -23,13 +23,13 @@ test -e $OUT/grpo-full/step_2 || $PY stepgrpo.py --data $DATA --model $START --t
   --eval_questions 0 --out $OUT/grpo-full $(resume $OUT/grpo-full)
 test -e $OUT/grpo-lora/step_2 || $PY stepgrpo.py --data $DATA --model $START --train_steps 2 --save_every 2 \
   --eval_questions 0 --out $OUT/grpo-lora $LORA --lr 5e-5 $(resume $OUT/grpo-lora)
-# equal wall-clock time: the LoRA run's steps = 6 x (full step time / LoRA step time), from the first two steps
+# equal wall-clock time: the LoRA run's steps = 4 x (full step time / LoRA step time), from the first two steps
 steps=$($PY -c "
 import json
 t = lambda d: sum(r['rollout_s'] + r['update_s'] + r['sync_s'] for r in map(json.loads, open(d + '/log.jsonl'))) / 2
-print(round(6 * t('$OUT/grpo-full') / t('$OUT/grpo-lora')))")
-echo "LoRA Step-GRPO steps in the time of 6 full fine-tuning steps: $steps"
-test -e $OUT/grpo-full/step_6 || $PY stepgrpo.py --data $DATA --model $START --train_steps 6 --save_every 2 \
+print(round(4 * t('$OUT/grpo-full') / t('$OUT/grpo-lora')))")
+echo "LoRA Step-GRPO steps in the time of 4 full fine-tuning steps: $steps"
+test -e $OUT/grpo-full/step_4 || $PY stepgrpo.py --data $DATA --model $START --train_steps 4 --save_every 2 \
   --eval_questions 0 --out $OUT/grpo-full --resume
 test -e $OUT/grpo-lora/step_$steps || $PY stepgrpo.py --data $DATA --model $START --train_steps $steps --save_every 2 \
   --eval_questions 0 --out $OUT/grpo-lora $LORA --lr 5e-5 --resume

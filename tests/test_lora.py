@@ -95,6 +95,17 @@ def test_the_merge_on_the_meta_device_makes_no_tensor_elsewhere(tiny_model_dir):
     shapes = {k.replace(".base_layer.", "."): v.shape for k, v in model.get_base_model().named_parameters() if ".lora_" not in k}
     assert {k: v.shape for k, v in out.items()} == shapes
 
+def test_a_vl_policy_gets_adapters_in_its_decoder_and_vision_tower_and_merges_to_its_own_names(tiny_model_dir, tmp_path, group):
+    import rollout
+    vl = rollout.prepare_vl(tmp_path / "idefics3", text_model=tiny_model_dir)
+    model = trainutil.load_sharded(vl, torch.device("cpu"), 1, bf16=False, lora=trainutil.Lora(4))
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("vision_model" in n for n in trained) and any("text_model" in n for n in trained)
+    hf = rollout.auto_model(vl).from_pretrained(vl, dtype=torch.float32)
+    merged = dict(trainutil.policy_params(model))
+    assert merged.keys() == dict(hf.named_parameters()).keys()
+    assert all(torch.equal(merged[k], v) for k, v in hf.named_parameters())
+
 #### sft.py: 2 ranks, resume, the checkpoints
 
 def test_two_ranks_lora_sft_equal_one_process(lora_run, tiny_model_dir, traj_dir, tmp_path):
