@@ -121,6 +121,8 @@ class Lora:
 
 def lora_of(args):
     """The script's LoRA flags -> Lora, or None (--lora_r 0: full fine-tuning). Exits on flags that cannot work."""
+    if args.lora_r < 0:
+        sys.exit(f"error: --lora_r {args.lora_r}: a rank is a positive number (0: full fine-tuning)")
     if not args.lora_r:
         if args.quant != "none":
             sys.exit(f"error: --quant {args.quant} quantises a frozen base: it needs LoRA adapters (--lora_r)")
@@ -140,7 +142,10 @@ def add_lora(model, lora):
     cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     with torch.random.fork_rng(devices=[]):  # the adapters' init leaves training's RNG stream alone
         torch.manual_seed(0)
-        return get_peft_model(model, cfg)
+        try:
+            return get_peft_model(model, cfg)
+        except ValueError as e:  # e.g. a target module name the model does not have
+            sys.exit(f"error: --lora_targets {' '.join(lora.targets)}: {str(e).splitlines()[0]}")
 
 def is_quantized(p):
     """A bitsandbytes-quantised parameter (FSDP2 leaves these out: each rank holds them whole)."""

@@ -12,6 +12,16 @@ def tiny_world_args(out, seed=0, n_visual=(30, 10, 10)):
                               n_works=40, n_train=120, n_dev=40, n_test=40, n_visual_train=n_visual[0],
                               n_visual_dev=n_visual[1], n_visual_test=n_visual[2], quiet=True)
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's in-process training runs: on a shared 2-core machine two OMP threads were up
+    to 7x slower."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory):
     import corpus

@@ -24,12 +24,7 @@ FAST = ["--max_len", "512", "--batch_size", "2", "--wandb_mode", "disabled", "--
         "--lora_r", "4", "--lora_dropout", "0", "--eval_every", "0"]
 ADAPTERS = "adapter/adapter_model.safetensors"
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 @pytest.fixture(scope="module")
 def group():
@@ -105,6 +100,20 @@ def test_a_vl_policy_gets_adapters_in_its_decoder_and_vision_tower_and_merges_to
     merged = dict(trainutil.policy_params(model))
     assert merged.keys() == dict(hf.named_parameters()).keys()
     assert all(torch.equal(merged[k], v) for k, v in hf.named_parameters())
+
+def test_lora_flags_that_cannot_work_exit_with_one_line(tiny_model_dir):
+    from argparse import Namespace
+    from transformers import AutoConfig, AutoModelForCausalLM
+    flags = lambda r, quant="none": Namespace(lora_r=r, lora_alpha=32.0, lora_dropout=0.0, lora_targets=["all-linear"], quant=quant)
+    assert trainutil.lora_of(flags(0)) is None and trainutil.lora_of(flags(8)).r == 8
+    with pytest.raises(SystemExit, match="a rank is a positive number"):
+        trainutil.lora_of(flags(-4))
+    with pytest.raises(SystemExit, match="--quant nf4 quantises a frozen base: it needs LoRA adapters"):
+        trainutil.lora_of(flags(0, "nf4"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    with pytest.raises(SystemExit, match="--lora_targets qkv_proj: .*not found"):
+        trainutil.add_lora(model, trainutil.Lora(4, targets=("qkv_proj",)))
 
 #### sft.py: 2 ranks, resume, the checkpoints
 

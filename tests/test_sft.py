@@ -27,12 +27,7 @@ SMOL = ROOT / rollout.DEFAULT_MODEL
 # fp32: the by-hand and 1-vs-2-rank comparisons are tight; test_bf16_step and the resume test run bf16
 FAST = ["--max_len", "512", "--batch_size", "2", "--wandb_mode", "disabled", "--warmup_steps", "0", "--dtype", "fp32"]
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 @pytest.fixture(scope="module")
 def tok():
