@@ -60,7 +60,7 @@ def workload():
     qs = corpus.load_questions(args.data, "train")[:args.prompts]
     encode = retrievers.Encoder().encode
     def score(q, text):
-        return reward.score_route(reward.parse_route(text), q["steps"][0] if q["steps"] else None, encode)
+        return reward.score_route(reward.parse_route(text), q["steps"][:1], encode)
     return tok, qs, [rollout.start_transcript(fmt, q["question"]).ids for q in qs], score
 
 def run_ours():

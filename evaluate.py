@@ -23,7 +23,8 @@ the fallbacks). Rows of the step-format methods are named method+fallback / meth
 the gold decision there; written to route_probe.json and routing_confusion_probe.png.
 
 Trajectories come from rollout.py (one dict per question sample:
-qid, sample, question, answers, type, gold_steps, steps [{sub_question, kb, retrieved, answer}], final_answer,
+qid, sample, question, answers, type, gold_steps, steps [{sub_question, kb, retrieved, answer, step}] (one per lookup;
+step: the routing step it was asked in), final_answer,
 format_ok, error, n_policy_tokens, timings, ...). Use it from Python:
 
     from evaluate import score, write_report
@@ -144,7 +145,10 @@ def metrics(trajs):
       format_fail             % of trajectories with format_ok False
       overflow                % of trajectories cut off because their next step did not fit the engine's context
                               (every span they wrote parsed; no final answer, so the answer metrics are 0)
-      retrievals              retrieval calls per question, len(steps); retrievals_by_kb: the same split by KB
+      retrievals              retrieval calls per question, len(steps) (one per sub-question and KB); retrievals_by_kb:
+                              the same split by KB
+      steps                   routing steps that searched, per question (= retrievals with one lookup a step; fewer with
+                              multi-query steps, --max_pairs: what the policy waits for in sequence)
       reask                   % of questions with a retrieval step whose sub-question repeats an earlier step's
                               (reward.re_asks: case and outer spaces ignored), e.g. a 1-hop question asked twice
       routing_acc             routing accuracy (below), averaged over questions
@@ -158,7 +162,8 @@ def metrics(trajs):
                               comparison whose two lookups come in swapped order misses both); None without gold steps.
                               A gold step with an empty sub_question (data/real's HotpotQA: supporting paragraphs with
                               no order) counts when any step retrieved its doc_id
-      policy_tokens           mean n_policy_tokens; time_generate, time_retrieve: mean seconds per question
+      policy_tokens           mean n_policy_tokens; time_generate, time_retrieve: mean seconds per question (amortised
+                              over the batch; the method's wall clock is `seconds` in results.json, seconds/q the table's)
       confusion               routing confusion matrix (below), counts
       by_type                 the metrics above (without confusion) per question type
     """
@@ -178,6 +183,7 @@ def metrics(trajs):
     m["route_exact"] = 100 * _mean(r == 1 for r in racc)
     m["gold_hit"] = 100 * _mean(hits) if hits else None
     m["retrievals"] = _mean(len(x["steps"]) for x in trajs)
+    m["steps"] = _mean(len(reward.by_step(x["steps"])) for x in trajs)
     m["retrievals_by_kb"] = {kb: by_kb[kb] / n for kb in KBS}
     m["reask"] = 100 * _mean(any(reward.re_asks(s["sub_question"], x["steps"][:i]) for i, s in enumerate(x["steps"]))
                              for x in trajs)
@@ -204,23 +210,33 @@ def score(trajs):
     out["by_type"] = {ty: metrics(groups[ty]) for ty in _type_order(groups)}
     return out
 
+PAIRED = {"f1_recall": lambda x: 100 * answer_scores(x)["f1_recall"], "routing_acc": lambda x: 100 * routing_accuracy(x),
+          "steps": lambda x: len(reward.by_step(x["steps"])), "retrievals": lambda x: len(x["steps"])}
+
 def paired(base, new, n_boot=10000, seed=0):
     """Paired bootstrap over questions of new - base, two methods' trajectories of the same questions (by qid): for
-    f1_recall and routing_acc, the difference of the means (x100), the 2.5 and 97.5 percentiles of that difference over
-    n_boot resamples of the questions (a 95% interval), and the fraction of resamples where new is not above base."""
+    each PAIRED metric (f1_recall and routing_acc x100; routing steps and retrieval calls a question), the difference
+    of the means, the 2.5 and 97.5 percentiles of that difference over n_boot resamples of the questions (a 95%
+    interval), and the fraction of resamples where new is not above base; the same per question type in by_type."""
     import numpy as np
     a, b = ({x["qid"]: x for x in first_samples(trajs)} for trajs in (base, new))
     if a.keys() != b.keys():
         raise ValueError(f"paired: the two sets of trajectories hold different questions ({len(a.keys() ^ b.keys())} unmatched)")
-    qids = sorted(a)
-    idx = np.random.default_rng(seed).integers(0, len(qids), size=(n_boot, len(qids)))  # [n_boot, Q]
-    out = {"n": len(qids)}
-    for key, fn in (("f1_recall", lambda x: answer_scores(x)["f1_recall"]), ("routing_acc", routing_accuracy)):
-        d = 100 * np.array([fn(b[q]) - fn(a[q]) for q in qids])  # [Q]
-        boots = d[idx].mean(1)  # [n_boot]
-        out[key] = {"diff": float(d.mean()), "lo": float(np.percentile(boots, 2.5)), "hi": float(np.percentile(boots, 97.5)),
-                    "p_not_above": float((boots <= 0).mean())}
-    return out
+
+    def boot(qids):
+        idx = np.random.default_rng(seed).integers(0, len(qids), size=(n_boot, len(qids)))  # [n_boot, Q]
+        out = {"n": len(qids)}
+        for key, fn in PAIRED.items():
+            d = np.array([fn(b[q]) - fn(a[q]) for q in qids], dtype=np.float64)  # [Q]
+            boots = d[idx].mean(1)  # [n_boot]
+            out[key] = {"diff": float(d.mean()), "lo": float(np.percentile(boots, 2.5)),
+                        "hi": float(np.percentile(boots, 97.5)), "p_not_above": float((boots <= 0).mean())}
+        return out
+
+    types = defaultdict(list)
+    for q in sorted(a):
+        types[a[q].get("type") or "unknown"].append(q)
+    return dict(boot(sorted(a)), by_type={ty: boot(types[ty]) for ty in _type_order(types)})
 
 # ----------------------------------------------------------------------------------------------------------------
 # reporting
@@ -237,10 +253,11 @@ def _table(header, rows):
 
 def markdown(results, title):
     """The report as markdown: main table, routing details, F1-Recall per question type."""
-    main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "routing acc", "retrievals/q", "format fail %",
-                   "overflow %"],
-                  [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc", "routing_acc")),
-                    _fmt(s["retrievals"], 2), _fmt(s["format_fail"]), _fmt(s.get("overflow"))] for m, s in results.items()])
+    main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "routing acc", "steps/q", "retrievals/q", "s/q",
+                   "format fail %", "overflow %"],
+                  [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc", "routing_acc")), _fmt(s.get("steps"), 2),
+                    _fmt(s["retrievals"], 2), _fmt(s["seconds"] / s["n"] if "seconds" in s else None, 3),
+                    _fmt(s["format_fail"]), _fmt(s.get("overflow"))] for m, s in results.items()])
     # .get: --combine may read a results.json written before routing_macro and reask existed
     routing = _table(["method", "routing macro", "route exact %", "gold-doc hit %", *(f"{kb}/q" for kb in KBS),
                       "re-ask %", "policy tokens/q"],
@@ -393,13 +410,15 @@ def route_probe(engine, retriever, questions, settings, n=8, seed=0):
     (that % per gold label), "confusion"}."""
     import rollout
     _, prefixes = rollout.golden_prefixes(engine.tok, retriever, questions, settings, seed, getattr(engine, "vis", None))
-    points = [(ids, images, x["gold_steps"][sp["step"]]["kb"] if sp["step"] < len(x["gold_steps"]) else STOP)
+    label = lambda g, t: g[t][0]["kb"] if t < len(g) else STOP  # a multi-query step: its first pair's KB
+    points = [(ids, images, label(reward.by_step(x["gold_steps"]), sp["step"]))
               for x, sp, ids, images in prefixes if sp["kind"] == "route"]  # (prompt ids, its images, gold label)
-    outs = engine.generate([ids for ids, _, _ in points for _ in range(n)], settings.route_tokens, 1.0, 1.0, ["</ret>"], seed,
+    stop, max_tokens = rollout.route_stop(engine.tok, settings)
+    outs = engine.generate([ids for ids, _, _ in points for _ in range(n)], max_tokens, 1.0, 1.0, stop, seed,
                            images=[im for _, im, _ in points for _ in range(n)])
     counts = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS]
     for k, (ids, _) in enumerate(outs):
-        r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True))
+        r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True), settings.max_pairs, settings.max_rets)
         pred = (STOP if r.stop else r.kb) if r.ok else MISSING
         counts[GOLD_LABELS.index(points[k // n][2])][PRED_LABELS.index(pred)] += 1
     rate = lambda rows: 100 * sum(counts[i][PRED_LABELS.index(GOLD_LABELS[i])] for i in rows) / max(1, sum(sum(counts[i]) for i in rows))
@@ -429,6 +448,8 @@ if __name__ == "__main__":
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port")
     ap.add_argument("--max_steps", type=int, default=3)
+    ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
+    ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--protocol", default="strict", choices=["strict", "fallback", "released"],
@@ -456,9 +477,12 @@ if __name__ == "__main__":
         except (corpus.DataError, OSError, ValueError) as e:
             sys.exit(f"error: --paired: {e}")
         print(f"{args.paired[1]} - {args.paired[0]}, {p['n']} questions (paired bootstrap, 10000 resamples):")
-        for k in ("f1_recall", "routing_acc"):
-            print(f"  {k}: {p[k]['diff']:+.1f} (95% interval {p[k]['lo']:+.1f} .. {p[k]['hi']:+.1f}; "
+        for k in PAIRED:
+            print(f"  {k}: {p[k]['diff']:+.2f} (95% interval {p[k]['lo']:+.2f} .. {p[k]['hi']:+.2f}; "
                   f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples)")
+        for ty, q in p["by_type"].items():
+            print(f"  {ty} ({q['n']}): " + ", ".join(f"{k} {q[k]['diff']:+.2f} ({q[k]['lo']:+.2f} .. {q[k]['hi']:+.2f})"
+                                                    for k in PAIRED))
         sys.exit(0)
     if args.combine:
         results = {}
@@ -486,8 +510,10 @@ if __name__ == "__main__":
             if (Path(args.model) / "adapter").is_dir() else "run `python rollout.py prepare` for the default"
         sys.exit(f"error: {args.model}: not a model folder ({why})")
     engine = rollout.make_engine(args.backend, args.model, seed=args.seed)
+    rollout.check_multi_query(args)
     settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
-                                max_active=args.max_active, structure=args.structure)
+                                max_active=args.max_active, structure=args.structure, max_pairs=args.max_pairs,
+                                max_rets=args.max_rets)
     if args.protocol != "strict":
         settings = replace(settings, fallback=True)
     if args.protocol == "released":

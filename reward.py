@@ -7,21 +7,32 @@ The step format (R1-Router), one model turn per step:
     answer step   <think>T</think>\n<answer>A</answer>
 
 R is "Text Retriever", "Text Image Retriever", "Table Retriever" or "None".
+
+Multi-query steps (RAG-R1's parallel queries, R1-Router's multi-retriever mode), off by default: with
+max_pairs K > 1 a routing step may hold up to K sub-question / retriever pairs, retrieved in parallel,
+
+    <think>T</think>\n<sub-question>Q1</sub-question>\n<ret>R1</ret>\n<sub-question>Q2</sub-question>\n<ret>R2</ret>
+
+and with max_rets R > 1 a <ret> may name up to R retrievers, comma-separated ("Text Retriever, Table Retriever").
+K = R = 1 is R1-Router's format, exactly.
 <ret>None</ret> (with <sub-question>None</sub-question>) means "stop retrieving
 and give the final answer"; here that is kb=None, stop=True. Inside this repo
 the knowledge bases are "text", "image", "table" (KB_TO_RET).
 
 Parsing rules (parse_route / parse_answer return ok=False plus an error string):
-  - every required tag appears exactly once, opened then closed, in the order
-    above, with only whitespace between consecutive tags; tags of the other
-    kind of step (e.g. <answer> in a routing step) may not appear at all;
+  - every required tag appears exactly once (the sub-question / ret pair 1..K
+    times), opened then closed, in the order above, with only whitespace
+    between consecutive tags; tags of the other kind of step (e.g. <answer> in
+    a routing step) may not appear at all; more than K pairs is a format failure;
   - tag names match case-insensitively (the reference lower-cases the whole
     generation before parsing); values are stripped of surrounding whitespace;
   - the retriever name matches case-insensitively with runs of whitespace
-    collapsed, and is reported canonically; lists like "Text Retriever, Table
-    Retriever" are rejected (the reference reward accepts them and gives the
-    retriever half 0; our steps route to exactly one knowledge base);
-  - <ret>None</ret> needs the sub-question "None"; any other retriever needs a
+    collapsed, and is reported canonically; with R = 1, lists like "Text
+    Retriever, Table Retriever" are rejected (the reference reward accepts them
+    and gives the retriever half 0); with R > 1 a list of up to R distinct
+    retrievers is accepted, None never among others;
+  - <ret>None</ret> needs the sub-question "None" and is the step's only pair
+    (the stop); any other retriever needs a
     non-empty sub-question that is not "None" (what the reference inference
     loop, src/answer_generation.py, checks); <answer> must be non-empty;
   - text before the first tag or after the last one is ignored, including chat
@@ -39,7 +50,12 @@ Metrics (pred: str; golds: list[str] = answer + aliases; max over the golds):
 Step rewards (R1-Router Step-GRPO, see route_reward / answer_reward):
   route_reward  = 0.5 * cos(E(q_pred), E(q_gold)) + 0.5 * [kb_pred == kb_gold]
                   raw cosine, not clamped, so the reward lies in [-0.5, 1];
-                  0 for a malformed step
+                  0 for a malformed step. Multi-query steps (see route_reward):
+                  the predicted pairs are matched one-to-one with the gold
+                  steps of that step (best total cosine), each match scores
+                  the above (retriever term [kb_gold in kbs] / |kbs|), and the
+                  sum is divided by max(#pred, #gold); a repeated sub-question
+                  earns nothing. One pair against one gold: the formula above
   answer_reward = R         if there is one gold with more than 5 words
                   [R == 1]  otherwise (short gold, or several golds)
                   where R = f1_recall(pred, golds)
@@ -48,12 +64,17 @@ Step rewards (R1-Router Step-GRPO, see route_reward / answer_reward):
   retrieval_hit_reward = [the gold doc id is among the retrieved ids]
   re_asks       whether a sub-question repeats an earlier step's (the re-ask
                 rate of evaluate.py and stepgrpo.py's log)
+
+Steps as data: a question's gold steps and a trajectory's steps are flat lists,
+one dict per (sub-question, KB) lookup, each with "step", the routing step it
+was asked in (group_steps gives gold steps theirs; by_step regroups them).
 """
 
+import itertools
 import re
 import string
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -78,6 +99,7 @@ class Route:
     kb: str | None = None  # "text" | "image" | "table"; None when stopping
     stop: bool = False
     error: str = ""
+    pairs: list = field(default_factory=list)  # [(sub_question, (kb, ...))] all pairs; sub_question, kb: the first
 
 
 @dataclass
@@ -88,8 +110,9 @@ class Answer:
     error: str = ""
 
 
-def _tag_values(text, tags):
-    """Stripped contents of `tags` (which must appear once each, in order), or an error."""
+def _tag_values(text, tags, repeat=1):
+    """Stripped contents of `tags` (which must appear once each, in order; the group tags[1:] up to `repeat` times),
+    or an error."""
     if not isinstance(text, str):
         return None, f"expected a str, got {type(text).__name__}"
     found = [(m.group(1) == "/", m.group(2).lower(), m) for m in _TAG.finditer(text)]
@@ -101,14 +124,18 @@ def _tag_values(text, tags):
                 return None, f"unexpected <{name}> tag"
         elif n_open == n_close == 0:
             return None, f"missing <{name}>...</{name}>"
-        elif n_open > 1 or n_close > 1:
+        elif max(n_open, n_close) > (repeat if name in tags[1:] else 1):
             n = max(n_open, n_close)
+            if name in tags[1:] and repeat > 1:
+                return None, f"{n} <{name}> tags, at most {repeat} sub-question/retriever pairs allowed"
             return None, f"{'two' if n == 2 else n} <{name}> tags, expected one"
         elif n_close == 0:
             return None, f"unclosed <{name}>"
         elif n_open == 0:
             return None, f"</{name}> without <{name}>"
-    if [(close, tag) for close, tag, _ in found] != [(c, t) for t in tags for c in (False, True)]:
+    n = sum(1 for close, tag, _ in found if tag == tags[-1] and not close)
+    expected = [tags[0], *tags[1:] * max(1, n)]
+    if [(close, tag) for close, tag, _ in found] != [(c, t) for t in expected for c in (False, True)]:
         return None, "tags nested or out of order, expected " + "".join(f"<{t}>...</{t}>" for t in tags)
     for (_, prev, m_close), (_, nxt, m_open) in zip(found[1::2], found[2::2]):
         if text[m_close.end():m_open.start()].strip():
@@ -116,23 +143,44 @@ def _tag_values(text, tags):
     return [text[o.end():c.start()].strip() for (_, _, o), (_, _, c) in zip(found[::2], found[1::2])], ""
 
 
-def parse_route(text: str) -> Route:
-    values, error = _tag_values(text, ROUTE_TAGS)
+def _retrievers(raw, max_rets):
+    """The KBs a <ret> names (None: the stop), or an error."""
+    names = [raw] if max_rets == 1 else raw.split(",")
+    rets = [_CANONICAL_RET.get(" ".join(n.split()).lower()) for n in names]
+    if None in rets:
+        return None, f"unknown retriever {raw!r}"
+    if len(rets) > max_rets:
+        return None, f"{len(rets)} retrievers in <ret>{raw}</ret>, at most {max_rets} allowed"
+    if len(set(rets)) < len(rets):
+        return None, f"a retriever named twice in <ret>{raw}</ret>"
+    if STOP_RET in rets and len(rets) > 1:
+        return None, f"None among other retrievers in <ret>{raw}</ret>"
+    return tuple(RET_TO_KB.get(r) for r in rets), ""
+
+
+def parse_route(text: str, max_pairs: int = 1, max_rets: int = 1) -> Route:
+    values, error = _tag_values(text, ROUTE_TAGS, max_pairs)
     if error:
         return Route(ok=False, error=error)
-    think, sub_question, raw_ret = values
-    ret = _CANONICAL_RET.get(" ".join(raw_ret.split()).lower())
-    if ret is None:
-        return Route(ok=False, error=f"unknown retriever {raw_ret!r}")
-    stop = ret == STOP_RET
-    says_none = sub_question.lower() == "none"
-    if stop and not says_none:
-        return Route(ok=False, error=f"<ret>None</ret> but sub-question is {sub_question!r}, expected 'None'")
-    if not stop and not sub_question:
-        return Route(ok=False, error="empty <sub-question>")
-    if not stop and says_none:
-        return Route(ok=False, error=f"sub-question is 'None' but <ret> is {ret!r}")
-    return Route(ok=True, think=think, sub_question=sub_question, kb=RET_TO_KB.get(ret), stop=stop)
+    think, pairs = values[0], []
+    for sub_question, raw_ret in zip(values[1::2], values[2::2]):
+        kbs, error = _retrievers(raw_ret, max_rets)
+        if error:
+            return Route(ok=False, error=error)
+        stop = kbs == (None,)
+        says_none = sub_question.lower() == "none"
+        if stop and not says_none:
+            return Route(ok=False, error=f"<ret>None</ret> but sub-question is {sub_question!r}, expected 'None'")
+        if not stop and not sub_question:
+            return Route(ok=False, error="empty <sub-question>")
+        if not stop and says_none:
+            return Route(ok=False, error=f"sub-question is 'None' but <ret> is {raw_ret!r}")
+        pairs.append((sub_question, kbs))
+    if len(pairs) > 1 and any(kbs == (None,) for _, kbs in pairs):
+        return Route(ok=False, error="<ret>None</ret> next to other sub-questions: a stop is the step's only pair")
+    if pairs[0][1] == (None,):
+        return Route(ok=True, think=think, sub_question=pairs[0][0], kb=None, stop=True)
+    return Route(ok=True, think=think, sub_question=pairs[0][0], kb=pairs[0][1][0], stop=False, pairs=pairs)
 
 
 def parse_answer(text: str) -> Answer:
@@ -145,16 +193,19 @@ def parse_answer(text: str) -> Answer:
     return Answer(ok=True, think=think, answer=answer)
 
 
-def format_route(think: str, sub_question: str | None, kb: str | None) -> str:
-    """Render a routing step; kb=None is the stop route (sub-question None or 'None')."""
-    if kb is None:
-        if sub_question is not None and sub_question.strip().lower() != "none":
+def format_route(think: str, pairs) -> str:
+    """Render a routing step: pairs [(sub_question, kb or (kb, ...))], [] for the stop route."""
+    if not pairs:
+        pairs = [(STOP_RET, None)]
+    body = []
+    for sub_question, kbs in pairs:
+        kbs = (kbs,) if kbs is None or isinstance(kbs, str) else kbs
+        if kbs == (None,) and sub_question.strip().lower() != "none":
             raise ValueError(f"a stop route has no sub-question, got {sub_question!r}")
-        sub_question, ret = STOP_RET, STOP_RET
-    else:
-        ret = KB_TO_RET[kb]
+        rets = ", ".join(STOP_RET if kb is None else KB_TO_RET[kb] for kb in kbs)
+        body.append(f"<sub-question>{sub_question}</sub-question>\n<ret>{rets}</ret>")
     # newline-separated like the few-shot examples in the reference src/prompt.py
-    return f"<think>{think}</think>\n<sub-question>{sub_question}</sub-question>\n<ret>{ret}</ret>"
+    return f"<think>{think}</think>\n" + "\n".join(body)
 
 
 def format_answer(think: str, answer: str) -> str:
@@ -326,32 +377,54 @@ def f1_recall(pred: str, golds: list[str]) -> float:
 # step rewards, from ChloeTT-LAO/Router-Search src/Easy-R1/verl/utils/reward_score/step.py
 
 
-def route_reward(pred: Route, gold_sub_question: str | None, gold_kb: str | None, encode) -> float:
-    """0.5 * cos(E(q_pred), E(q_gold)) + 0.5 * [pred.kb == gold_kb]  (ret_accuracy_reward).
+def _pairs(pred: Route):
+    """[(sub_question, kbs)] of a parsed route; a stop is the pair ("none", (None,))."""
+    return [("none", (None,))] if pred.stop else pred.pairs
 
-    encode(list[str]) -> np.ndarray [n, d]. The reference embeds with BGE-M3, whose
-    vectors are unit-norm, and uses the raw dot product; we normalise explicitly so
-    any encoder gives the cosine, and like the reference we do not clamp it.
-    Both sides are lower-cased: the reference lower-cases the generation and its
-    teacher data is stored lower-cased. A stop is the sub-question "none" with
-    retriever "none" on both sides, nothing special: when both stop the strings
-    are equal, so the reward is 1.0 (0.5 * cos("none", q) when only one stops).
-    A malformed step gets 0, as the reference's exception handler returns.
+
+def route_reward(pred: Route, golds: list[dict], encode) -> float:
+    """R1-Router's ret_accuracy_reward, 0.5 * cos(E(q_pred), E(q_gold)) + 0.5 * [pred KB == gold KB], over the pairs of
+    a step: golds are the gold steps of this routing step (dicts with sub_question and kb), [] when the gold stops.
+
+    encode(list[str]) -> np.ndarray [n, d]. The reference embeds with BGE-M3, whose vectors are unit-norm, and uses
+    the raw dot product; we normalise explicitly so any encoder gives the cosine, and like the reference we do not
+    clamp it. Both sides are lower-cased: the reference lower-cases the generation and its teacher data is stored
+    lower-cased. A stop is the sub-question "none" with retriever "none" on both sides, nothing special: when both
+    stop the strings are equal, so the reward is 1.0 (0.5 * cos("none", q) when only one stops). A malformed step
+    gets 0, as the reference's exception handler returns.
+
+    Several pairs (multi-query steps; one pair and one gold step is the formula above exactly): each predicted pair
+    is matched one-to-one with a gold step, the matching with the best total cosine; a matched pair scores
+    0.5 * cos + 0.5 * [gold KB in its KBs] / |its KBs| (a pair naming several retrievers shares the retriever half);
+    the step's reward is the sum over matched pairs / max(#pairs, #golds), so a missing pair (too few) and an extra
+    one (too many) each cost their share. A pair repeating an earlier pair's sub-question (case and outer spaces
+    aside) is never matched: it earns nothing and still counts in #pairs. Matching tries every assignment (fine for
+    the few pairs a step holds).
     """
     if not pred.ok:
         return 0.0
-    gold_q = "none" if gold_sub_question is None else gold_sub_question
-    e = np.asarray(encode([pred.sub_question.lower(), gold_q.lower()]), dtype=np.float64)
-    norms = np.linalg.norm(e, axis=1)
-    cos = float(e[0] @ e[1] / (norms[0] * norms[1])) if norms.all() else 0.0  # zero vector: no similarity
-    return 0.5 * cos + 0.5 * float(pred.kb == gold_kb)
+    preds = _pairs(pred)
+    gold = [(g["sub_question"], g["kb"]) for g in golds] or [("none", None)]
+    e = np.asarray(encode([q.lower() for q, _ in preds] + [q.lower() for q, _ in gold]), dtype=np.float64)
+    norms = np.linalg.norm(e, axis=1, keepdims=True)
+    e = np.divide(e, norms, out=np.zeros_like(e), where=norms > 0)  # a zero vector: no similarity
+    cos = e[:len(preds)] @ e[len(preds):].T  # [P, G]
+    seen, firsts = set(), []  # indices of pairs whose sub-question is new in this step
+    for i, (q, _) in enumerate(preds):
+        if q.strip().lower() not in seen:
+            firsts.append(i)
+        seen.add(q.strip().lower())
+    m = min(len(firsts), len(gold))
+    best = max(((tuple(p), g) for p in itertools.permutations(firsts, m) for g in itertools.combinations(range(len(gold)), m)),
+               key=lambda pg: sum(cos[i, j] for i, j in zip(*pg)))
+    total = sum(0.5 * cos[i, j] + 0.5 * (gold[j][1] in preds[i][1]) / len(preds[i][1]) for i, j in zip(*best))
+    return float(total) / max(len(preds), len(gold))
 
 
-def score_route(pred: Route, gold_step: dict | None, encode, w_format: float = 0.2) -> float:
-    """A routing step's reward against the gold step there (a corpus step dict; None: the gold stops here):
-    w_format [the step parses] + route_reward. The format term is this repo's extension (0 gives the reference's)."""
-    g = gold_step or {}
-    return w_format * pred.ok + route_reward(pred, g.get("sub_question"), g.get("kb"), encode)
+def score_route(pred: Route, golds: list[dict], encode, w_format: float = 0.2) -> float:
+    """A routing step's reward against the gold steps there ([]: the gold stops here): w_format [the step parses] +
+    route_reward. The format term is this repo's extension (0 gives the reference's)."""
+    return w_format * pred.ok + route_reward(pred, golds, encode)
 
 
 def answer_reward(pred_answer: str, golds: list[str]) -> float:
@@ -372,6 +445,11 @@ def answer_reward(pred_answer: str, golds: list[str]) -> float:
     return 1.0 if recall == 1 else 0.0
 
 
+def group_answer(golds: list[dict]) -> str:
+    """The intermediate answer of a routing step whose gold steps are `golds`: their answers joined by "; "."""
+    return "; ".join(dict.fromkeys(g["answer"] for g in golds))
+
+
 def retrieval_hit_reward(retrieved_ids, gold_doc_id) -> float:
     """1.0 if the gold document is among the retrieved ids: a sub-question quality
     signal that needs no teacher sub-question (this repo's alternative)."""
@@ -383,3 +461,46 @@ def re_asks(sub_question: str | None, earlier_steps) -> bool:
     ignored). evaluate.py's and stepgrpo.py's re-ask rate."""
     key = lambda q: (q or "").strip().lower()
     return key(sub_question) in {key(s["sub_question"]) for s in earlier_steps}
+
+
+# -----------------------------------------------------------------------------
+# steps as data: flat lookups, each with the routing step it belongs to
+
+
+def _mentions(text, answer):
+    a = normalize_answer(answer)
+    return bool(a) and re.search(rf"(?<!\w){re.escape(a)}(?!\w)", normalize_answer(text)) is not None
+
+
+def group_steps(steps: list[dict], max_pairs: int = 1) -> list[dict]:
+    """Gold steps (one dict per lookup, in order) -> copies with "step", the routing step each is asked in. A step
+    joins the previous one's routing step when it has the same (non-empty) sub-question (one sub-question, several
+    retrievers), or when that routing step holds fewer than max_pairs sub-questions and none of their answers
+    occurs in its sub-question (it does not depend on them: the two lookups of a comparison, not the hops of a
+    chain). max_pairs 1: step t is gold step t."""
+    out = []
+    for s in steps:
+        q, group = s["sub_question"], by_step(out)[-1] if out else []
+        same = bool(group) and bool(q) and q == group[-1]["sub_question"]
+        free = bool(group) and len({g["sub_question"] for g in group}) < max_pairs \
+            and not any(_mentions(q, g["answer"]) for g in group)
+        out.append(dict(s, step=group[0]["step"] if same or free else len(by_step(out))))
+    return out
+
+
+def by_step(steps: list[dict]) -> list[list[dict]]:
+    """Flat steps with "step" -> one list per routing step, in order."""
+    groups = []
+    for s in steps:
+        if not groups or s["step"] != groups[-1][0]["step"]:
+            groups.append([])
+        groups[-1].append(s)
+    return groups
+
+
+def pairs_of(steps: list[dict]) -> list[tuple]:
+    """The lookups of one routing step -> its (sub_question, (kb, ...)) pairs, in order."""
+    pairs = {}
+    for s in steps:
+        pairs.setdefault(s["sub_question"], []).append(s["kb"])
+    return [(q, tuple(kbs)) for q, kbs in pairs.items()]

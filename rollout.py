@@ -539,8 +539,8 @@ class GoldPolicy(Batched):
     country whose flag is shown?"), or in a direct generate() call from the question's text."""
     WHY = {"text": "A fact about an entity: the text retriever.", "table": "A figure or record: the table retriever.",
            "image": "How something looks: the image retriever."}  # short <think>s that state the routing reason
-    def __init__(self, tok, questions, vis=None):
-        self.tok, self.vis, self.keys = tok, vis, None
+    def __init__(self, tok, questions, vis=None, max_pairs=1):
+        self.tok, self.vis, self.keys, self.max_pairs = tok, vis, None, max_pairs
         self.by_question, self.by_id = {q["question"]: q for q in questions}, {q["id"]: q for q in questions}
         self.skip = set(vis.special_ids) if vis else set()  # a VL transcript's image tokens are not text
         self.by_sub = {st["sub_question"]: (q, t) for q in questions for t, st in enumerate(q["steps"])}  # released answers
@@ -548,14 +548,16 @@ class GoldPolicy(Batched):
         self.user_open, self.user_end = fmt.user_open, fmt.user_close[:-len(fmt.gen_prompt)]
 
     def step_text(self, q, n_routes, n_answers, phase, stopped):
-        gold = q["steps"]
+        """The gold step's text; a multi-query route (max_pairs > 1) ends with the end-of-turn token, ids not text."""
+        gold = reward.by_step(reward.group_steps(q["steps"], self.max_pairs))
         if phase == "route":
             if n_routes < len(gold):
                 g = gold[n_routes]
-                return reward.format_route(self.WHY[g["kb"]], g["sub_question"], g["kb"])
-            return reward.format_route("I can answer now.", None, None)
-        if n_answers < n_routes and not stopped:  # the intermediate answer of the last sub-question
-            return reward.format_answer("From the evidence.", gold[n_routes - 1]["answer"])
+                think = " ".join(dict.fromkeys(self.WHY[s["kb"]] for s in g))
+                return reward.format_route(think, reward.pairs_of(g))
+            return reward.format_route("I can answer now.", [])
+        if n_answers < n_routes and not stopped:  # the intermediate answer of the last routing step
+            return reward.format_answer("From the evidence.", reward.group_answer(gold[n_routes - 1]))
         return reward.format_answer("Combining the answers.", q["answers"][0])
 
     def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
@@ -565,7 +567,7 @@ class GoldPolicy(Batched):
             text = self.tok.decode([t for t in p if t not in self.skip])
             i = text.rindex(self.user_open) + len(self.user_open)  # released structure: the only user turn
             user = text[i:text.index(self.user_end, i)]
-            phase = "route" if "</ret>" in stop else "answer"
+            phase = "answer" if "</answer>" in stop else "route"
             if user.startswith("Origin question: "):  # released: a routing chat, or the final one (phase answer)
                 q, n = known or self.by_question[user.split("\n")[0][len("Origin question: "):]], user.count("\nSub-question")
                 step = self.step_text(q, n, n, phase, phase == "answer")
@@ -577,9 +579,10 @@ class GoldPolicy(Batched):
                 i = text.index(self.user_open) + len(self.user_open)
                 question = text[i:text.index(self.user_end, i)]
                 text = text[i:]  # the system prompt also shows the tags
-                step = self.step_text(known or self.by_question[question], text.count("</ret>"), text.count("</answer>"),
-                                      phase, "<ret>None</ret>" in text)
-            ids = self.tok.encode(step, add_special_tokens=False)[:max_tokens]
+                step = self.step_text(known or self.by_question[question], text.count("</think>\n<sub-question>"),
+                                      text.count("</answer>"), phase, "<ret>None</ret>" in text)
+            ids = self.tok.encode(step, add_special_tokens=False)
+            ids = (ids + [self.tok.eos_token_id] * (phase == "route" and self.max_pairs > 1))[:max_tokens]
             res.append((ids, [0.0] * len(ids)))
         return res
 
@@ -604,14 +607,27 @@ class TranscriptSteps:
     def start(self, x):
         return start_transcript(self.fmt, x["question"], self.shots, x["image"], self.vis)
 
+    def close(self, x, ids, images=()):
+        """Template tokens after a turn; a turn the policy ended itself (a multi-query route stops at its end-of-turn
+        token) does not get the template's end of turn twice."""
+        tr = x["tr"]
+        if tr.mask[-1] and ids and tr.ids[-1] == ids[0] == self.fmt.tok.eos_token_id:
+            ids, images = ids[1:], [[a - 1, n, path] for a, n, path in images]
+        tr.add_context(ids, images)
+
     def after_stop(self, x):
-        x["tr"].add_context(self.fmt.ids(next_turn(self.fmt)))
+        self.close(x, self.fmt.ids(next_turn(self.fmt)))
 
     def after_search(self, x, hits):
-        """hits: [(kb, docs)] of the KBs searched for the last sub-question; the evidence is the next user turn (a VL
-        policy sees image documents' pictures too)."""
-        parts = [p for j, (kb, d) in enumerate(hits) for p in ["\n\n"] * (j > 0) + evidence_parts(kb, d, bool(self.vis))]
-        x["tr"].add_context(*self.fmt.encode(next_turn(self.fmt, parts), self.vis))
+        """hits: [(sub_question, kb, docs)] of the lookups of the last routing step, in the order asked; the evidence is
+        the next user turn (a VL policy sees image documents' pictures too), under a "Sub-question k:" line per
+        sub-question when the step asked several."""
+        subs = list(dict.fromkeys(q for q, _, _ in hits))
+        parts = []
+        for j, (q, kb, d) in enumerate(hits):
+            head = len(subs) > 1 and (j == 0 or q != hits[j - 1][0])
+            parts += ["\n\n"] * (j > 0) + [f"Sub-question {subs.index(q) + 1}: {q}\n"] * head + evidence_parts(kb, d, bool(self.vis))
+        self.close(x, *self.fmt.encode(next_turn(self.fmt, parts), self.vis))
 
     def after_answer(self, x, last):
         x["tr"].add_context(self.fmt.ids(next_turn(self.fmt, LAST_STEP_NOTE if last else None)))
@@ -620,7 +636,7 @@ class TranscriptSteps:
         x["tr"].add_context(self.fmt.ids(self.fmt.end_assistant))  # a complete chat, as sft.py trains on
 
     def remind(self, x, text):
-        x["tr"].add_context(self.fmt.ids(next_turn(self.fmt, text)))
+        self.close(x, self.fmt.ids(next_turn(self.fmt, text)))
 
 class ReleasedSteps:
     """--structure released: every step is its own single-turn chat, as R1-Router's released inference code builds
@@ -659,7 +675,7 @@ class ReleasedSteps:
         self.next_chat(x, self.final_chat(x))
 
     def after_search(self, x, hits):
-        found = [p for kb, docs in hits for i, d in enumerate(docs)
+        found = [p for _, kb, docs in hits for i, d in enumerate(docs)
                  for p in [f"{RELEASED_SOURCE[kb]}-{i}: "] + ([Img(d["path"])] if self.vis and d.get("path") else [])
                  + [f"{d['contents']}\n"]]
         self.next_chat(x, self.chat(self.answer, x, "According to the related information searched, `ter` means this info "
@@ -692,6 +708,24 @@ class Settings:
     fallback: bool = False      # out of attempts: stop routing / take the raw text as the answer (released), not a
                                 # format failure
     max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
+    max_pairs: int = 1          # sub-question / retriever pairs a routing step may hold (RAG-R1's parallel queries)
+    max_rets: int = 1           # retrievers a pair may name (R1-Router's multi-retriever mode)
+
+def check_multi_query(args):
+    """One-line errors for --max_pairs / --max_rets (every script that takes them)."""
+    if args.max_pairs < 1 or args.max_rets < 1:
+        sys.exit(f"error: --max_pairs {args.max_pairs} --max_rets {args.max_rets}: each must be at least 1")
+    if args.max_rets > 3:
+        sys.exit(f"error: --max_rets {args.max_rets}: there are 3 retrievers")
+    if args.structure == "released" and (args.max_pairs > 1 or args.max_rets > 1):
+        sys.exit("error: --max_pairs / --max_rets > 1 (multi-query steps) work with --structure transcript only")
+
+def route_stop(tok, s):
+    """(stop strings, max new tokens) of a routing step: R1-Router's step ends at </ret>; a multi-query step, which
+    may write up to max_pairs pairs, ends when the policy ends its turn (the end-of-turn token)."""
+    if s.max_pairs == 1:
+        return ["</ret>"], s.route_tokens
+    return [tok.eos_token], s.route_tokens * s.max_pairs
 
 def fits(engine, ids, max_tokens):
     """Whether a prompt plus max_tokens new tokens fits the engine's context (engines without max_len: always)."""
@@ -702,6 +736,8 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
     shots: token ids of worked examples every transcript starts with (few_shot_prefix; prompting baselines)."""
     if s.structure == "released" and shots:
         raise ValueError("few-shot examples are built for the transcript structure only")
+    if s.structure == "released" and (s.max_pairs > 1 or s.max_rets > 1):
+        raise ValueError("multi-query steps (max_pairs / max_rets > 1) are built for the transcript structure only")
     vis = getattr(engine, "vis", None)  # a VL policy sees the question image and image evidence as pixels
     chat = ReleasedSteps(engine.tok, vis) if s.structure == "released" else \
         TranscriptSteps(engine.tok, system_prompt.format(max_steps=s.max_steps), shots, vis)
@@ -709,8 +745,8 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
     for q in questions:
         for k in range(n):
             x = dict(qid=q["id"], sample=k, question=q["question"], image=q.get("image"), answers=q["answers"], type=q.get("type", ""),
-                     gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True, error="", overflow=False,
-                     phase="route")
+                     gold_steps=reward.group_steps(q.get("steps", []), s.max_pairs), steps=[], final_answer=None,
+                     format_ok=True, error="", overflow=False, phase="route")
             trajs.append(dict(x, tr=chat.start(x)))
     if seed is not None:  # engines sample with torch's default generator (see VLLMEngine.generate)
         torch.manual_seed(seed)
@@ -731,10 +767,13 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
             chat.remind(x, RELEASED_REMINDER)
         return True
 
+    def n_steps(x):
+        return x["steps"][-1]["step"] + 1 if x["steps"] else 0
+
     def on_route(x, ids, lps):
-        step = len(x["steps"])
+        step = n_steps(x)
         x["tr"].add_policy(ids, lps, "route", step)
-        r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True))
+        r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True), s.max_pairs, s.max_rets)
         if not r.ok:
             if retry(x, s.route_tries):
                 return
@@ -743,15 +782,16 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
             x["error"] += f"step {step + 1} route: {r.error} (stopped after {s.route_tries} tries); "
             r = reward.Route(ok=True, stop=True)  # out of tries: stop routing
         x["tries"] = 0
-        if s.route_mode == "oracle" and not r.stop:
-            gold = x["gold_steps"]
-            r.kb = gold[step]["kb"] if step < len(gold) else r.kb
         if r.stop:
             chat.after_stop(x)
             x["phase"] = "final"
-        else:
-            x["steps"].append(dict(sub_question=r.sub_question, kb=r.kb, retrieved=[], answer=None))
-            x["phase"] = "search"
+            return
+        gold = reward.by_step(x["gold_steps"])
+        gold = gold[step] if step < len(gold) else []
+        for j, (q, kbs) in enumerate(r.pairs):  # one lookup per (sub-question, KB); oracle: the gold step's KB
+            for kb in (gold[j]["kb"],) if s.route_mode == "oracle" and j < len(gold) else kbs:
+                x["steps"].append(dict(sub_question=q, kb=kb, retrieved=[], answer=None, step=step))
+        x["phase"] = "search"
 
     def answer_or_retry(x, ids, where):
         """The parsed answer, or None after a retry or a format failure; out of tries with s.fallback, the whole raw
@@ -770,12 +810,14 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         return reward.Answer(ok=True, answer=text.strip())
 
     def on_answer(x, ids, lps):
-        step = len(x["steps"]) - 1
+        step = n_steps(x) - 1
         x["tr"].add_policy(ids, lps, "answer", step)
         a = answer_or_retry(x, ids, f"step {step + 1} answer")
         if a is None:
             return
-        x["steps"][-1]["answer"] = a.answer
+        for st in x["steps"]:
+            if st["step"] == step:  # the answer covers every lookup of the step
+                st["answer"] = a.answer
         last = step + 1 == s.max_steps  # out of sub-questions: ask for the final answer
         chat.after_answer(x, last)
         x["phase"] = "final" if last else "route"
@@ -797,17 +839,21 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         return x["image"]
 
     def search(batch):
-        for kb in ("text", "table", "image"):  # one batched search per KB (all KBs per step in route_mode=all)
-            group = [x for x in batch if s.route_mode == "all" or x["steps"][-1]["kb"] == kb]
+        """Every lookup of the last routing step of every trajectory in `batch`: one batched search per KB (every KB
+        for every lookup in route_mode=all)."""
+        todo = [(x, j, st) for x in batch for j, st in enumerate(x["steps"]) if st["step"] == n_steps(x) - 1]
+        for kb in ("text", "table", "image"):
+            group = [(x, j, st) for x, j, st in todo if s.route_mode == "all" or st["kb"] == kb]
             if group:
-                images = [query_image(x, kb) for x in group]
-                hits = retriever.search([x["steps"][-1]["sub_question"] for x in group], kb, s.topk,
+                images = [query_image(x, kb) for x, _, _ in group]
+                hits = retriever.search([st["sub_question"] for _, _, st in group], kb, s.topk,
                                         **({"images": images} if any(images) else {}))
-                for x, docs in zip(group, hits):
-                    x.setdefault("_hits", []).append((kb, docs))
-                    x["steps"][-1]["retrieved"] += [d["id"] for d in docs]
+                for (x, j, st), docs in zip(group, hits):
+                    x.setdefault("_hits", []).append((j, st["sub_question"], kb, docs))
+                    st["retrieved"] += [d["id"] for d in docs]
         for x in batch:
-            chat.after_search(x, x.pop("_hits"))
+            hits = sorted(x.pop("_hits"), key=lambda h: h[0])  # in the order asked (stable: KB order within a lookup)
+            chat.after_search(x, [h[1:] for h in hits])
             x["phase"] = "answer"
 
     # event loop: trajectories in `ready` need their next request (after a search, if their route named a KB)
@@ -821,7 +867,7 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         sent = []
         for i in ready:
             x = trajs[i]
-            max_tokens, stop = (s.route_tokens, ["</ret>"]) if x["phase"] == "route" else (s.answer_tokens, ["</answer>"])
+            stop, max_tokens = route_stop(engine.tok, s) if x["phase"] == "route" else (["</answer>"], s.answer_tokens)
             prompt = x["tr"].prompt()  # the whole transcript, or (released) this step's chat
             if not fits(engine, prompt, max_tokens):  # long evidence (tables): the trajectory ends, the batch goes on
                 # not a format failure: every span written so far parsed (and is scored so); there is no final answer
@@ -855,7 +901,7 @@ def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None, vis=None
     and every point where the policy would write a span of it: [(trajectory, span, prompt ids up to that span, the
     images in them)]. Step-GRPO's teacher_prefix groups and evaluate.py's route probe start from these."""
     from dataclasses import replace
-    golds = rollout(GoldPolicy(tok, questions, vis), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
+    golds = rollout(GoldPolicy(tok, questions, vis, s.max_pairs), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
                                                                                         route_mode="model"), seed)
     chat_start = lambda x, sp: max(a for a, _ in x["segments"] if a <= sp["start"])  # released: the step's own chat
     return golds, [(x, sp, x["ids"][chat_start(x, sp):sp["start"]], images_in(x["images"], chat_start(x, sp), sp["start"]))
@@ -867,7 +913,8 @@ def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM
     rollout(..., shots=...) puts each question after it, so a model never trained on the step format sees it done."""
     from dataclasses import replace
     fmt = ChatFormat(tok, system_prompt.format(max_steps=s.max_steps))
-    golds = rollout(GoldPolicy(tok, examples), retriever, examples, 1, replace(s, route_mode="model"), 0, system_prompt)
+    golds = rollout(GoldPolicy(tok, examples, max_pairs=s.max_pairs), retriever, examples, 1, replace(s, route_mode="model"), 0,
+                    system_prompt)
     ids = []
     for k, (q, x) in enumerate(zip(examples, golds)):
         head = len(fmt.ids(fmt.prefix_tpl[0] + q["question"] + fmt.prefix_tpl[1]))  # system prompt + question
@@ -888,15 +935,15 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
                   n_policy_tokens=0, timings=dict(generate=0.0, retrieve=0.0))
              for q in questions]
     queries, images = [q["question"] for q in questions], [q.get("image") for q in questions]
-    for _ in range(iters):
+    for it in range(iters):
         t0 = time.perf_counter()  # a visual question's image goes with every image-KB search (the retriever looks)
         hits = {kb: retriever.search(queries, kb, s.topk, **({"images": images} if kb == "image" and any(images) else {}))
                 for kb in kbs}
         t_ret, todo = (time.perf_counter() - t0) / max(1, len(questions)), []
         for i, (q, x) in enumerate(zip(questions, trajs)):
             x["timings"]["retrieve"] += t_ret
-            x["steps"] += [dict(sub_question=queries[i], kb=kb, retrieved=[d["id"] for d in hits[kb][i]], answer=None)
-                           for kb in kbs]
+            x["steps"] += [dict(sub_question=queries[i], kb=kb, retrieved=[d["id"] for d in hits[kb][i]], answer=None,
+                                step=it) for kb in kbs]
             tr = Transcript()
             head = [Img(q["image"])] if q.get("image") else []
             tr.add_context(*fmt.encode([fmt.prefix_tpl[0], *head, q["question"]] + [
@@ -1091,8 +1138,8 @@ def bench(args):
 
 def show(x):
     print(f"\n=== {x['qid']} sample {x['sample']} [{x['type']}]: {x['question']}   gold: {x['answers']}")
-    for i, st in enumerate(x["steps"]):
-        print(f"  step {i + 1}: [{st['kb']}] {st['sub_question']!r} -> retrieved {st['retrieved']} -> {st['answer']!r}")
+    for st in x["steps"]:  # one line per lookup; a multi-query step's lookups share its number
+        print(f"  step {st['step'] + 1}: [{st['kb']}] {st['sub_question']!r} -> retrieved {st['retrieved']} -> {st['answer']!r}")
     print(f"  final: {x['final_answer']!r}  format_ok={x['format_ok']} {x['error']}  "
           f"({x['n_policy_tokens']} policy tokens of {len(x['ids'])}, F1-Recall {reward.f1_recall(x['final_answer'] or '', x['answers']):.2f})")
 
@@ -1106,6 +1153,8 @@ if __name__ == "__main__":
     ap.add_argument("-n", type=int, default=2, help="samples per question")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--max_steps", type=int, default=3)
+    ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
+    ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released", "both"],
@@ -1123,6 +1172,7 @@ if __name__ == "__main__":
     if args.command == "bench":
         bench(args)
         sys.exit(0)
+    check_multi_query(args)
     import corpus
     import retrievers
     try:
@@ -1134,7 +1184,8 @@ if __name__ == "__main__":
         sys.exit(f"error: {args.model}: not a model folder (run `python rollout.py prepare` for the default)")
     engine = make_engine(args.backend, args.model, seed=args.seed)
     t = time.perf_counter()
-    s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=args.structure)
+    s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=args.structure,
+                 max_pairs=args.max_pairs, max_rets=args.max_rets)
     trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
     dt = time.perf_counter() - t
     for x in trajs:

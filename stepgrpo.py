@@ -68,7 +68,10 @@ def get_args(argv=None):
     ap.add_argument("--w_hit", type=float, default=0.0, help="onpolicy: reward when the gold document is retrieved")
     ap.add_argument("--batch_questions", type=int, default=16, help="questions per step, over all ranks")
     ap.add_argument("-n", "--group_size", type=int, default=8, help="samples per golden-prefix step or per question")
-    ap.add_argument("--max_steps", type=int, default=3, help="sub-questions per trajectory (R1-Router: 3)")
+    ap.add_argument("--max_steps", type=int, default=3, help="routing steps per trajectory (R1-Router: 3)")
+    ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel "
+                    "queries; the route reward matches them to the step's gold steps)")
+    ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--topk", type=int, default=3, help="evidence documents per sub-question")
@@ -119,6 +122,7 @@ def check_args(args, world):
         sys.exit(f"error: --batch_questions {args.batch_questions} must be divisible by the world size {world}")
     if args.group_size < 2:
         sys.exit(f"error: -n {args.group_size}: a group needs at least 2 samples to have a relative advantage")
+    rollout.check_multi_query(args)
 
 def check_questions(questions, args):
     """One-line errors for training questions Step-GRPO cannot use."""
@@ -139,40 +143,53 @@ class Weights:
     route_scale: dict | None = None  # --balance_kb: gold route -> factor on route advantages (kb_balance)
 
 def gold_route(gold_steps, t):
-    return gold_steps[t]["kb"] if t < len(gold_steps) else "stop"
+    """The class of routing step t of grouped gold steps (reward.group_steps): its (first) KB, or "stop"."""
+    groups = reward.by_step(gold_steps)
+    return groups[t][0]["kb"] if t < len(groups) else "stop"
 
-def kb_balance(questions, max_steps):
+def route_kbs(steps, t):
+    """The KBs routing step t of (predicted or grouped gold) steps searched, sorted, or ("stop",) past the last."""
+    groups = reward.by_step(steps)
+    return tuple(sorted(st["kb"] for st in groups[t])) if t < len(groups) else ("stop",)
+
+def settings(args, **kw):
+    return rollout.Settings(max_steps=args.max_steps, topk=args.topk, structure=args.structure, max_pairs=args.max_pairs,
+                            max_rets=args.max_rets, **kw)
+
+def kb_balance(questions, max_steps, max_pairs=1):
     """--balance_kb: factor N / (C n_c) for each gold route c over the N route steps of the training questions (C
     classes, n_c steps of class c), so text, table, image and stop steps weigh the same in total (a class-balanced
-    loss). A question with k gold steps has route steps 0..min(k, max_steps - 1), the stop at k."""
-    n = Counter(gold_route(q["steps"], t) for q in questions for t in range(min(len(q["steps"]) + 1, max_steps)))
+    loss). A question with k gold routing steps has route steps 0..min(k, max_steps - 1), the stop at k."""
+    golds = [reward.group_steps(q["steps"], max_pairs) for q in questions]
+    n = Counter(gold_route(g, t) for g in golds for t in range(min(len(reward.by_step(g)) + 1, max_steps)))
     return {c: sum(n.values()) / (len(n) * k) for c, k in n.items()}
 
 def span_rewards(x, encode, w):
     """onpolicy: the reward of every policy span of trajectory x (in x["spans"] order) and its outcome R.
-      route step t   reward.score_route (w_format [parses] + 0.5 cos(sub-question, gold's) + 0.5 [KB = gold KB])
-                     + w_hit [gold doc retrieved]; past the gold steps the gold is "stop" (sub-question None, no KB)
-      answer step t  w_format + answer_reward(answer, [gold intermediate answer])
+      route step t   reward.score_route (w_format [parses] + 0.5 cos(sub-question, gold's) + 0.5 [KB = gold KB], its
+                     pairs matched to the gold steps of step t) + w_hit * the share of those gold docs retrieved at
+                     step t; past the gold steps the gold is "stop" (sub-question None, no KB)
+      answer step t  w_format + answer_reward(answer, [gold intermediate answer(s), reward.group_answer])
       final answer   w_format
       outcome R      f1_recall(final, golds); 0 if any step failed to parse
     A span that fails to parse ends its trajectory and gets reward 0. A trajectory whose next step did not fit the
     context (overflow) keeps the rewards of the spans it wrote and has no final answer (R = 0)."""
-    gold, out = x["gold_steps"], []
+    gold, pred, out = reward.by_step(x["gold_steps"]), reward.by_step(x["steps"]), []
     for j, sp in enumerate(x["spans"]):
         if not x["format_ok"] and j == len(x["spans"]) - 1:  # the span that failed to parse
             out.append(0.0)
             continue
         t, r = sp["step"], w.format
+        g = gold[t] if t < len(gold) else []
         if sp["kind"] == "route":
-            g = gold[t] if t < len(gold) else None
-            took = t < len(x["steps"])  # else this route was the stop
-            pred = reward.Route(ok=True, sub_question=x["steps"][t]["sub_question"] if took else "None",
-                                kb=x["steps"][t]["kb"] if took else None, stop=not took)
-            r = reward.score_route(pred, g, encode, w.format)
+            took = t < len(pred)  # else this route was the stop
+            r = reward.score_route(reward.Route(ok=True, stop=not took, pairs=reward.pairs_of(pred[t]) if took else []),
+                                   g, encode, w.format)
             if g and took:
-                r += w.hit * reward.retrieval_hit_reward(x["steps"][t]["retrieved"], g["doc_id"])
-        elif sp["kind"] == "answer" and t < len(gold):
-            r += reward.answer_reward(x["steps"][t]["answer"] or "", [gold[t]["answer"]])
+                found = {d for st in pred[t] for d in st["retrieved"]}
+                r += w.hit * float(np.mean([reward.retrieval_hit_reward(found, gs["doc_id"]) for gs in g]))
+        elif sp["kind"] == "answer" and g:
+            r += reward.answer_reward(pred[t][0]["answer"] or "", [reward.group_answer(g)])
         out.append(r)
     return out, (reward.f1_recall(x["final_answer"] or "", x["answers"]) if x["format_ok"] else 0.0)
 
@@ -252,8 +269,7 @@ STATS = ("route_r", "kb_acc", "answer_r", "outcome", "format_ok", "overflow", "r
 
 def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens."""
-    s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=ROUTE_TOKENS,
-                         answer_tokens=ANSWER_TOKENS, temperature=args.temperature, structure=args.structure)
+    s = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS, temperature=args.temperature)
     trajs = rollout.rollout(engine, retriever, qs, n=args.group_size, s=s, seed=seed)
     rows, stats = [], {k: [] for k in STATS}
     stats["retrieve_s"] = sum(x["timings"]["retrieve"] for x in trajs)
@@ -274,12 +290,12 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
             stats["outcome"].append(o)
             failed_route = not x["format_ok"] and x["spans"][-1]["kind"] == "route"  # a format failure has >= 1 span
             n_routes = sum(sp["kind"] == "route" for sp in x["spans"]) - failed_route
-            stats["kb_acc"] += [float((x["steps"][t]["kb"] if t < len(x["steps"]) else "stop") == gold_route(x["gold_steps"], t))
-                                for t in range(n_routes)]
+            stats["kb_acc"] += [float(route_kbs(x["steps"], t) == route_kbs(x["gold_steps"], t)) for t in range(n_routes)]
             stats["format_ok"].append(float(x["format_ok"]))
             stats["overflow"].append(float(x["overflow"]))
             stats["retrievals"].append(len(x["steps"]))
-            stats["reask"] += [float(reward.re_asks(st["sub_question"], x["steps"][:t])) for t, st in enumerate(x["steps"])]
+            stats["reask"] += [float(reward.re_asks(q, [e for e in x["steps"] if e["step"] < g[0]["step"]]))
+                               for g in reward.by_step(x["steps"]) for q, _ in reward.pairs_of(g)]
             stats["tokens"].append(x["n_policy_tokens"])
     return rows, stats
 
@@ -289,38 +305,39 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
     on routing steps). r: reward.score_route for a routing step against the gold step there; w_format [parses] +
     answer_reward for an answer step (the gold intermediate answer) or the final answer (the gold answers)."""
     t0 = time.perf_counter()  # the gold policy writes its steps at no cost: this is retrieval time
-    _, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, rollout.Settings(max_steps=args.max_steps, topk=args.topk,
-                                                                                     structure=args.structure),
-                                         vis=getattr(engine, "vis", None))
+    s = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS)
+    _, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, s, vis=getattr(engine, "vis", None))
     stats = {k: [] for k in STATS}
     stats["retrieve_s"] = time.perf_counter() - t0  # no "retrievals": a prefix's retrievals are the gold's, not the policy's
     rows = []  # one packed row per group
-    kinds = (("route", "</ret>", ROUTE_TOKENS), ("answer", "</answer>", ANSWER_TOKENS))
+    kinds = (("route", *rollout.route_stop(engine.tok, s)), ("answer", ["</answer>"], ANSWER_TOKENS))
     for kind, stop, max_tok in kinds[:1] if args.teacher_spans == "route" else kinds:
         todo = [t for t in prompts if (t[1]["kind"] == "route") == (kind == "route")]
         fit = [rollout.fits(engine, prefix, max_tok) for _, _, prefix, _ in todo]
         stats["overflow"] += [float(not f) for f in fit]
         todo = [t for t, f in zip(todo, fit) if f]  # a golden prefix with no room for the step: no group
         outs = engine.generate([prefix for _, _, prefix, _ in todo for _ in range(args.group_size)],
-                               max_tok, args.temperature, 1.0, [stop], seed,
+                               max_tok, args.temperature, 1.0, stop, seed,
                                images=[images for *_, images in todo for _ in range(args.group_size)])
         for k, (x, sp, prefix, images) in enumerate(todo):
             group, t = outs[k * args.group_size:(k + 1) * args.group_size], sp["step"]
-            g = x["gold_steps"][t] if t < len(x["gold_steps"]) else None  # None: the gold stops here
+            gold = reward.by_step(x["gold_steps"])
+            g = gold[t] if t < len(gold) else []  # []: the gold stops here
+            earlier = [e for e in x["steps"] if e["step"] < t]
             rs = []
             for ids, _ in group:
                 text = engine.tok.decode(ids, skip_special_tokens=True)
                 if kind == "route":
-                    p = reward.parse_route(text)
+                    p = reward.parse_route(text, args.max_pairs, args.max_rets)
                     r = reward.score_route(p, g, encode, w.format)
                     stats["route_r"].append(r)
                     if p.ok:
-                        stats["kb_acc"].append(float(p.kb == (g and g["kb"])))
-                    if p.ok and not p.stop:
-                        stats["reask"].append(float(reward.re_asks(p.sub_question, x["steps"][:t])))
+                        kbs = ("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))
+                        stats["kb_acc"].append(float(kbs == route_kbs(x["gold_steps"], t)))
+                    stats["reask"] += [float(reward.re_asks(q, earlier)) for q, _ in p.pairs]
                 else:
                     p = reward.parse_answer(text)
-                    golds = [g["answer"]] if sp["kind"] == "answer" else x["answers"]
+                    golds = [reward.group_answer(g)] if sp["kind"] == "answer" else x["answers"]
                     r = w.format * p.ok + (reward.answer_reward(p.answer, golds) if p.ok else 0.0)
                     stats["answer_r" if sp["kind"] == "answer" else "outcome"].append(r)
                 stats["format_ok"].append(float(p.ok))
@@ -517,8 +534,7 @@ def dev_eval(engine, retriever, qs, args, rank, world):
     afterwards, so a run trains the same with or without it."""
     import evaluate
     rng = torch.get_rng_state(), random.getstate()
-    s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=0.0, structure=args.structure)
-    mine = rollout.rollout(engine, retriever, qs[rank::world], 1, s, seed=0)
+    mine = rollout.rollout(engine, retriever, qs[rank::world], 1, settings(args, temperature=0.0), seed=0)
     torch.set_rng_state(rng[0])
     random.setstate(rng[1])
     parts = [None] * world
@@ -570,7 +586,7 @@ def main(argv=None):
     engine = rollout.VLLMEngine(weights, seed=args.seed + rank)  # each rank owns one engine
     if lora:  # the engine holds the base: give it the policy (resumed adapters; a quantised base as the trainer sees it)
         engine.sync_weights(trainutil.policy_params(model))
-    w = Weights(args.w_format, args.w_hit, kb_balance(questions, args.max_steps) if args.balance_kb else None)
+    w = Weights(args.w_format, args.w_hit, kb_balance(questions, args.max_steps, args.max_pairs) if args.balance_kb else None)
     if w.route_scale:
         print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
     per_epoch = len(questions) // args.batch_questions

@@ -10,6 +10,7 @@ Three sources, one output format (one JSONL row per question: the rollout.py tra
            sub-questions, retrievers, passages and answers, replayed into our format
 
     python synth.py --data data/mini --out data/mini/traj                               # gold, train + dev splits
+    python synth.py --data data/mini --out data/mini/traj_k2 --max_pairs 2              # comparisons as one multi-query step
     python synth.py --data data/mini --out data/mini/traj_teacher --teacher out/sft/final -n 4
     python synth.py --r1router /path/to/data/r1router/stepgrpo_valid_119.jsonl --out data/r1router/traj
     python synth.py --export_r1router data/mini/traj/train.jsonl --out data/mini/r1router_train.jsonl
@@ -17,6 +18,7 @@ Three sources, one output format (one JSONL row per question: the rollout.py tra
 import argparse
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import corpus
@@ -31,9 +33,10 @@ def rejection(x, max_steps):
         return "format"  # a step did not parse (the parser also demands exactly one retriever per step)
     if x.get("overflow"):
         return "context"  # the next step did not fit the engine's context
-    if any(s["answer"] is None for s in x["steps"]) or len({s["sub_question"].lower() for s in x["steps"]}) < len(x["steps"]):
+    asked = [q.lower() for st in reward.by_step(x["steps"]) for q, _ in reward.pairs_of(st)]
+    if any(s["answer"] is None for s in x["steps"]) or len(set(asked)) < len(asked):
         return "steps"  # an intermediate answer missing, or the same sub-question asked twice
-    stopped = any(sp["kind"] == "route" and sp["step"] == len(x["steps"]) for sp in x["spans"])
+    stopped = any(sp["kind"] == "route" and sp["step"] == len(reward.by_step(x["steps"])) for sp in x["spans"])
     if not stopped and len(x["steps"]) < max_steps:
         return "stopping"  # ended without writing <ret>None</ret> before running out of steps
     if reward.f1_recall(x["final_answer"] or "", x["answers"]) < 1.0:
@@ -66,13 +69,15 @@ _KB_OF = {"ter": "text", "tir": "image", "tar": "table"}
 class RecordedRetriever:
     """Answers each sub-question with the passages recorded in the released data (same search() as retrievers.py)."""
     def __init__(self, evidence):
-        self.evidence = evidence  # sub-question -> [doc dict]
+        self.evidence = evidence  # (sub-question, kb) -> [doc dict]
 
     def search(self, queries, kb, k=3):
-        return [self.evidence.get(q, [])[:k] for q in queries]
+        return [self.evidence.get((q, kb), [])[:k] for q in queries]
 
 def read_r1router(path):
-    """Released rows -> (questions in corpus.py's format, RecordedRetriever with their passages)."""
+    """Released rows -> (questions in corpus.py's format, RecordedRetriever with their passages). A ret step naming
+    several retrievers (R1-Router's multi-retriever mode) becomes one gold step per KB, with the same sub-question
+    (replay it with --max_rets 3)."""
     questions, evidence = [], {}
     for n, row in enumerate(corpus.read_jsonl(path), 1):
         where = f"{path}:{n}"
@@ -82,19 +87,20 @@ def read_r1router(path):
             gold, pending, answers = [], None, None
             for s in steps:
                 if s["step_type"] == "ret":
-                    ret = s["answer"]["retriever"][0].strip().lower()
-                    if ret == "none":
+                    rets = [r.strip().lower() for r in s["answer"]["retriever"]]
+                    if rets == ["none"]:
                         continue
-                    kb = reward.RET_TO_KB[next(r for r in reward.RET_TO_KB if r.lower() == ret)]
-                    pending = dict(sub_question=s["answer"]["query"].strip(), kb=kb, doc_id="", answer="")
+                    kbs = [reward.RET_TO_KB[next(r for r in reward.RET_TO_KB if r.lower() == ret)] for ret in rets]
+                    pending = [dict(sub_question=s["answer"]["query"].strip(), kb=kb, doc_id="", answer="") for kb in kbs]
                 elif pending is not None:  # the intermediate answer of the pending sub-question, with its passages
                     body = s["problem"].split("Give me the answer")[0]
                     parts = _PASSAGE.split(body)[1:]  # [tag, idx, text, tag, idx, text, ...]
-                    evidence[pending["sub_question"]] = [
-                        dict(id=f"r1r{n}-{t}-{i}", kb=_KB_OF[t], title="", contents=txt.strip(), score=0.0)
-                        for t, i, txt in zip(parts[0::3], parts[1::3], parts[2::3])]
-                    pending["answer"] = str(s["answer"]).strip()
-                    gold.append(pending)
+                    for g in pending:  # each KB's lookup gets the passages the released row shows from that KB
+                        evidence[g["sub_question"], g["kb"]] = [
+                            dict(id=f"r1r{n}-{t}-{i}", kb=_KB_OF[t], title="", contents=txt.strip(), score=0.0)
+                            for t, i, txt in zip(parts[0::3], parts[1::3], parts[2::3]) if _KB_OF[t] == g["kb"]]
+                        g["answer"] = str(s["answer"]).strip()
+                    gold += pending
                     pending = None
                 else:  # the final answer step
                     answers = s["answer"] if isinstance(s["answer"], list) else [s["answer"]]
@@ -107,17 +113,22 @@ def read_r1router(path):
     return questions, RecordedRetriever(evidence)
 
 def to_r1router(x, system_route=rollout.SYSTEM_PROMPT, system_answer=rollout.DIRECT_PROMPT):
-    """One of our trajectories -> a step-unrolled row as R1-Router's Step-GRPO code reads it."""
-    history, steps = f"Origin question: {x['question']}\n", []
+    """One of our trajectories -> a step-unrolled row as R1-Router's Step-GRPO code reads it: a ret and an ans step
+    per sub-question (a multi-query step's sub-questions one after another, each with the step's answer), a
+    sub-question sent to several KBs with its retriever list."""
+    history, steps, i = f"Origin question: {x['question']}\n", [], 0
     tag = {"text": "ter", "image": "tir", "table": "tar"}
-    for i, s in enumerate(x["steps"], 1):
-        steps.append(dict(step_type="ret", problem=history, system=system_route,
-                          answer=dict(query=s["sub_question"], retriever=[reward.KB_TO_RET[s["kb"]].lower()])))
-        passages = "".join(f"{tag[s['kb']]}-{j}: {d}\n" for j, d in enumerate(s["retrieved"]))  # ids; texts are in our transcript
-        steps.append(dict(step_type="ans", system=system_answer, answer=s["answer"],
-                          problem=f"According to the related information searched: {passages} Give me the answer(with the "
-                                  f"format <answer></answer>) to the Question: {s['sub_question']}"))
-        history += f"Sub-question{i}: {s['sub_question']} Answer{i}: {s['answer']}\n"
+    for group in reward.by_step(x["steps"]):
+        for q, kbs in reward.pairs_of(group):
+            i += 1
+            steps.append(dict(step_type="ret", problem=history, system=system_route,
+                              answer=dict(query=q, retriever=[reward.KB_TO_RET[kb].lower() for kb in kbs])))
+            passages = "".join(f"{tag[s['kb']]}-{j}: {d}\n" for s in group if s["sub_question"] == q
+                               for j, d in enumerate(s["retrieved"]))  # ids; texts are in our transcript
+            steps.append(dict(step_type="ans", system=system_answer, answer=group[0]["answer"],
+                              problem=f"According to the related information searched: {passages} Give me the answer(with "
+                                      f"the format <answer></answer>) to the Question: {q}"))
+            history += f"Sub-question{i}: {q} Answer{i}: {group[0]['answer']}\n"
     steps.append(dict(step_type="ret", problem=history, system=system_route, answer=dict(query="none", retriever=["none"])))
     steps.append(dict(step_type="ans", system=system_answer, answer=x["answers"],
                       problem=history + f"Now, give me the final answer of the origin question: {x['question']}"))
@@ -142,6 +153,10 @@ if __name__ == "__main__":
     ap.add_argument("--r1router", default=None, help="import R1-Router's released step-unrolled JSONL")
     ap.add_argument("--export_r1router", default=None, help="convert one of our trajectory files to R1-Router's format")
     ap.add_argument("--max_steps", type=int, default=3)
+    ap.add_argument("--max_pairs", type=int, default=1,
+                    help="sub-questions a routing step may hold: > 1 writes independent gold steps (a comparison's "
+                         "lookups) as one multi-query step (RAG-R1)")
+    ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
@@ -154,18 +169,18 @@ if __name__ == "__main__":
             corpus.write_jsonl(args.out, [to_r1router(x) for x in rows])
             print(f"wrote {len(rows)} rows in R1-Router's step-unrolled format to {args.out}")
             sys.exit(0)
+        rollout.check_multi_query(args)
         from transformers import AutoTokenizer
         if not (Path(args.model) / "tokenizer_config.json").exists():
             sys.exit(f"error: {args.model}: no tokenizer there (run `python rollout.py prepare` for the default)")
         tok = AutoTokenizer.from_pretrained(args.model)
         vis = rollout.VisionIO.load(args.model)  # a VL policy's transcripts hold the question image and retrieved pictures
         settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
-                                    structure=args.structure)
-        gold_settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, route_tokens=1024, answer_tokens=1024,
-                                         structure=args.structure)
+                                    structure=args.structure, max_pairs=args.max_pairs, max_rets=args.max_rets)
+        gold_settings = replace(settings, route_tokens=1024, answer_tokens=1024)
         if args.r1router:
             qs, ret = read_r1router(args.r1router)
-            trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, s=gold_settings)
+            trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, max_pairs=args.max_pairs), ret, qs, s=gold_settings)
             corpus.write_jsonl(Path(args.out) / "train.jsonl", [slim(x) for x in trajs])
             print(f"imported {len(trajs)} R1-Router trajectories ({sum(x['format_ok'] for x in trajs)} well-formed) -> {args.out}/train.jsonl")
             sys.exit(0)
@@ -176,7 +191,7 @@ if __name__ == "__main__":
             qs = corpus.load_questions(args.data, split)
             qs = qs[:args.limit] if args.limit else qs
             if engine is None:
-                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis), ret, qs, s=gold_settings)
+                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs), ret, qs, s=gold_settings)
                 report = f"{sum(x['format_ok'] for x in trajs)} of {len(trajs)} well-formed"
             else:
                 trajs, counts = teacher_trajectories(engine, ret, qs, args.n, settings, args.seed)

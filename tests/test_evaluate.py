@@ -13,12 +13,14 @@ from evaluate import (
 approx = pytest.approx
 
 
-def traj(qid, type_, answers, gold, pred, final, format_ok=True, hit=None, sample=0, tokens=100):
-    """gold / pred: KB sequences. Gold step i uses document f"{qid}-d{i}"; pred step i retrieves it when hit[i]."""
+def traj(qid, type_, answers, gold, pred, final, format_ok=True, hit=None, sample=0, tokens=100, step=None):
+    """gold / pred: KB sequences (one lookup each). Gold step i uses document f"{qid}-d{i}"; pred lookup i retrieves it
+    when hit[i] and was asked at routing step step[i] (default i: one lookup a step)."""
     hit = [True] * len(pred) if hit is None else hit
-    gold_steps = [dict(sub_question=f"g{i}?", kb=kb, doc_id=f"{qid}-d{i}", answer="x") for i, kb in enumerate(gold)]
-    steps = [dict(sub_question=f"p{i}?", kb=kb, retrieved=([f"{qid}-d{i}"] if hit[i] else []) + ["other"], answer="x")
-             for i, kb in enumerate(pred)]
+    step = list(range(len(pred))) if step is None else step
+    gold_steps = [dict(sub_question=f"g{i}?", kb=kb, doc_id=f"{qid}-d{i}", answer="x", step=i) for i, kb in enumerate(gold)]
+    steps = [dict(sub_question=f"p{i}?", kb=kb, retrieved=([f"{qid}-d{i}"] if hit[i] else []) + ["other"], answer="x",
+                  step=step[i]) for i, kb in enumerate(pred)]
     return dict(qid=qid, sample=sample, question=f"{qid}?", answers=answers, type=type_, gold_steps=gold_steps,
                 steps=steps, final_answer=final, format_ok=format_ok, error="" if format_ok else "bad step",
                 ids=[], mask=[], logprobs=[], spans=[], n_policy_tokens=tokens,
@@ -165,14 +167,14 @@ def results():
     direct = [traj(t["qid"], t["type"], t["answers"], [s["kb"] for s in t["gold_steps"]], [],
                    t["final_answer"] or "unknown")
               for t in SET]
-    return {"r1-router": score(SET), "direct answer": score(direct)}
+    return {"r1-router": dict(score(SET), seconds=3.5), "direct answer": score(direct)}
 
 
 def test_markdown_tables():
     md = markdown(results(), "mini dev")
     assert md.startswith("# mini dev\n")
-    assert "| method | n | F1-Recall | EM | F1 | Acc | routing acc | retrievals/q | format fail % |" in md
-    assert "| r1-router | 7 | 50.0 | 28.6 | 47.6 | 42.9 | 63.1 | 1.29 | 14.3 |" in md
+    assert "| method | n | F1-Recall | EM | F1 | Acc | routing acc | steps/q | retrievals/q | s/q | format fail % |" in md
+    assert "| r1-router | 7 | 50.0 | 28.6 | 47.6 | 42.9 | 63.1 | 1.29 | 1.29 | 0.500 | 14.3 |" in md  # 3.5 s / 7
     # routing macro, route exact, gold hit, text/table/image, re-ask %, tokens
     assert "| r1-router | 51.8 | 42.9 | 70.0 | 1.00 | 0.29 | 0.00 | 0.0 | 60 |" in md
     assert "| method | none | 1hop | 2hop | 3hop | comparison |" in md
@@ -271,6 +273,14 @@ def test_paired_bootstrap_by_hand():
         assert p[k]["p_not_above"] == approx((6 / 7) ** 7, abs=0.02)
     back = evaluate.paired(new, SET)
     assert back["f1_recall"]["diff"] == approx(-100 / 7) and back["f1_recall"]["p_not_above"] == 1
+    assert p["by_type"]["2hop"]["n"] == 2 and p["by_type"]["2hop"]["f1_recall"]["diff"] == approx(100 / 2)
+    assert p["by_type"]["comparison"]["f1_recall"] == {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1}
+    # the same lookups in one routing step instead of two: one step fewer, as many retrieval calls, same routing
+    multi = traj("g", "comparison", ["Zan Jumar"], ["text", "text"], ["text", "text"], "Jumar", step=[0, 0])
+    p = evaluate.paired(SET, [multi if t["qid"] == "g" else t for t in SET])
+    assert p["steps"]["diff"] == approx(-1 / 7) and p["retrievals"]["diff"] == 0 and p["routing_acc"]["diff"] == 0
+    assert p["by_type"]["comparison"]["steps"]["diff"] == -1 and score([multi])["steps"] == 1
+    assert score(SET)["steps"] == score(SET)["retrievals"] == approx(9 / 7)
     same = evaluate.paired(SET, SET)
     assert same["routing_acc"] == {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1}
     with pytest.raises(ValueError, match="different questions"):

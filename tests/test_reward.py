@@ -33,12 +33,13 @@ def test_kb_maps_are_inverse():
                                     ("Table Retriever", "table"), ("  table   RETRIEVER \n", "table")])
 def test_parse_route_each_retriever(ret, kb):
     r = parse_route(route_text(ret=ret))
-    assert r == Route(ok=True, think="t", sub_question="Who directed Jaws?", kb=kb, stop=False, error="")
+    assert r == Route(ok=True, think="t", sub_question="Who directed Jaws?", kb=kb, stop=False, error="",
+                      pairs=[("Who directed Jaws?", (kb,))])
 
 
 def test_parse_route_tolerates_whitespace_and_newlines():
     text = "\n <think>\n a b \n</think>\n\n  <sub-question>  q?\n</sub-question> <ret>\nText Retriever\n</ret>\n"
-    assert parse_route(text) == Route(True, "a b", "q?", "text", False, "")
+    assert parse_route(text) == Route(True, "a b", "q?", "text", False, "", [("q?", ("text",))])
 
 
 def test_parse_route_stop():
@@ -129,7 +130,7 @@ def _check_contract(r):
 def _check_reparse(r):
     # any accepted route re-renders to text that parses to the same route
     if r.ok:
-        again = parse_route(format_route(r.think, None if r.stop else r.sub_question, r.kb))
+        again = parse_route(format_route(r.think, r.pairs))
         assert (again.ok, again.think, again.kb, again.stop) == (True, r.think, r.kb, r.stop)
         assert r.stop or again.sub_question == r.sub_question
 
@@ -171,9 +172,9 @@ NO_BRACKETS = st.text(alphabet=st.characters(blacklist_characters="<>", blacklis
 @given(NO_BRACKETS, NO_BRACKETS.filter(lambda s: s.strip() and s.strip().lower() != "none"),
        st.sampled_from(["text", "image", "table", None]))
 def test_route_round_trip(think, sub_question, kb):
-    r = parse_route(format_route(think, None if kb is None else sub_question, kb))
+    r = parse_route(format_route(think, [] if kb is None else [(sub_question, kb)]))
     expected_q = "None" if kb is None else sub_question.strip()
-    assert r == Route(True, think.strip(), expected_q, kb, kb is None, "")
+    assert r == Route(True, think.strip(), expected_q, kb, kb is None, "", [] if kb is None else [(expected_q, (kb,))])
 
 
 @FAST
@@ -183,14 +184,17 @@ def test_answer_round_trip(think, answer):
 
 
 def test_format_exact_strings():
-    assert format_route("t", "q?", "image") == \
+    assert format_route("t", [("q?", "image")]) == \
         "<think>t</think>\n<sub-question>q?</sub-question>\n<ret>Text Image Retriever</ret>"
-    assert format_route("t", None, None) == "<think>t</think>\n<sub-question>None</sub-question>\n<ret>None</ret>"
+    assert format_route("t", []) == "<think>t</think>\n<sub-question>None</sub-question>\n<ret>None</ret>"
+    assert format_route("t", [("a?", "text"), ("b?", ("table", "image"))]) == \
+        "<think>t</think>\n<sub-question>a?</sub-question>\n<ret>Text Retriever</ret>\n" \
+        "<sub-question>b?</sub-question>\n<ret>Table Retriever, Text Image Retriever</ret>"
     assert format_answer("t", "a") == "<think>t</think>\n<answer>a</answer>"
     with pytest.raises(ValueError):
-        format_route("t", "a real question", None)
+        format_route("t", [("a real question", None)])
     with pytest.raises(KeyError):
-        format_route("t", "q", "video")
+        format_route("t", [("q", "video")])
 
 
 # -----------------------------------------------------------------------------
@@ -334,40 +338,45 @@ def bow(texts):
 
 
 def route(sq, kb):
-    return parse_route(format_route("t", sq, kb))
+    return parse_route(format_route("t", [] if kb is None else [(sq, kb)]))
+
+
+def gold(sq, kb):
+    """The gold steps of one routing step: [] when the gold stops."""
+    return [] if kb is None else [dict(sub_question=sq, kb=kb)]
 
 
 def test_route_reward_hand_cosine():
     # [1,1,1,0,0,0] . [1,0,0,0,1,0] = 1; norms sqrt(3), sqrt(2)
     cos = 1 / math.sqrt(6)
-    assert route_reward(route("who directed film", "text"), "who born", "text", bow) == pytest.approx(0.5 * cos + 0.5)
-    assert route_reward(route("who directed film", "text"), "who born", "table", bow) == pytest.approx(0.5 * cos)
+    assert route_reward(route("who directed film", "text"), gold("who born", "text"), bow) == pytest.approx(0.5 * cos + 0.5)
+    assert route_reward(route("who directed film", "text"), gold("who born", "table"), bow) == pytest.approx(0.5 * cos)
     # lower-cased before encoding: "Who DIRECTED" would be a zero vector under the case-sensitive bow
-    assert route_reward(route("Who DIRECTED the film?", "text"), "who directed film?", "text", bow) == pytest.approx(1.0)
+    assert route_reward(route("Who DIRECTED the film?", "text"), gold("who directed film?", "text"), bow) == pytest.approx(1.0)
 
 
 def test_route_reward_cosine_is_not_clamped():
     vecs = {"up": [1.0, 0.0], "down": [-2.0, 0.0]}
     enc = lambda texts: np.array([vecs[t] for t in texts])  # noqa: E731
-    assert route_reward(route("up", "text"), "down", "text", enc) == pytest.approx(0.0)
-    assert route_reward(route("up", "text"), "down", "image", enc) == pytest.approx(-0.5)
+    assert route_reward(route("up", "text"), gold("down", "text"), enc) == pytest.approx(0.0)
+    assert route_reward(route("up", "text"), gold("down", "image"), enc) == pytest.approx(-0.5)
 
 
 def test_route_reward_stop_cases():
     stop = route(None, None)
-    assert route_reward(stop, None, None, bow) == 1.0  # both stop: cos("none", "none") = 1, same retriever
-    assert route_reward(stop, "None", None, bow) == 1.0
-    assert route_reward(stop, "who directed film", "text", bow) == 0.0  # cos 0, retriever differs
-    assert route_reward(stop, "none film", "text", bow) == pytest.approx(0.5 / math.sqrt(2))
-    assert route_reward(route("who film", "text"), None, None, bow) == 0.0
+    assert route_reward(stop, gold(None, None), bow) == 1.0  # both stop: cos("none", "none") = 1, same retriever
+    assert route_reward(stop, gold("None", None), bow) == 1.0
+    assert route_reward(stop, gold("who directed film", "text"), bow) == 0.0  # cos 0, retriever differs
+    assert route_reward(stop, gold("none film", "text"), bow) == pytest.approx(0.5 / math.sqrt(2))
+    assert route_reward(route("who film", "text"), gold(None, None), bow) == 0.0
 
 
 def test_route_reward_malformed_and_zero_vectors():
     def boom(texts):
         raise AssertionError("encoder must not be called for a malformed step")
-    assert route_reward(parse_route("<think>x</think>"), "who", "text", boom) == 0.0
+    assert route_reward(parse_route("<think>x</think>"), gold("who", "text"), boom) == 0.0
     # no vocabulary word: zero vector, cosine taken as 0
-    assert route_reward(route("what is this", "image"), "who", "image", bow) == 0.5
+    assert route_reward(route("what is this", "image"), gold("who", "image"), bow) == 0.5
 
 
 # -----------------------------------------------------------------------------
@@ -397,15 +406,115 @@ def test_answer_reward_several_golds_all_or_nothing():
 
 def test_score_route_adds_the_format_term_to_route_reward():
     enc = lambda texts: np.array([[1.0, 0.0] if "x" in t else [0.0, 1.0] for t in texts])  # "x" in it or not
-    gold = dict(sub_question="Where is x?", kb="table")
+    g = gold("Where is x?", "table")
     right, wrong_kb = parse_route(route_text(sq="Where is x?", ret="Table Retriever")), parse_route(route_text(sq="Where is x?"))
-    assert score_route(right, gold, enc) == pytest.approx(0.2 + 1.0)
-    assert score_route(wrong_kb, gold, enc, w_format=0.0) == pytest.approx(0.5)  # R1-Router's reward alone
+    assert score_route(right, g, enc) == pytest.approx(0.2 + 1.0)
+    assert score_route(wrong_kb, g, enc, w_format=0.0) == pytest.approx(0.5)  # R1-Router's reward alone
     stop = parse_route(route_text(sq="None", ret="None"))
-    assert score_route(stop, None, enc) == pytest.approx(1.2)  # both stop: "none" == "none", no KB on either side
-    assert score_route(parse_route("garbage"), gold, enc) == 0.0  # a step that does not parse: 0, format term included
+    assert score_route(stop, [], enc) == pytest.approx(1.2)  # both stop: "none" == "none", no KB on either side
+    assert score_route(parse_route("garbage"), g, enc) == 0.0  # a step that does not parse: 0, format term included
 
 def test_retrieval_hit_reward():
     assert retrieval_hit_reward(["d1", "d2"], "d2") == 1.0
     assert retrieval_hit_reward(["d1", "d2"], "d3") == 0.0
     assert retrieval_hit_reward([], "d1") == 0.0
+
+
+# -----------------------------------------------------------------------------
+# multi-query steps: parser, matching reward, gold step groups
+
+from reward import by_step, group_answer, group_steps, pairs_of  # noqa: E402
+
+TWO = ("<think>t</think>\n<sub-question>When was A born?</sub-question>\n<ret>Text Retriever</ret>\n"
+       "<sub-question>When was B born?</sub-question>\n<ret>Table Retriever</ret>")
+
+
+def test_parse_multi_query_steps():
+    r = parse_route(TWO, max_pairs=2)
+    assert r.ok and (r.sub_question, r.kb) == ("When was A born?", "text")
+    assert r.pairs == [("When was A born?", ("text",)), ("When was B born?", ("table",))]
+    assert parse_route(TWO, max_pairs=3).pairs == r.pairs and format_route("t", r.pairs) == TWO
+    assert parse_route(TWO).error == "two <sub-question> tags, expected one"  # K = 1: R1-Router's format
+    three = TWO + "\n<sub-question>q?</sub-question><ret>Text Retriever</ret>"
+    assert parse_route(three, max_pairs=2).error == "3 <sub-question> tags, at most 2 sub-question/retriever pairs allowed"
+    multi = parse_route(route_text(ret="table retriever ,Text  Image retriever"), max_rets=2)
+    assert multi.ok and multi.pairs == [("Who directed Jaws?", ("table", "image"))]
+
+
+@pytest.mark.parametrize("text,k,r,error", [
+    (route_text(ret="Text Retriever, Table Retriever"), 1, 1, "unknown retriever 'Text Retriever, Table Retriever'"),
+    (route_text(ret="Text Retriever, Table Retriever, Text Image Retriever"), 1, 2, "3 retrievers in <ret>"),
+    (route_text(ret="Text Retriever, text retriever"), 1, 2, "a retriever named twice"),
+    (route_text(ret="Text Retriever, None"), 1, 2, "None among other retrievers"),
+    (route_text(ret="Text Retriever,"), 1, 2, "unknown retriever"),
+    (TWO.replace("When was B born?", "None").replace("Table Retriever", "None"), 2, 1,
+     "<ret>None</ret> next to other sub-questions"),
+    (TWO.replace("</ret>\n<sub", "</ret>\n<sub-question>x</sub-question>\n<sub", 1), 3, 1, "tags nested or out of order"),
+    (TWO.replace("</ret>\n<sub", "</ret> and <sub", 1), 2, 1, "text between </ret> and <sub-question>"),
+    (TWO.replace("When was B born?", " "), 2, 1, "empty <sub-question>"),
+    (TWO + "<think>again</think>", 2, 1, "two <think> tags"),
+])
+def test_parse_multi_query_malformed(text, k, r, error):
+    route = parse_route(text, k, r)
+    assert not route.ok and route.error.startswith(error) and route.pairs == []
+
+
+@FAST
+@given(st.lists(st.sampled_from(FRAGMENTS + ["Text Image Retriever, Table Retriever", ", "]), max_size=30),
+       st.integers(1, 3), st.integers(1, 3))
+def test_multi_query_parser_never_raises_and_round_trips(parts, k, r):
+    text = "".join(parts)
+    route = parse_route(text, k, r)
+    _check_contract(route)
+    if route.ok:
+        assert 1 <= len(route.pairs) <= k and all(1 <= len(kbs) <= r for _, kbs in route.pairs) or route.stop
+        again = parse_route(format_route(route.think, route.pairs), k, r)
+        assert (again.ok, again.pairs, again.stop) == (True, route.pairs, route.stop)
+
+
+def test_matching_route_reward_by_hand():
+    vecs = {"a": [1.0, 0.0], "b": [0.0, 1.0], "ab": [1.0, 1.0], "none": [0.0, 0.0]}
+    enc = lambda texts: np.array([vecs[t.strip()] for t in texts])  # noqa: E731
+    g = [dict(sub_question="a", kb="text"), dict(sub_question="b", kb="table")]
+    both = lambda *pairs: Route(ok=True, sub_question=pairs[0][0], kb=pairs[0][1][0], pairs=list(pairs))  # noqa: E731
+    # the two gold lookups, in either order: the matching pairs them up, full reward
+    assert route_reward(both(("a", ("text",)), ("b", ("table",))), g, enc) == pytest.approx(1.0)
+    assert route_reward(both(("b", ("table",)), ("a", ("text",))), g, enc) == pytest.approx(1.0)
+    # right sub-questions, KBs swapped: cosines 1 + 1, retriever halves 0, / 2
+    assert route_reward(both(("a", ("table",)), ("b", ("text",))), g, enc) == pytest.approx(0.5)
+    # too few: one right pair of two gold steps = (0.5 + 0.5) / 2
+    assert route_reward(both(("a", ("text",))), g, enc) == pytest.approx(0.5)
+    # too many: the two right pairs and an extra one, / 3
+    assert route_reward(both(("a", ("text",)), ("b", ("table",)), ("ab", ("text",))), g, enc) == pytest.approx(2 / 3)
+    # a duplicated pair earns nothing: "a" twice matches gold "a" once; the copy is never matched (not to "b")
+    assert route_reward(both(("a", ("text",)), ("A ", ("table",))), g, enc) == pytest.approx(0.5)
+    # best total cosine picks the assignment: "ab" (cos 1/sqrt2 with either) goes to "b" once "a" takes "a"
+    assert route_reward(both(("ab", ("table",)), ("a", ("text",))), g, enc) == pytest.approx((0.5 / math.sqrt(2) + 0.5 + 1.0) / 2)
+    # several retrievers for one pair share the retriever half: gold KB among 2 -> 0.25
+    assert route_reward(both(("a", ("text", "image"))), g[:1], enc) == pytest.approx(0.5 + 0.25)
+    # against a gold stop, two pairs: the better one matched with "none" (zero vectors: cos 0), / 2
+    assert route_reward(both(("a", ("text",)), ("b", ("text",))), [], enc) == 0.0
+    # one pair, one gold step: R1-Router's formula exactly
+    assert route_reward(both(("ab", ("table",))), g[1:], enc) == pytest.approx(0.5 / math.sqrt(2) + 0.5)
+
+
+def test_group_steps_packs_independent_lookups():
+    chain = [dict(sub_question="Which country is Tova in?", kb="text", answer="Uldoria"),
+             dict(sub_question="What is the capital of Uldoria?", kb="table", answer="the Uldoria city")]
+    comp = [dict(sub_question="When was A born?", kb="text", answer="1962"),
+            dict(sub_question="When was B born?", kb="text", answer="1965"),
+            dict(sub_question="When was C born?", kb="text", answer="1970")]
+    step = lambda steps: [s["step"] for s in steps]  # noqa: E731
+    assert step(group_steps(chain, 3)) == [0, 1]  # the second asks about the first's answer
+    assert step(group_steps(comp, 1)) == [0, 1, 2] and step(group_steps(comp, 2)) == [0, 0, 1]
+    assert step(group_steps(comp, 3)) == [0, 0, 0] and group_steps(comp, 3)[0] == dict(comp[0], step=0)
+    # a word containing the answer is not a mention; one sub-question with two KBs is one pair, whatever max_pairs
+    near = [dict(sub_question="Where is 19620 Street?", kb="text", answer="x"), comp[0]]
+    assert step(group_steps([comp[0], near[0]], 2)) == [0, 0]
+    multi = [comp[0], dict(comp[0], kb="table"), comp[1]]
+    assert step(group_steps(multi, 1)) == [0, 0, 1] and step(group_steps(multi, 2)) == [0, 0, 0]
+    assert pairs_of(by_step(group_steps(multi, 2))[0]) == [("When was A born?", ("text", "table")), ("When was B born?", ("text",))]
+    # empty sub-questions (supporting paragraphs without a decomposition) never merge as "the same sub-question"
+    blank = [dict(sub_question="", kb="text", answer="p"), dict(sub_question="", kb="text", answer="q")]
+    assert step(group_steps(blank, 1)) == [0, 1]
+    assert group_answer(by_step(group_steps(multi, 2))[0]) == "1962; 1965" and group_answer(chain[:1]) == "Uldoria"

@@ -291,3 +291,76 @@ def test_released_evaluation_retries_reminds_and_falls_back(tiny_index, retrieve
         assert x["error"] == "step 1 route: missing <think>...</think> (stopped after 1 tries); " \
                              "final answer: missing <think>...</think> (raw text after 1 tries); "
     assert len(eng.prompts) == 2 * len(qs)  # no second try
+
+#### multi-query steps (--max_pairs > 1)
+
+def test_one_query_a_step_reproduces_r1_routers_trajectories_token_for_token(tiny_index, retriever, hf_engine):
+    # sha256 of the gold trajectories (ids, mask, spans) of the tiny world's train and test questions: the step loop,
+    # the every-KB mode and the released structure, as the code wrote them before multi-query steps existed
+    import hashlib
+    import json
+    h = hashlib.sha256()
+    for split in ("train", "test"):
+        qs = corpus.load_questions(tiny_index, split)
+        for s in (rollout.Settings(), rollout.Settings(route_mode="all"), rollout.Settings(structure="released")):
+            for x in rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs), retriever, qs, s=s):
+                h.update(json.dumps([x["ids"], x["mask"], x["spans"]]).encode())
+    assert h.hexdigest() == "8f196ddee5b0c4095da519a995a40b7ac85487b929691bfeeab40d55c1a7ee51"
+
+class Spy(retrievers.Retriever):
+    """The real BM25 retriever, recording the queries of each search call."""
+    calls = []
+    def search(self, queries, kb, k=3, **kw):
+        self.calls.append((kb, list(queries)))
+        return super().search(queries, kb, k, **kw)
+
+def test_multi_query_gold_steps_are_retrieved_in_one_batch_and_answered_together(tiny_index, retriever, hf_engine):
+    tok = hf_engine.tok
+    qs = corpus.load_questions(tiny_index, "train")
+    comp = [q for q in qs if q["type"] == "comparison"][:6]
+    chain = [q for q in qs if q["type"] in ("2hop", "3hop")][:6]
+    assert len(comp) == len(chain) == 6
+    spy, s2 = Spy(tiny_index, "bm25"), rollout.Settings(max_pairs=2)
+    Spy.calls = []
+    two = rollout.rollout(rollout.GoldPolicy(tok, comp + chain, max_pairs=2), spy, comp + chain, s=s2)
+    one = rollout.rollout(rollout.GoldPolicy(tok, comp + chain), retriever, comp + chain)
+    assert all(x["format_ok"] and x["final_answer"] == q["answers"][0] for q, x in zip(comp + chain, two))
+    for q, x in zip(comp, two):
+        a, b = q["steps"]
+        assert [(st["sub_question"], st["kb"], st["step"]) for st in x["steps"]] == [
+            (a["sub_question"], a["kb"], 0), (b["sub_question"], b["kb"], 0)]  # one routing step, two lookups
+        assert [sp["kind"] for sp in x["spans"]] == ["route", "answer", "route", "final"]
+        assert {st["answer"] for st in x["steps"]} == {f"{a['answer']}; {b['answer']}"}  # one answer covers both
+        route = x["ids"][x["spans"][0]["start"]:x["spans"][0]["end"]]
+        assert route[-1] == tok.eos_token_id  # the policy ends a multi-query step itself
+        r = reward.parse_route(tok.decode(route, skip_special_tokens=True), max_pairs=2)
+        assert r.ok and r.pairs == [(a["sub_question"], (a["kb"],)), (b["sub_question"], (b["kb"],))]
+        # the evidence turn: each sub-question's passages under its own heading, both gold documents found
+        evidence = tok.decode(x["ids"][x["spans"][0]["end"]:x["spans"][1]["start"]])
+        assert evidence.count("<|im_end|>") == 1 and evidence.startswith("\n<|im_start|>user\nSub-question 1: ")
+        i, j = evidence.index(f"Sub-question 1: {a['sub_question']}"), evidence.index(f"Sub-question 2: {b['sub_question']}")
+        for st, part in ((x["steps"][0], evidence[i:j]), (x["steps"][1], evidence[j:])):
+            hit = retriever.search([st["sub_question"]], st["kb"], 3)[0]
+            assert [d["id"] for d in hit] == st["retrieved"] and all(d["contents"] in part for d in hit)
+        assert a["doc_id"] in x["steps"][0]["retrieved"] and b["doc_id"] in x["steps"][1]["retrieved"]
+        # both lookups went out in the same search call
+        assert any(a["sub_question"] in c and b["sub_question"] in c for _, c in Spy.calls)
+    assert sum(len(c) for _, c in Spy.calls) == sum(len(x["steps"]) for x in two)  # each lookup searched once
+    rounds = max(len(reward.by_step(x["steps"])) for x in two)  # this engine runs phase by phase: all search at once
+    assert len(Spy.calls) <= 3 * rounds  # one call per KB a round, however many lookups
+    for x, y in zip(two[6:], one[6:]):  # chains cannot be asked at once: the same tokens, the end of turn now the policy's
+        assert x["ids"] == y["ids"] and x["steps"] == [dict(st) for st in y["steps"]]
+        diff = [k for k, (m, n) in enumerate(zip(x["mask"], y["mask"])) if m != n]
+        assert diff == [sp["end"] - 1 for sp in x["spans"] if sp["kind"] == "route"]
+        assert all(x["ids"][k] == tok.eos_token_id for k in diff)
+
+def test_a_route_with_more_pairs_than_allowed_is_a_format_failure(tiny_index, retriever, hf_engine):
+    tok = hf_engine.tok
+    comp = [q for q in corpus.load_questions(tiny_index, "train") if q["type"] == "comparison"][:2]
+    x = rollout.rollout(rollout.GoldPolicy(tok, comp, max_pairs=2), retriever, comp, s=rollout.Settings(max_pairs=1))[0]
+    assert not x["format_ok"] and x["error"].startswith("step 1 route: two <sub-question> tags")
+    # several retrievers for one sub-question (R1-Router's multi-retriever mode): one lookup per KB, one evidence turn
+    q = dict(comp[0], steps=[dict(comp[0]["steps"][0], kb=kb) for kb in ("text", "table")])
+    x = rollout.rollout(rollout.GoldPolicy(tok, [q]), retriever, [q], s=rollout.Settings(max_rets=2))[0]
+    assert x["format_ok"] and [(st["kb"], st["step"]) for st in x["steps"]] == [("text", 0), ("table", 0)]
+    assert "<ret>Text Retriever, Table Retriever</ret>" in tok.decode(x["ids"])

@@ -62,7 +62,7 @@ def test_group_advantages_normalise_each_step_against_the_same_step():
 
 def test_balance_kb_weighs_each_gold_route_class_equally():
     # 3 questions, max 3 steps: [text, text] -> text, text, stop; [table] -> table, stop; [t, t, image] (3 steps: no stop)
-    q = lambda *kbs: dict(steps=[dict(kb=k) for k in kbs])
+    q = lambda *kbs: dict(steps=[dict(sub_question=f"q{i}?", kb=k, answer="a") for i, k in enumerate(kbs)])
     qs = [q("text", "text"), q("table"), q("text", "text", "image")]
     f = stepgrpo.kb_balance(qs, max_steps=3)
     n = dict(text=4, stop=2, table=1, image=1)  # 8 route steps, 4 classes
@@ -93,11 +93,12 @@ class BowEncoder:
     def __call__(self, texts):
         return np.array([[t.lower().replace("?", "").split().count(w) for w in self.vocab] for t in texts], dtype=float)
 
-def traj(steps, spans, final, ok=True):
-    gold = [dict(sub_question="Which country is X in?", kb="text", doc_id="d1", answer="Uldoria"),
-            dict(sub_question="Who founded Y?", kb="table", doc_id="d2", answer="Ly Normi")]
-    return dict(gold_steps=gold, steps=steps, spans=[sp(k, t) for k, t in spans], final_answer=final, answers=["Ly Normi"],
-                format_ok=ok)
+def traj(steps, spans, final, ok=True, gold_step=(0, 1)):
+    """Two gold lookups, at routing steps gold_step; predicted lookup i at routing step i unless it says otherwise."""
+    gold = [dict(sub_question="Which country is X in?", kb="text", doc_id="d1", answer="Uldoria", step=gold_step[0]),
+            dict(sub_question="Who founded Y?", kb="table", doc_id="d2", answer="Ly Normi", step=gold_step[1])]
+    return dict(gold_steps=gold, steps=[dict(s, step=s.get("step", i)) for i, s in enumerate(steps)],
+                spans=[sp(k, t) for k, t in spans], final_answer=final, answers=["Ly Normi"], format_ok=ok)
 
 def test_span_rewards_follow_the_formulas():
     w = stepgrpo.Weights(format=0.2, hit=0.5)
@@ -115,7 +116,8 @@ def test_span_rewards_follow_the_formulas():
     early = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria")],
                  [("route", 0), ("answer", 0), ("route", 1), ("final", 1)], "Uldoria")
     r, outcome = stepgrpo.span_rewards(early, enc, w)
-    cos = reward.route_reward(reward.Route(ok=True, sub_question="None", stop=True), "Who founded Y?", "table", enc)
+    cos = reward.route_reward(reward.Route(ok=True, sub_question="None", stop=True),
+                              [dict(sub_question="Who founded Y?", kb="table")], enc)
     assert r[2] == pytest.approx(0.2 + cos) and outcome == 0.0   # a stop where the gold retrieves: no KB credit
     bad = traj([], [("route", 0)], None, ok=False)
     assert stepgrpo.span_rewards(bad, enc, w) == ([0.0], 0.0)
@@ -126,6 +128,23 @@ def test_span_rewards_follow_the_formulas():
     cut["overflow"] = True
     r, outcome = stepgrpo.span_rewards(cut, enc, w)
     assert r[2] == pytest.approx(0.2 + 1.0 + 0.5) and outcome == 0.0
+
+def test_span_rewards_of_multi_query_steps():
+    # both gold lookups belong to routing step 0 (independent): asked together, in either order, the step earns the
+    # full route reward, the hit reward and, answered together, the answer reward of "Uldoria; Ly Normi"
+    w, enc = stepgrpo.Weights(format=0.2, hit=0.5), BowEncoder()
+    a = dict(sub_question="Who founded Y?", kb="table", retrieved=["d2"], answer="Ly Normi and Uldoria", step=0)
+    b = dict(sub_question="Which country is X in?", kb="text", retrieved=["d7"], answer="Ly Normi and Uldoria", step=0)
+    spans = [("route", 0), ("answer", 0), ("route", 1), ("final", 1)]
+    r, outcome = stepgrpo.span_rewards(traj([a, b], spans, "Ly Normi", gold_step=(0, 0)), enc, w)
+    assert r == pytest.approx([0.2 + 1.0 + 0.5 * 1 / 2, 0.2 + 1.0, 0.2 + 1.0, 0.2]) and outcome == 1.0  # d1 missed
+    # one of the two asked: half the route reward; an answer covering one of two short golds: 0 (all or nothing)
+    r, _ = stepgrpo.span_rewards(traj([dict(a, answer="Ly Normi")], spans, "Ly Normi", gold_step=(0, 0)), enc, w)
+    assert r[:2] == pytest.approx([0.2 + 1.0 / 2 + 0.5 * 1 / 2, 0.2])
+    # route classes and accuracy: a step is right when its KBs are the gold step's, in any order
+    gold = traj([], [], None, gold_step=(0, 0))["gold_steps"]
+    assert stepgrpo.route_kbs(gold, 0) == ("table", "text") == stepgrpo.route_kbs([a, b], 0)
+    assert stepgrpo.route_kbs(gold, 1) == ("stop",) and stepgrpo.gold_route(gold, 0) == "text"
 
 def test_loss_matches_a_direct_computation():
     torch.manual_seed(0)
@@ -366,7 +385,8 @@ def teacher_setup(tiny_index, spans="route"):
     tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
     qs = corpus.load_questions(tiny_index, "train")[:6]
     ret = retrievers.Retriever(tiny_index, "bm25")
-    args = Namespace(max_steps=3, topk=3, temperature=1.0, group_size=2, teacher_spans=spans, structure="transcript")
+    args = Namespace(max_steps=3, topk=3, temperature=1.0, group_size=2, teacher_spans=spans, structure="transcript",
+                     max_pairs=1, max_rets=1)
     return tok, qs, ret, args, rollout.golden_prefixes(tok, ret, qs)[1]
 
 def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
@@ -431,7 +451,7 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
         def step_text(self, q, n_routes, n_answers, phase, stopped):
             if phase == "route" and n_routes > 0:
                 g = q["steps"][n_routes - 1]
-                return reward.format_route(self.WHY[g["kb"]], g["sub_question"], g["kb"])
+                return reward.format_route(self.WHY[g["kb"]], [(g["sub_question"], g["kb"])])
             return super().step_text(q, n_routes, n_answers, phase, stopped)
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
     st = stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)[1]
@@ -444,7 +464,8 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
     assert st["reask"] == asked and 0 < sum(asked) < len(asked)
 
 def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
-    for extra, flag in ((["--reward", "outcome"], "--reward"), (["-n", "1"], "-n")):
+    for extra, flag in ((["--reward", "outcome"], "--reward"), (["-n", "1"], "-n"), (["--max_pairs", "0"], "--max_pairs"),
+                        (["--structure", "released", "--max_pairs", "2"], "--max_pairs"), (["--max_rets", "4"], "--max_rets")):
         r = subprocess.run([sys.executable, "stepgrpo.py", "--data", str(tmp_path), *extra], capture_output=True, text=True)
         last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback
         assert r.returncode != 0 and last.startswith("error: ") and flag in last, r.stderr
@@ -556,3 +577,25 @@ def test_the_logged_loss_does_not_depend_on_the_world_size(monkeypatch):
         monkeypatch.undo()
         if own:
             dist.destroy_process_group()
+
+def test_both_rollout_modes_score_gold_multi_query_steps_in_full(tiny_index, encoder):
+    # GoldPolicy writing multi-query steps (--max_pairs 2) on comparison and chain questions: every teacher-prefix
+    # route completion is the gold step (full reward 1.2, right KBs, ends at the end of turn); on-policy, every
+    # trajectory earns its full outcome and each comparison asks its two lookups in one routing step
+    import corpus
+    import rollout
+    tok, _, ret, args, _ = teacher_setup(tiny_index, "all")
+    qs = corpus.load_questions(tiny_index, "train")
+    qs = [q for q in qs if q["type"] == "comparison"][:3] + [q for q in qs if q["type"] == "2hop"][:3]
+    args.max_pairs, args.rollout, args.reward = 2, "onpolicy", "step"
+    w = stepgrpo.Weights(route_scale=stepgrpo.kb_balance(qs, 3, max_pairs=2))
+    seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, args, encoder.encode, w, seed=0)
+    n_route = 2 * (3 * 2 + 3 * 3)  # 2 samples x (a comparison: 1 step + stop, a 2-hop: 2 steps + stop)
+    assert st["route_r"] == pytest.approx([1.2] * n_route) and st["kb_acc"] == [1.0] * n_route
+    assert st["answer_r"] == pytest.approx([1.2] * 2 * 9) and st["outcome"] == pytest.approx([1.2] * 2 * 6)
+    routes = [s for s in seqs if tok.decode([t for t, m in zip(s["ids"], s["mask"]) if m]).count("</ret>")]
+    assert len(routes) == n_route // 2 and all(s["ids"][-1] == tok.eos_token_id for s in routes)
+    rows, st = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, args, encoder.encode, w, seed=0)
+    assert st["outcome"] == [1.0] * 12 and st["format_ok"] == [1.0] * 12 and st["kb_acc"] == [1.0] * 2 * (3 * 2 + 3 * 3)
+    assert st["retrievals"] == [2] * 12 and st["route_r"] == pytest.approx([1.2] * 2 * (3 * 2 + 3 * 3))
+    assert len(rows) == 12 and all(a == 0.0 for r in rows for a in r["adv"])  # the same trajectory twice: no advantage

@@ -16,7 +16,7 @@ def tok():
 def traj(steps, final, answers=("Suldor",), stop=True, ok=True):
     spans = [dict(kind=k, step=i, start=0, end=1) for i in range(len(steps)) for k in ("route", "answer")]
     spans += ([dict(kind="route", step=len(steps), start=0, end=1)] if stop else []) + [dict(kind="final", step=len(steps), start=0, end=1)]
-    return dict(format_ok=ok, steps=[dict(sub_question=q, kb="text", retrieved=[], answer=a) for q, a in steps],
+    return dict(format_ok=ok, steps=[dict(sub_question=q, kb="text", retrieved=[], answer=a, step=i) for i, (q, a) in enumerate(steps)],
                 final_answer=final, answers=list(answers), spans=spans)
 
 @pytest.mark.parametrize("x, why", [
