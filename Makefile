@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test test-gpu bench bench-memory bench-trl vs-sft released visual lora real real-eval clean
+.PHONY: setup demo test test-gpu bench bench-memory bench-trl vs-sft released visual lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -99,6 +99,10 @@ visual: $(DATA)/index/meta.json $(MODEL)/config.json
 # Full fine-tuning against LoRA and QLoRA: speed, memory, checkpoint size, sync; quality at equal wall-clock time
 lora: demo
 	PY=$(PY) bash runs/lora.sh
+
+# Single-query against multi-query steps (--max_pairs 2, RAG-R1): golden data, SFT and the whole test split each way
+multiquery: $(DATA)/traj/train.jsonl
+	PY=$(PY) bash runs/multiquery.sh
 
 # Real benchmarks read in place from REAL_SRC (a folder with hotpotqa/, musique/, wikitablequestions/, r1router/):
 # one data folder (text + table KBs), its indexes, then runs/real_eval.sh (README "Real data").

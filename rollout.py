@@ -2,9 +2,12 @@
 rollout.py: step-wise routed reasoning, batched, on vLLM (default) or HF generate. Every later script uses it.
 
 For a batch of questions x n samples, every trajectory runs its own step loop:
-    route   the policy writes <think>..</think><sub-question>..</sub-question><ret>KB|None</ret>
-    search  sub-questions routed to one KB go to retrievers.py as one batch; the top-k come back as a user turn
-    answer  the policy writes <think>..</think><answer>..</answer> (the intermediate answer)
+    route   the policy writes <think>..</think><sub-question>..</sub-question><ret>KB|None</ret> (Settings max_pairs K > 1:
+            up to K sub-question / KB pairs, RAG-R1's parallel queries, and the step ends with the policy's end of turn;
+            max_rets R > 1: a pair may name up to R KBs, R1-Router's multi-retriever mode)
+    search  every lookup (sub-question, KB) routed to one KB goes to retrievers.py in one batch; the top-k come back
+            as a user turn, grouped by sub-question when the step asked several
+    answer  the policy writes <think>..</think><answer>..</answer> (the intermediate answer, covering all lookups)
 ... at most --max_steps times (3, as the paper); after <ret>None</ret> (or the last step) the policy writes the final
 <think>..</think><answer>..</answer>. A step that does not parse ends its trajectory with a format failure (or,
 with Settings route_tries / answer_tries / fallback, R1-Router's released evaluation: tries again, then stops or takes
@@ -29,6 +32,7 @@ first image-KB search, so a text policy, which sees captions only, can answer vi
     python rollout.py prepare --vl                              # -> models/Idefics3-SmolLM2-135M, a VL policy (prepare_vl)
     python rollout.py --model models/SmolLM2-135M-Instruct --data data/mini --split dev -n 2 --n_questions 3
     python rollout.py ... --backend hf                          # plain transformers generate instead of vLLM
+    python rollout.py ... --max_pairs 2                         # multi-query steps (a policy trained on them: synth.py)
     python rollout.py bench --model out/demo/sft/final --n_questions 32 -n 4   # loop vs raw vLLM, vLLM vs HF, sync
                                                                 # (+ visual questions: their cost; VL: images/s)
     (--structure released|both: the other structure, with a policy trained on it; runs/released.sh benches each)

@@ -95,10 +95,11 @@ def read_r1router(path):
                 elif pending is not None:  # the intermediate answer of the pending sub-question, with its passages
                     body = s["problem"].split("Give me the answer")[0]
                     parts = _PASSAGE.split(body)[1:]  # [tag, idx, text, tag, idx, text, ...]
-                    for g in pending:  # each KB's lookup gets the passages the released row shows from that KB
+                    for g in pending:  # several retrievers: each KB's lookup gets the passages tagged with it
                         evidence[g["sub_question"], g["kb"]] = [
                             dict(id=f"r1r{n}-{t}-{i}", kb=_KB_OF[t], title="", contents=txt.strip(), score=0.0)
-                            for t, i, txt in zip(parts[0::3], parts[1::3], parts[2::3]) if _KB_OF[t] == g["kb"]]
+                            for t, i, txt in zip(parts[0::3], parts[1::3], parts[2::3])
+                            if len(pending) == 1 or _KB_OF[t] == g["kb"]]
                         g["answer"] = str(s["answer"]).strip()
                     gold += pending
                     pending = None

@@ -77,6 +77,24 @@ def test_r1router_rows_import_replay_and_export(tmp_path, tok):
     assert [(s["sub_question"], s["kb"], s["answer"]) for s in again[0]["steps"]] == [
         (s["sub_question"], s["kb"], s["answer"]) for s in qs[0]["steps"]]
 
+def test_r1router_rows_with_retriever_lists_replay_as_one_step_of_several_lookups(tmp_path, tok):
+    # R1-Router's multi-retriever mode: one sub-question sent to two KBs; each lookup gets that KB's passages
+    row = json.loads(json.dumps(R1R_ROW))
+    row["steps"][0]["answer"]["retriever"] = ["text retriever", "table retriever"]
+    row["steps"][1]["problem"] = row["steps"][1]["problem"].replace("ter-1: Other bridge", "tar-0: bridges ; tova | 1901")
+    path = tmp_path / "multi.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    qs, ret = synth.read_r1router(path)
+    assert [(s["sub_question"], s["kb"]) for s in qs[0]["steps"][:2]] == [("which firm built the tova bridge?", "text"),
+                                                                        ("which firm built the tova bridge?", "table")]
+    assert [d["contents"] for d in ret.search(["which firm built the tova bridge?"], "table", 3)[0]] == ["bridges ; tova | 1901"]
+    x = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, s=rollout.Settings(max_rets=3))[0]
+    assert x["format_ok"] and [(s["kb"], s["step"]) for s in x["steps"]] == [("text", 0), ("table", 0), ("image", 1)]
+    text = tok.decode(x["ids"])
+    assert "<ret>Text Retriever, Table Retriever</ret>" in text and "Marlo Works.\n\nRetrieved by Table Retriever:\n[1] bridges" in text
+    assert synth.to_r1router(x)["steps"][0]["answer"]["retriever"] == ["text retriever", "table retriever"]
+    assert not rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)[0]["format_ok"]  # one retriever a pair: a list fails
+
 def test_broken_r1router_rows_name_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(R1R_ROW) + "\n" + json.dumps({"images": [], "steps": [{"step_type": "ret"}]}) + "\n")
