@@ -6,6 +6,7 @@ evaluate.py: score R1-Router trajectories and write the report (results.json, ta
     python evaluate.py --model out/sft/final --methods --probe 8 --n_questions 100    # the route probe alone
     python evaluate.py --paired out/eval/sft-test/trajectories-routed.jsonl out/eval/grpo-test/trajectories-routed.jsonl
     python evaluate.py ... --structure released --protocol released   # R1-Router's released step structure and evaluation
+    python evaluate.py --model out/sft-k2/final --methods routed --max_pairs 2   # multi-query steps (RAG-R1)
 
 Methods (each on the same retrievers and model): routed (the model routes: R1-Router), no_retrieval, single_rag
 (the question searches every KB once; all evidence in one prompt), iterretgen (IterRetGen, Shao et al. 2023: a fixed

@@ -13,6 +13,7 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py ... --rollout onpolicy --reward outcome   # plain GRPO (outcome reward only), the ablation
     python stepgrpo.py ... --lora_r 16 --lr 5e-5                 # LoRA (also from an SFT-LoRA run's final checkpoint)
     python stepgrpo.py ... --lora_r 16 --lr 5e-5 --quant nf4     # QLoRA: nf4 base (bitsandbytes)
+    python stepgrpo.py --model out/sft-k2/final ... --max_pairs 2  # multi-query steps (SFT on synth.py --max_pairs 2)
 
 One step: every rank takes its share of --batch_questions, builds its groups on its own engine (rollout.py: route ->
 retrieve -> answer), scores every step (reward.py), turns the rewards into group-relative advantages, takes
