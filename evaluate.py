@@ -282,12 +282,13 @@ def seed_table(results):
     rows = []
     for name, ss in groups.items():
         cells = []
-        for k, digits in (("f1_recall", 1), ("em", 1), ("routing_acc", 1), ("retrievals", 2)):
-            v = [x[k] for x in ss if x[k] is not None]
+        for k, digits in (("f1_recall", 1), ("em", 1), ("routing_acc", 1), ("steps", 2), ("retrievals", 2), ("s/q", 3)):
+            v = [x["seconds"] / x["n"] if k == "s/q" else x.get(k) for x in ss if k != "s/q" or "seconds" in x]
+            v = [y for y in v if y is not None]
             sd = f" ± {_fmt(statistics.stdev(v), digits)}" if len(v) > 1 else ""
             cells.append(_fmt(statistics.mean(v), digits) + sd if v else "-")
         rows.append([name, len(ss), *cells])
-    return _table(["row", "seeds", "F1-Recall", "EM", "routing acc", "retrievals/q"], rows)
+    return _table(["row", "seeds", "F1-Recall", "EM", "routing acc", "steps/q", "retrievals/q", "s/q"], rows)
 
 
 def print_table(md):

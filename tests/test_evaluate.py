@@ -223,10 +223,11 @@ def test_seed_table_mean_and_sample_std_over_training_seeds(tmp_path):
     a, b, base = score(SET), score(SET), score(SET)
     a["f1_recall"], b["f1_recall"] = 10.0, 20.0  # mean 15, sample std 7.07
     a["routing_acc"], b["routing_acc"] = 50.0, 50.0
+    a["seconds"], b["seconds"] = 7.0, 14.0  # 1 and 2 s a question
     md = write_report({"sft@s1/routed": a, "sft@s2/routed": b, "prompt-only/routed": base}, tmp_path, title="t")
     assert md.startswith("# t: mean ± std over training seeds")
-    assert "| sft/routed | 2 | 15.0 ± 7.1 | 28.6 ± 0.0 | 50.0 ± 0.0 | 1.29 ± 0.00 |" in md
-    assert "| prompt-only/routed | 1 | 50.0 | 28.6 | 63.1 | 1.29 |" in md
+    assert "| sft/routed | 2 | 15.0 ± 7.1 | 28.6 ± 0.0 | 50.0 ± 0.0 | 1.29 ± 0.00 | 1.29 ± 0.00 | 1.500 ± 0.707 |" in md
+    assert "| prompt-only/routed | 1 | 50.0 | 28.6 | 63.1 | 1.29 | 1.29 | - |" in md
     assert "| sft@s1/routed | 7 |" in md  # the per-seed rows stay in the main table
 
 
