@@ -109,7 +109,7 @@ multiquery: $(DATA)/traj/train.jsonl
 REAL := data/real
 real: .venv/.stamp
 	@test -n "$(REAL_SRC)" || { echo "error: make real needs REAL_SRC=/path/to/the/benchmarks"; exit 2; }
-	$(PY) corpus.py --import_real $(REAL_SRC) --out $(REAL)
+	$(PY) importers.py --bundle $(REAL_SRC) --out $(REAL)
 	$(PY) retrievers.py build --data $(REAL)
 
 real-eval: $(REAL)/index/meta.json $(OUT)/stepgrpo/final/config.json

@@ -20,18 +20,17 @@ Run:
     python corpus.py --world mini --out data/mini                 # ~4k documents, 5k + 900 visual questions, seconds
     python corpus.py --world mini --out data/big --n_people 5000 --n_train 20000
     python corpus.py --check data/mini                            # validate every file, report path:line errors
-    python corpus.py --import_real /path/to/data --out data/real # the public benchmarks, same layout (0.5 s)
-    python corpus.py --import_real /path/to/data --webqa_images /path/to/webqa  # + a visual set, given its pictures
 
-Outline: file I/O and schema checks -> the mini-world (entities, KBs, questions) -> --check -> --import_real.
+The public benchmarks (HotpotQA, 2WikiMultihopQA, MuSiQue, WikiTableQuestions, TabFact, ...) come into the same layout
+through importers.py.
+
+Outline: file I/O and schema checks -> the mini-world (entities, KBs, questions) -> --check.
 """
 import argparse
-import csv
 import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -603,222 +602,11 @@ def check(data_dir):
         counts[split] = len(qs)
     return counts
 
-# ----------------------------------------------------------------------------------------------------------------
-# Real benchmarks (--import_real): public data read in place, converted to the layout above
-
-WTQ_MAX_ROWS = 30  # longer tables keep their first 30 rows, and their text says how many were cut
-WTQ_N = 300        # questions per WikiTableQuestions split (train and test drawn disjointly, seed 0)
-R1_N = 500         # questions per R1-Router question set
-R1_SETS = {"r1_2wiki": "2wikimultihopqa_val.jsonl", "r1_openwikitqa": "openwikitqa_val.jsonl", "r1_tabfact": "tabfact_val.jsonl"}
-R1_VISUAL_SETS = {"r1_infoseek": "infoseek_val.jsonl", "r1_dynvqa": "DynVQA_en.202412.jsonl", "r1_webqa": "webqa_val.jsonl"}
-IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp")  # a visual question's picture is <image_id> + one of these
-
-def _get(row, key, typ, where):
-    value = row.get(key) if isinstance(row, dict) else None
-    if not isinstance(value, typ):
-        raise DataError(f"{where}: field '{key}' should be {typ.__name__}, got {type(value).__name__}")
-    return value
-
-def _answers(a, where):
-    """A str or a list of str -> [answer, *aliases], stripped, distinct, non-empty."""
-    out = [x.strip() for x in ([a] if isinstance(a, str) else a if isinstance(a, list) else [None]) if isinstance(x, str)]
-    out = list(dict.fromkeys(x for x in out if x))
-    if not out:
-        raise DataError(f"{where}: no usable answer in {a!r}")
-    return out
-
-def _r1_visual_answers(name, r, where):
-    """A visual set's answer list for _answers(): InfoSeek's answer + answer_eval (its numeric {wikidata, range} entries
-    have no string and drop out), Dyn-VQA's answers (its few numbers as text), WebQA's answer without its quotes."""
-    a = _get(r, "answer", list, where)
-    if name == "r1_infoseek":
-        return a + _get(r, "answer_eval", list, where)
-    if name == "r1_dynvqa":
-        return [str(x) if isinstance(x, int) else x for x in a]
-    return [x[1:-1] if isinstance(x, str) and len(x) > 1 and x[0] == x[-1] == '"' else x for x in a]  # '"..."' -> ...
-
-def _r1_image(folder, r, where):
-    """The absolute path of a visual question's picture: <image_id>.jpg (.jpeg, .png, .webp) in `folder`."""
-    image_id = r.get("image_id")
-    if not isinstance(image_id, (str, int)):
-        raise DataError(f"{where}: field 'image_id' should be str or int, got {type(image_id).__name__}")
-    for ext in IMAGE_EXTS:
-        if (folder / f"{image_id}{ext}").is_file():
-            return str(folder / f"{image_id}{ext}")
-    raise DataError(f"{where}: image {image_id} not found in {folder} (looked for {image_id}{IMAGE_EXTS[0]}, "
-                    f"{', '.join(IMAGE_EXTS[1:])})")
-
-def _wtq_unescape(s):  # README_dataset.md: newline -> \n, backslash -> \\, pipe -> \p
-    return re.sub(r"\\([np\\])", lambda m: {"n": "\n", "p": "|", "\\": "\\"}[m.group(1)], s)
-
-def _wtq_table(src, rel):
-    """One WikiTableQuestions csv (first row = header; \" and \\ escaped, newlines inside quotes) as a table doc."""
-    path = src / rel
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f, escapechar="\\", doublequote=False)
-        try:
-            rows = [[" ".join(c.split()) for c in r] for r in reader]  # newlines and nbsp inside cells -> one space
-        except csv.Error as e:
-            raise DataError(f"{path}:{reader.line_num}: {e}") from None
-    if not rows:
-        raise DataError(f"{path}: empty table")
-    for r in rows[1:]:
-        if len(r) != len(rows[0]):
-            raise DataError(f"{path}: a row has {len(r)} cells, the header {len(rows[0])}: {r[:3]}")
-    name = "-".join(Path(rel).with_suffix("").parts[-2:]).replace("-csv", "")  # csv/203-csv/733.csv -> 203-733
-    t = dict(id=f"wtq-{name}", title=f"Wikipedia table {name}", header=rows[0], rows=rows[1:WTQ_MAX_ROWS + 1])
-    cut = len(rows) - 1 - WTQ_MAX_ROWS
-    t["text"] = linearise(t) + (f" ; ... ({cut} more rows not shown)" if cut > 0 else "")
-    return t
-
-# --import_real reads the read-only benchmarks in place (nothing of them enters the repo) into one data folder:
-#     kb/text.jsonl    every paragraph of HotpotQA (500 dev, distractor setting) and MuSiQue (200 dev), deduplicated on
-#                      (title, text); id "text-" + 12 hex digits of sha1(title, text), stable across runs and sources
-#     kb/table.jsonl   every WikiTableQuestions table that pristine-unseen-tables.tsv cites, id "wtq-203-733" for
-#                      csv/203-csv/733.csv; only the first 30 rows are kept (the text says how many were cut); the data
-#                      has no page titles, so the title is "Wikipedia table 203-733"
-#     kb/image.jsonl   empty: there is no image corpus
-#     questions/hotpotqa.jsonl       all 500; no decomposition, so one step per supporting paragraph, kb text, with an
-#                                    empty sub_question and answer (evaluate.py counts such unordered steps as hit when
-#                                    any retrieval step finds them)
-#     questions/musique_train.jsonl, musique.jsonl    the first / last half; steps from question_decomposition with
-#                                    "#k" replaced by step k's answer; type musique-<N>hop
-#     questions/wtq_train.jsonl, wtq.jsonl            300 + 300 questions drawn with seed 0, disjoint; one table step;
-#                                    a |-separated target is one answer, its values joined with ", "
-#     questions/r1_2wiki.jsonl, r1_openwikitqa.jsonl, r1_tabfact.jsonl   the first 500 of R1-Router's released 2WikiMQA,
-#                                    Open-WikiTable and TabFact sets: questions and answers only, steps [] (pattern
-#                                    "unknown": their gold route is not known, so only the answer metrics mean anything)
-#     questions/r1_infoseek.jsonl, r1_dynvqa.jsonl, r1_webqa.jsonl   only given the folder of that set's pictures
-#                                    (--infoseek_images, --dynvqa_images, --webqa_images): the first 500 of R1-Router's
-#                                    InfoSeek, Dyn-VQA and WebQA sets, as the r1_* sets above + image, the absolute path
-#                                    of <image_id>.jpg (.jpeg, .png, .webp) in that folder (a missing one is an error);
-#                                    answers: InfoSeek's answer + answer_eval (not its numeric ranges), all of Dyn-VQA's
-#                                    (English and Chinese), WebQA's one sentence without its surrounding quotes
-# Not imported: a visual set whose picture folder is not given, and the corpora behind R1-Router's sets (not released
-# with the question sets), so r1_* questions are answered from the KBs above at best (the image KB stays empty: a visual
-# question's picture reaches only a policy that sees images).
-def import_real(src, out, images=None):
-    """Build one data folder from HotpotQA, MuSiQue, WikiTableQuestions and the R1-Router question sets in `src`;
-    `images` maps a visual set (r1_infoseek, r1_dynvqa, r1_webqa) to the folder of its pictures, the others are skipped."""
-    src, out, images = Path(src), Path(out), images or {}
-    text, splits = {}, {}
-
-    def para(p, where):  # text KB, deduplicated on (title, text); the id is a hash, so it never moves
-        title, body = _get(p, "title", str, where), _get(p, "paragraph_text", str, where)
-        pid = "text-" + hashlib.sha1(f"{title}\n{body}".encode()).hexdigest()[:12]
-        if text.setdefault(pid, dict(id=pid, title=title, text=body))["text"] != body:
-            raise DataError(f"{where}: id collision on {pid}")
-        return pid
-
-    # HotpotQA: no decomposition, so one unordered step per supporting paragraph with no sub-question or answer
-    path, rows = src / "hotpotqa" / "dev_distractor_500.jsonl", []
-    for n, r in iter_jsonl(path):
-        where = f"{path}:{n}"
-        ctx = [(para(c, where), c.get("is_supporting")) for c in _get(r, "contexts", list, where)]  # all go to the KB
-        gold = [pid for pid, supporting in ctx if supporting]
-        spans = [a for o in _get(r, "answers_objects", list, where) for a in _get(o, "spans", list, where)]
-        rows.append(dict(id=_get(r, "question_id", str, where), question=_get(r, "question_text", str, where),
-                         answers=_answers(spans, where), type=r.get("type") or "hotpotqa", pattern=">".join(["text"] * len(gold)),
-                         steps=[dict(sub_question="", kb="text", doc_id=pid, answer="") for pid in gold]))
-    splits["hotpotqa"] = rows
-
-    # MuSiQue: the decomposition, "#k" replaced by step k's answer so every sub-question stands alone
-    path, rows = src / "musique" / "dev_200.jsonl", []
-    for n, r in iter_jsonl(path):
-        where = f"{path}:{n}"
-        ids = {p.get("idx"): para(p, where) for p in _get(r, "paragraphs", list, where)}
-        steps = []
-        for d in _get(r, "question_decomposition", list, where):
-            def ref(m):
-                k = int(m.group(1))
-                if not 1 <= k <= len(steps):
-                    raise DataError(f"{where}: sub-question {d.get('question')!r} refers to #{k}, which is not an earlier step")
-                return steps[k - 1]["answer"]
-            if d.get("paragraph_support_idx") not in ids:
-                raise DataError(f"{where}: paragraph_support_idx {d.get('paragraph_support_idx')!r} is not a paragraph idx")
-            steps.append(dict(sub_question=re.sub(r"#(\d+)", ref, _get(d, "question", str, where)), kb="text",
-                              doc_id=ids[d["paragraph_support_idx"]], answer=_get(d, "answer", str, where)))
-        rows.append(dict(id=_get(r, "id", str, where), question=_get(r, "question", str, where),
-                         answers=_answers([r.get("answer"), *(r.get("answer_aliases") or [])], where),
-                         type=f"musique-{len(steps)}hop", pattern=">".join(["text"] * len(steps)), steps=steps))
-    splits["musique_train"], splits["musique"] = rows[:len(rows) // 2], rows[len(rows) // 2:]
-
-    # WikiTableQuestions (pristine-unseen-tables): every referenced table; a seeded, disjoint train/test sample
-    path, wtq, tables = src / "wikitablequestions" / "pristine-unseen-tables.tsv", [], {}
-    lines = path.read_text(encoding="utf-8").split("\n") if path.is_file() else None
-    if not lines or lines[0].split("\t") != ["id", "utterance", "context", "targetValue"]:
-        raise DataError(f"{path}:1: expected a tsv with the header id, utterance, context, targetValue")
-    for n, line in enumerate(lines[1:], 2):
-        if not line:
-            continue
-        if len(f := line.split("\t")) != 4:
-            raise DataError(f"{path}:{n}: expected 4 tab-separated fields, got {len(f)}")
-        if f[2] not in tables:
-            tables[f[2]] = _wtq_table(path.parent, f[2])
-        values = [_wtq_unescape(v) for v in f[3].split("|")]  # several values are one answer: the list itself
-        wtq.append(dict(id=f[0], question=_wtq_unescape(f[1]), answers=_answers(", ".join(values), f"{path}:{n}"),
-                        type="wtq", pattern="table", steps=[dict(sub_question=_wtq_unescape(f[1]), kb="table",
-                                                                 doc_id=tables[f[2]]["id"], answer=", ".join(values))]))
-    wtq = random.Random(0).sample(wtq, len(wtq))
-    k = min(WTQ_N, len(wtq) // 2)
-    splits["wtq_train"], splits["wtq"] = wtq[k:2 * k], wtq[:k]
-
-    # R1-Router's evaluation sets: questions and answers only (no corpora), so no gold steps
-    for name, file in R1_SETS.items():
-        path, rows = src / "r1router" / file, []
-        for n, r in iter_jsonl(path):
-            if len(rows) == R1_N:
-                break
-            rows.append(dict(id=f"{name}-{len(rows)}", question=_get(r, "question", str, f"{path}:{n}"),
-                             answers=_answers(r.get("answer"), f"{path}:{n}"), type=name, pattern="unknown", steps=[]))
-        splits[name] = rows
-
-    # R1-Router's visual sets, each only with the folder of its pictures: the same + the question's picture
-    for name, file in R1_VISUAL_SETS.items():
-        if not images.get(name):
-            continue
-        folder = Path(images[name]).resolve()
-        if not folder.is_dir():
-            raise DataError(f"{folder}: folder of {name} pictures not found")
-        path, rows = src / "r1router" / file, []
-        for n, r in iter_jsonl(path):
-            if len(rows) == R1_N:
-                break
-            where = f"{path}:{n}"
-            rows.append(dict(id=f"{name}-{len(rows)}", question=_get(r, "question", str, where),
-                             answers=_answers(_r1_visual_answers(name, r, where), where), type=name, pattern="unknown",
-                             steps=[], image=_r1_image(folder, r, where)))
-        splits[name] = rows
-
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")  # build aside, validate, then swap in
-    shutil.rmtree(tmp, ignore_errors=True)
-    kbs = dict(text=list(text.values()), table=list(tables.values()), image=[])  # no image corpus: an empty image KB
-    try:
-        for kb in KBS:
-            write_jsonl(tmp / "kb" / f"{kb}.jsonl", kbs[kb])
-        for split, rows in splits.items():
-            write_jsonl(tmp / "questions" / f"{split}.jsonl", rows)
-        counts = check(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (tmp / "real.json").write_text(json.dumps(dict(source=str(src.resolve()), counts=counts), indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return counts
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", default="mini", choices=["mini"], help="which corpus to build")
-    ap.add_argument("--out", default=None, help="output folder (default data/mini, or data/real with --import_real)")
+    ap.add_argument("--out", default="data/mini", help="output folder")
     ap.add_argument("--check", metavar="DIR", help="only validate an existing data folder")
-    ap.add_argument("--import_real", metavar="SRC", help="convert the public benchmarks in SRC (hotpotqa/, musique/, wikitablequestions/, r1router/) instead")
-    ap.add_argument("--infoseek_images", metavar="DIR", help="with --import_real: InfoSeek's pictures (<image_id>.jpg, ...); imports r1_infoseek")
-    ap.add_argument("--dynvqa_images", metavar="DIR", help="with --import_real: Dyn-VQA's pictures (<image_id>.jpg, ...); imports r1_dynvqa")
-    ap.add_argument("--webqa_images", metavar="DIR", help="with --import_real: WebQA's pictures (<image_id>.jpg, ...); imports r1_webqa")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n_people", type=int, default=1000)
     ap.add_argument("--n_cities", type=int, default=150)
@@ -836,13 +624,6 @@ if __name__ == "__main__":
     try:
         if args.check:
             print(json.dumps(check(args.check)))
-            sys.exit(0)
-        args.out = args.out or ("data/real" if args.import_real else "data/mini")
-        if args.import_real:
-            counts = import_real(args.import_real, args.out, images=dict(
-                r1_infoseek=args.infoseek_images, r1_dynvqa=args.dynvqa_images, r1_webqa=args.webqa_images))
-            print(f"wrote {args.out}: " + ", ".join(f"{counts[kb]} {kb} docs" for kb in KBS) + "; "
-                  + ", ".join(f"{n} {k} questions" for k, n in counts.items() if k not in KBS))
             sys.exit(0)
         kbs, splits = generate_mini(args)
     except DataError as e:

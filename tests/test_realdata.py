@@ -1,4 +1,4 @@
-"""corpus.py --import_real on tiny fixtures written here in each benchmark's own format (never rows of the real data):
+"""importers.py --bundle on tiny fixtures written here in each benchmark's own format (never rows of the real data):
 the exact converted rows, ids that resolve in the KBs, "#k" substituted, WTQ unescaping and answer joining, the empty
 image KB through retrievers.py, path:line errors on broken input, and R1-Router's visual sets given folders of tiny
 pictures (absolute image paths, cleaned answers, a missing picture named)."""
@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import corpus
-from corpus import DataError, import_real, load_kb, load_questions
+import importers
+from corpus import DataError, load_kb, load_questions
+from importers import import_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +94,7 @@ def real(tmp_path_factory):
     src = tmp_path_factory.mktemp("shared") / "data"
     write_fixture(src)
     out = tmp_path_factory.mktemp("repo") / "real"
-    counts = import_real(src, out)
+    counts = import_bundle(src, out)
     return src, out, counts
 
 def test_layout_and_counts(real):
@@ -108,7 +110,7 @@ def test_text_kb_is_deduplicated_with_stable_ids(real):
     docs = {(d["title"], d["text"]): d["id"] for d in load_kb(out, "text")}
     assert set(docs) == {TOWER, QUELL, LOWMERE, ("Noise", "Unrelated text.")}  # TOWER appears 3 times in the sources
     assert all(i.startswith("text-") and len(i) == 17 for i in docs.values())
-    again = import_real(real[0], out.parent / "again")
+    again = import_bundle(real[0], out.parent / "again")
     assert again and {(d["title"], d["text"]): d["id"] for d in load_kb(out.parent / "again", "text")} == docs
 
 def test_hotpotqa_rows(real):
@@ -168,7 +170,7 @@ def test_r1router_sets(real):
 def visual(real, tmp_path_factory):
     images = write_pictures(tmp_path_factory.mktemp("pictures"))
     out = tmp_path_factory.mktemp("repo") / "real"
-    return images, out, import_real(real[0], out, images=images)
+    return images, out, import_bundle(real[0], out, images=images)
 
 def test_visual_sets(visual, real):
     images, out, counts = visual
@@ -194,11 +196,11 @@ def test_visual_sets(visual, real):
     for name in images:  # stored as absolute paths to the user's pictures, not copied into the data folder
         for q in corpus.read_jsonl(out / "questions" / f"{name}.jsonl"):
             assert Path(q["image"]).is_absolute() and Path(q["image"]).is_file()
-    assert sorted(p.name for p in out.rglob("*") if p.is_file() and p.suffix != ".jsonl") == ["real.json"]
+    assert sorted(p.name for p in out.rglob("*") if p.is_file() and p.suffix != ".jsonl") == ["import.json"]
 
 def test_visual_sets_keep_the_first_rows(visual, real, tmp_path, monkeypatch):
-    monkeypatch.setattr(corpus, "R1_N", 1)
-    counts = import_real(real[0], tmp_path / "out", images=visual[0])
+    monkeypatch.setattr(importers, "R1_N", 1)
+    counts = import_bundle(real[0], tmp_path / "out", images=visual[0])
     assert counts["r1_infoseek"] == counts["r1_dynvqa"] == counts["r1_webqa"] == 1
     assert load_questions(tmp_path / "out", "r1_webqa")[0]["id"] == "r1_webqa-0"
 
@@ -209,27 +211,27 @@ def test_missing_picture_names_file_line_and_path(visual, real, tmp_path):
         shutil.copytree(folder, images[name])
     (images["r1_infoseek"] / "oven_00000002.png").unlink()
     with pytest.raises(DataError) as e:
-        import_real(real[0], tmp_path / "out", images=images)
+        import_bundle(real[0], tmp_path / "out", images=images)
     assert str(e.value) == (f"{real[0]}/r1router/infoseek_val.jsonl:2: image oven_00000002 not found in "
                             f"{images['r1_infoseek']} (looked for oven_00000002.jpg, .jpeg, .png, .webp)")
     with pytest.raises(DataError, match=r"/nowhere: folder of r1_dynvqa pictures not found$"):
-        import_real(real[0], tmp_path / "out", images=dict(r1_dynvqa=tmp_path / "nowhere"))
+        import_bundle(real[0], tmp_path / "out", images=dict(r1_dynvqa=tmp_path / "nowhere"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pictures"]  # nothing half-written
 
 def test_cli_prints_the_summary(real, tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "corpus.py"), "--import_real", str(real[0]), "--out", str(tmp_path / "r")],
+    r = subprocess.run([sys.executable, str(ROOT / "importers.py"), "--bundle", str(real[0]), "--out", str(tmp_path / "r")],
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "4 text docs, 2 table docs, 0 image docs; 2 hotpotqa questions" in r.stdout
-    assert not (tmp_path / "data").exists()  # --out honoured; the default would be data/real
+    assert not (tmp_path / "data").exists()  # --out honoured
 
 def test_cli_picture_flags(real, tmp_path):
     write_pictures(tmp_path / "pics")
     flags = [a for kind in ("infoseek", "dynvqa", "webqa") for a in (f"--{kind}_images", f"pics/{kind}")]  # relative
-    cmd = lambda out: [sys.executable, str(ROOT / "corpus.py"), "--import_real", str(real[0]), "--out", out, *flags]
+    cmd = lambda out: [sys.executable, str(ROOT / "importers.py"), "--bundle", str(real[0]), "--out", out, *flags]
     r = subprocess.run(cmd("r"), capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "2 r1_dynvqa questions, 3 r1_infoseek questions" in r.stdout and "2 r1_webqa questions" in r.stdout
+    assert "3 r1_infoseek questions, 2 r1_dynvqa questions, 2 r1_webqa questions" in r.stdout
     assert load_questions(tmp_path / "r", "r1_dynvqa")[0]["image"] == str(tmp_path / "pics" / "dynvqa" / "1.png")
     (tmp_path / "pics" / "webqa" / "30000001.webp").unlink()
     r = subprocess.run(cmd("r2"), capture_output=True, text=True, cwd=tmp_path)
@@ -269,17 +271,17 @@ def test_broken_input_names_path_and_line(real, tmp_path):
     good = mus.read_text()
     mus.write_text(good + '{"id": "broken", \n')
     with pytest.raises(DataError, match=r"musique/dev_200\.jsonl:2: not valid JSON"):
-        import_real(src, tmp_path / "out")
+        import_bundle(src, tmp_path / "out")
     mus.write_text(good.replace("Where was #1 born?", "Where was #3 born?"))
     with pytest.raises(DataError, match=r"dev_200\.jsonl:1: sub-question 'Where was #3 born\?' refers to #3"):
-        import_real(src, tmp_path / "out")
+        import_bundle(src, tmp_path / "out")
     mus.write_text(good)
     tsv = src / "wikitablequestions" / "pristine-unseen-tables.tsv"
     tsv.write_text(tsv.read_text().replace("\tcsv/200-csv/1.csv", ""))
     with pytest.raises(DataError, match=r"pristine-unseen-tables\.tsv:3: expected 4 tab-separated fields, got 3"):
-        import_real(src, tmp_path / "out")
+        import_bundle(src, tmp_path / "out")
     hp = src / "hotpotqa" / "dev_distractor_500.jsonl"
     hp.write_text(hp.read_text().replace('"question_text"', '"question"', 1))
     with pytest.raises(DataError, match=r"dev_distractor_500\.jsonl:1: field 'question_text' should be str"):
-        import_real(src, tmp_path / "out")
+        import_bundle(src, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing half-written
