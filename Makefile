@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test test-gpu bench bench-memory bench-trl vs-sft released visual lora multiquery real real-eval clean
+.PHONY: setup demo test test-gpu bench bench-memory bench-trl bench-index vs-sft released visual lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -122,6 +122,12 @@ bench-trl: $(DATA)/world.json $(MODEL)/config.json
 	$(PY) -c "import trl" 2>/dev/null || .venv/bin/pip install -q --no-deps trl==1.16.0 datasets==5.2.0 \
 		multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1
 	$(PY) bench_trl.py $(BENCH_TRL_FLAGS)
+
+# Dense index types for large KBs (retrievers.py build --index flat|hnsw|ivfpq) on 1M synthetic clustered 384-d
+# vectors: build time, memory, queries/s and recall@10 at a few --search_depth values, extrapolated to 21M passages
+# (bench_index.py; ~15 min here, run it on an idle machine)
+bench-index: .venv/.stamp
+	$(PY) bench_index.py --out out/bench_index.json
 
 clean:
 	rm -rf data out wandb

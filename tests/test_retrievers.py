@@ -261,3 +261,75 @@ def test_remote_client_reports_refusals(server):
         retrievers.RemoteRetriever(server).search(["q"], "video", 3)
     with pytest.raises(RuntimeError, match="unreachable"):
         retrievers.RemoteRetriever(f"http://127.0.0.1:{free_port()}").search(["q"], "text", 3)
+
+# ----------------------------------------------------------------------------------------------------------------
+# Approximate indexes (--index hnsw | ivfpq)
+
+@pytest.fixture(scope="module")
+def clustered():
+    """10k docs and 200 held-out queries of bench_index.py's clustered mixture, 96-d (a fast build), their norms spread
+    over 0.5..2 so that inner product and L2 rank differently (the exact L2 top-10 shares ~2% with the inner-product
+    one), and the exact inner-product top-10 of each query."""
+    import bench_index
+    rng = np.random.default_rng(0)
+    x = bench_index.clustered(10_200, 96, 1.0, rng) * rng.uniform(0.5, 2, (10_200, 1)).astype(np.float32)
+    docs, queries = x[:10_000], x[10_000:]
+    return docs, queries, retrievers.faiss_index(docs).search(queries, 10)[1]
+
+def recall10(ids, exact):
+    return float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, exact)]))
+
+@pytest.mark.parametrize("kind, min_recall", [("hnsw", 0.95), ("ivfpq", 0.7)])  # measured 0.9995 and 0.77 (PQ's ceiling)
+def test_approximate_indexes_find_the_exact_neighbours_memory_mapped(tmp_path, clustered, kind, min_recall):
+    import faiss
+    docs, queries, exact = clustered
+    index, params = retrievers.dense_index(docs, kind, pq_m=12)  # 8 dims a PQ byte, as 48 are for 384-d
+    assert params["type"] == kind and (kind == "hnsw" or params["nlist"] == retrievers.ivf_nlist(len(docs)) == 256)
+    path = tmp_path / f"{kind}.faiss"
+    faiss.write_index(index, str(path))
+    in_memory = faiss.read_index(str(path))
+    assert str(path) not in Path("/proc/self/maps").read_text()
+    mapped = retrievers.load_dense(path, params)  # at the default depth
+    assert str(path) in Path("/proc/self/maps").read_text()  # memory-mapped, not read in
+    depth = retrievers.DEPTH[kind]
+    assert (mapped.hnsw.efSearch if kind == "hnsw" else mapped.nprobe) == depth
+    if kind == "hnsw":
+        in_memory.hnsw.efSearch = depth
+    else:
+        in_memory.nprobe = depth
+    scores, ids = mapped.search(queries, 10)
+    want_scores, want_ids = in_memory.search(queries, 10)
+    assert (ids == want_ids).all() and np.array_equal(scores, want_scores)
+    assert recall10(ids, exact) >= min_recall  # an L2 metric or shifted ids would score ~0.02
+    assert np.mean([e[0] in i for i, e in zip(ids, exact)]) >= 0.95  # the exact top-1 is in the top-10
+    true = np.take_along_axis(queries @ docs.T, ids, 1)  # [q, 10] the exact inner products of what was found
+    assert np.abs(scores - true).max() < 1e-4 if kind == "hnsw" else np.abs(scores - true).mean() < 0.2  # PQ's: 0.12
+    shallow = retrievers.load_dense(path, params, search_depth=1).search(queries, 10)[1]
+    assert recall10(shallow, exact) < recall10(ids, exact) - 0.05  # measured 0.68 and 0.65
+
+def test_build_records_the_index_and_small_kbs_stay_flat_under_ivfpq(tmp_path, tiny_world, tiny_index, encoder, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_world, data, ignore=shutil.ignore_patterns("index"))
+    flat = retrievers.Retriever(tiny_index, "dense", encoder=encoder)
+    queries = {kb: [s["sub_question"] for q in corpus.load_questions(data, "dev") for s in q["steps"] if s["kb"] == kb]
+               for kb in corpus.KBS}
+    meta = retrievers.build(data, methods=("dense",), encoder=encoder, progress=False, index="hnsw")
+    assert json.loads((data / "index" / "meta.json").read_text()) == meta
+    assert all(v["index"] == dict(type="hnsw", M=retrievers.HNSW_M, efConstruction=retrievers.HNSW_EF_CONSTRUCTION)
+               for v in meta["kbs"].values())
+    hnsw = retrievers.Retriever(data, "dense", encoder=encoder)
+    for kb in corpus.KBS:
+        got, want = hnsw.search(queries[kb], kb, 1), flat.search(queries[kb], kb, 1)
+        assert np.mean([g[0]["id"] == w[0]["id"] for g, w in zip(got, want)]) >= 0.95, kb
+    n = {kb: len(corpus.load_kb(data, kb)) for kb in corpus.KBS}
+    assert max(n.values()) < retrievers.PQ_MIN
+    meta = retrievers.build(data, methods=("dense",), encoder=encoder, progress=False, index="ivfpq")
+    assert capsys.readouterr().out.splitlines() == [f"{kb} KB: {n[kb]} docs are too few to train IVF-PQ (needs >= "
+                                                    f"{retrievers.PQ_MIN}); indexed flat (exact) instead" for kb in corpus.KBS]
+    assert all(v["index"] == {"type": "flat"} for v in meta["kbs"].values())
+    exact = retrievers.Retriever(data, "dense", encoder=encoder)
+    hits = lambda r, kb: [[(d["id"], d["score"]) for d in per_q] for per_q in r.search(queries[kb], kb, 5)]
+    assert all(hits(exact, kb) == hits(flat, kb) for kb in corpus.KBS)
+    with pytest.raises(corpus.DataError, match="--pq_m 50 must divide the embedding dimension 384"):
+        retrievers.build(data, methods=("dense",), encoder=encoder, progress=False, index="ivfpq", pq_m=50)
+    assert not list(data.glob(".index.tmp*"))  # refused before writing anything
