@@ -34,6 +34,23 @@ def test_faiss_on_gpu_returns_what_cpu_faiss_returns():
     (dc, ic), (dg, ig) = cpu.search(queries, 10), gpu.search(queries, 10)
     assert (ic == ig).mean() > 0.99 and np.allclose(dc, dg, atol=1e-3)
 
+def test_ivfpq_index_loads_onto_the_gpu_and_searches_like_cpu(tmp_path):
+    # `build --index ivfpq` on a GPU machine: load_dense memory-maps the file, then to_gpu copies it over with its nprobe
+    import faiss
+    import bench_index
+    import retrievers
+    if not hasattr(faiss, "StandardGpuResources"):
+        pytest.skip("this faiss has no GPU support")
+    x = bench_index.clustered(12_064, 384, 1.0, np.random.default_rng(0))
+    docs, queries = x[:12_000], x[12_000:]  # [12000, 384], [64, 384]
+    index, params = retrievers.dense_index(docs, "ivfpq")
+    faiss.write_index(index, str(tmp_path / "text.faiss"))
+    gpu = retrievers.load_dense(tmp_path / "text.faiss", params)
+    assert type(gpu) is not type(index) and gpu.nprobe == retrievers.DEPTH["ivfpq"]
+    index.nprobe = retrievers.DEPTH["ivfpq"]
+    (dc, ic), (dg, ig) = index.search(queries, 10), gpu.search(queries, 10)
+    assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ic, ig)]) > 0.95 and np.allclose(dc, dg, atol=1e-2)
+
 def test_engine_sleeps_and_follows_a_bf16_sync(tiny_model_dir):
     # sleep gives the KV cache's memory back; after a sync the engine scores like the new weights at bf16 tolerance
     import rollout
