@@ -3,9 +3,9 @@ bench_index.py: the dense index types of `retrievers.py build --index flat|hnsw|
 clustered like sentence embeddings: build time, memory, search speed and recall@10 against exact search at a few
 --search_depth values, then what they come to for a Wikipedia-scale KB (21M passages).
 
-    python bench_index.py --out /tmp/bench_index_1m.json        # the measurement: 1M vectors, ~15 min on 2 cores
+    python bench_index.py --out out/bench_index.json           # the measurement: 1M vectors, ~15 min on 2 cores
     python bench_index.py --n 100000                             # a quick run
-    make bench-index                                             # = the first command, writing out/bench_index.json
+    make bench-index                                             # = the first command
 
 Data: i.i.d. Gaussian vectors have no neighbour structure (every point is about as far from every other), which makes
 approximate search look worse than it is on text. These are a mixture of N/100 Gaussian clusters: random unit centres,

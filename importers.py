@@ -294,8 +294,8 @@ def read_multihop(path, sink, fmt, limit=None):
             break
         qid, question, answers, qtype, paras, sup_titles, evidences = multihop_fields(r, where)
         ids = {t: sink.paragraph(t, x, where) for t, x in paras}  # all of them go to the KB
-        support = [(t, ids[t], x) for t, x in paras if t in dict.fromkeys(sup_titles)]
-        support.sort(key=lambda p: sup_titles.index(p[0]))
+        order = {t: k for k, t in reversed(list(enumerate(sup_titles)))}  # title -> its first supporting fact
+        support = sorted(((t, ids[t], x) for t, x in paras if t in order), key=lambda p: order[p[0]])
         if not support:
             raise DataError(f"{where}: no supporting paragraph among the context ({sup_titles[:3]} not found)")
         if evidences:
