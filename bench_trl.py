@@ -1,5 +1,5 @@
 """
-bench_trl.py: peer benchmark. One single-step GRPO setting run by this repo's own parts ("ours": rollout.VLLMEngine,
+bench_trl.py: peer benchmark. One single-step GRPO setting run by this repo's own parts ("ours": engines.VLLMEngine,
 stepgrpo's loss, trainutil's FSDP2 world of one, engine.sync_weights) and by TRL's GRPOTrainer, on this machine.
 Reports seconds per step of each and the ratio ours/TRL (target <= 1.0).
 
@@ -10,7 +10,7 @@ Reports seconds per step of each and the ratio ours/TRL (target <= 1.0).
     make bench-trl                                    # = the first command
 
 The workload (identical for both): the first --prompts questions of data/mini train, each as the chat-formatted
-R1-Router routing prompt (rollout.start_transcript ids), --group_size samples each at temperature 1, at most
+R1-Router routing prompt (transcript.start_transcript ids), --group_size samples each at temperature 1, at most
 --max_tokens new tokens, stopping at "</ret>" (one routing step, no retrieval). Reward: reward.score_route(route,
 gold step 1), i.e. 0.2 [route parses] + route_reward with the MiniLM cosine. lr 1e-6, one update per batch, no KL, clip 0.2,
 grad clip 1.0, token-normalised loss. Each side runs in its own subprocess (`--run ours|trl`, log in --out), so
@@ -30,6 +30,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import engines
+import transcript
 
 for k, v in dict(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0", WANDB_MODE="disabled",
                  VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}").items():
@@ -56,22 +59,22 @@ def workload():
     import corpus, reward, retrievers, rollout
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.model)
-    fmt = rollout.ChatFormat(tok, rollout.SYSTEM_PROMPT.format(max_steps=3))
+    fmt = transcript.ChatFormat(tok, rollout.SYSTEM_PROMPT.format(max_steps=3))
     qs = corpus.load_questions(args.data, "train")[:args.prompts]
     encode = retrievers.Encoder().encode
     def score(q, text):
         return reward.score_route(reward.parse_route(text), q["steps"][:1], encode)
-    return tok, qs, [rollout.start_transcript(fmt, q["question"]).ids for q in qs], score
+    return tok, qs, [transcript.start_transcript(fmt, q["question"]).ids for q in qs], score
 
 def run_ours():
     import numpy as np
     import torch
-    import rollout, stepgrpo, trainutil
+    import stepgrpo, trainutil
     tok, qs, prompts, score = workload()
     trainutil.init_group(1)  # FSDP2 world of one, before the engine (as stepgrpo.py)
     model = trainutil.load_sharded(args.model, torch.device("cpu"), 1, bf16=False)  # fp32, as the TRL side (bf16=False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    engine = rollout.VLLMEngine(args.model, seed=args.seed)
+    engine = engines.VLLMEngine(args.model, seed=args.seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rec = []
     for step in range(args.steps + 1):

@@ -40,13 +40,16 @@ Outline: metrics (score, with their definitions in metrics() and decisions()) ->
 """
 import io
 import json
+import math
 import re
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import reward
 import corpus
+import engines
+import prepare
+import reward
 from corpus import KBS  # ("text", "table", "image")
 
 STOP, MISSING = "stop", "missing"
@@ -122,13 +125,35 @@ def gold_hits(x):
             for i, s in enumerate(x.get("gold_steps") or [])]
 
 
-def confusion(trajs):
+def confusion(trajs, step=None):
+    """Gold x predicted decision counts over GOLD_LABELS x PRED_LABELS; step t: routing step t's decisions only."""
     counts = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS]
     for x in trajs:
-        for g, p in decisions(x):
-            if g in GOLD_LABELS and p in PRED_LABELS:
+        for t, (g, p) in enumerate(decisions(x)):
+            if g in GOLD_LABELS and p in PRED_LABELS and step in (None, t):
                 counts[GOLD_LABELS.index(g)][PRED_LABELS.index(p)] += 1
     return {"rows": list(GOLD_LABELS), "cols": list(PRED_LABELS), "counts": counts}
+
+
+def balanced_accuracy(conf):
+    """% decided right per gold label, averaged over the gold labels that occur (None if none does)."""
+    rows = [(row[i], sum(row)) for i, row in enumerate(conf["counts"]) if sum(row)]
+    return 100 * _mean(right / total for right, total in rows) if rows else None
+
+
+def route_information(conf):
+    """How much the choice depends on what the question needs: I(gold; chosen) / H(gold), in %, from a confusion
+    matrix. 0: the chosen KB is independent of the gold one (a router that ignores the question, whatever its
+    accuracy); 100: the gold KB can be read off the choice. None when the gold label never varies."""
+    n = sum(map(sum, conf["counts"]))
+    if not n:
+        return None
+    pg = [sum(row) / n for row in conf["counts"]]
+    pp = [sum(col) / n for col in zip(*conf["counts"])]
+    h_gold = -sum(p * math.log(p) for p in pg if p)
+    mi = sum(c / n * math.log(c / n / (pg[i] * pp[j])) for i, row in enumerate(conf["counts"])
+             for j, c in enumerate(row) if c)
+    return 100 * mi / h_gold if h_gold > 0 else None
 
 
 def _mean(xs):
@@ -157,6 +182,9 @@ def metrics(trajs):
                               occur) of the % of them decided right, from the confusion matrix (below). routing_acc
                               weighs the classes by frequency (text and stop are ~75% of the mini-world's decisions);
                               this counts each class once, which is what --balance_kb in stepgrpo.py optimises
+      routing_macro0          balanced routing accuracy of the first routing decision alone
+      route_info0             at the first routing decision, I(gold KB; chosen KB) / H(gold KB) in %: whether the choice
+                              depends on what the question needs (0: it does not, however accurate; route_information)
       route_exact             % of questions with routing accuracy 1: the KB sequence equals the gold one and the model
                               stopped right after it
       gold_hit                % of gold steps t whose gold doc_id is in steps[t].retrieved (positions aligned, so a
@@ -178,9 +206,9 @@ def metrics(trajs):
     m["format_fail"] = 100 * _mean(not x["format_ok"] for x in trajs)
     m["overflow"] = 100 * _mean(bool(x.get("overflow")) for x in trajs)
     m["routing_acc"] = 100 * _mean(racc)
-    # (right, all) for each gold class that occurs
-    rows = [(row[i], sum(row)) for i, row in enumerate(confusion(trajs)["counts"]) if sum(row)]
-    m["routing_macro"] = 100 * _mean(right / total for right, total in rows) if rows else None
+    m["routing_macro"] = balanced_accuracy(confusion(trajs))
+    first = confusion(trajs, step=0)  # the first decision: where the question alone must tell the KB
+    m["routing_macro0"], m["route_info0"] = balanced_accuracy(first), route_information(first)
     m["route_exact"] = 100 * _mean(r == 1 for r in racc)
     m["gold_hit"] = 100 * _mean(hits) if hits else None
     m["retrievals"] = _mean(len(x["steps"]) for x in trajs)
@@ -205,6 +233,8 @@ def score(trajs):
         raise ValueError("score: no trajectories to score")
     out = metrics(trajs)
     out["confusion"] = confusion(trajs)
+    depth = max(len(decisions(x)) for x in trajs)
+    out["confusion_by_step"] = [confusion(trajs, step=t) for t in range(depth)]
     groups = defaultdict(list)
     for x in trajs:
         groups[x.get("type") or "unknown"].append(x)
@@ -260,9 +290,10 @@ def markdown(results, title):
                     _fmt(s["retrievals"], 2), _fmt(s["seconds"] / s["n"] if "seconds" in s else None, 3),
                     _fmt(s["format_fail"]), _fmt(s.get("overflow"))] for m, s in results.items()])
     # .get: --combine may read a results.json written before routing_macro and reask existed
-    routing = _table(["method", "routing macro", "route exact %", "gold-doc hit %", *(f"{kb}/q" for kb in KBS),
-                      "re-ask %", "policy tokens/q"],
-                     [[m, _fmt(s.get("routing_macro")), _fmt(s["route_exact"]), _fmt(s["gold_hit"]),
+    routing = _table(["method", "routing macro", "macro, step 1", "info, step 1", "route exact %", "gold-doc hit %",
+                      *(f"{kb}/q" for kb in KBS), "re-ask %", "policy tokens/q"],
+                     [[m, _fmt(s.get("routing_macro")), _fmt(s.get("routing_macro0")), _fmt(s.get("route_info0")),
+                       _fmt(s["route_exact"]), _fmt(s["gold_hit"]),
                        *(_fmt(s["retrievals_by_kb"][kb], 2) for kb in KBS), _fmt(s.get("reask")),
                        _fmt(s["policy_tokens"], 0)]
                       for m, s in results.items()])
@@ -408,8 +439,9 @@ def route_probe(engine, retriever, questions, settings, n=8, seed=0):
     steps, rollout.GoldPolicy through the real loop and retrieval) sample n routes at temperature 1 and count them in
     a gold x sampled matrix over GOLD_LABELS x PRED_LABELS (a malformed route is "missing"). Greedy routing accuracy
     moves only when a top choice flips; this moves with every shift of probability a policy-gradient step makes, and
-    it is what the route reward is the expectation of. Returns {"n", "probe_acc" (% of samples = gold), "by_gold"
-    (that % per gold label), "confusion"}."""
+    it is what the route reward is the expectation of. Returns {"n", "probe_acc" (% of samples = gold),
+    "choice_entropy" (bits: the spread of the n choices at a prefix, averaged over prefixes; 0 = always the same),
+    "by_gold" (that % per gold label), "confusion"}."""
     import rollout
     _, prefixes = rollout.golden_prefixes(engine.tok, retriever, questions, settings, seed, getattr(engine, "vis", None))
     label = lambda g, t: g[t][0]["kb"] if t < len(g) else STOP  # a multi-query step: its first pair's KB
@@ -418,13 +450,15 @@ def route_probe(engine, retriever, questions, settings, n=8, seed=0):
     stop, max_tokens = rollout.route_stop(engine.tok, settings)
     outs = engine.generate([ids for ids, _, _ in points for _ in range(n)], max_tokens, 1.0, 1.0, stop, seed,
                            images=[im for _, im, _ in points for _ in range(n)])
-    counts = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS]
+    counts, spread = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS], [Counter() for _ in points]
     for k, (ids, _) in enumerate(outs):
         r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True), settings.max_pairs, settings.max_rets)
         pred = (STOP if r.stop else r.kb) if r.ok else MISSING
         counts[GOLD_LABELS.index(points[k // n][2])][PRED_LABELS.index(pred)] += 1
+        spread[k // n][pred] += 1
+    entropy = [-sum(c / n * math.log2(c / n) for c in sp.values()) for sp in spread]  # bits, per prefix
     rate = lambda rows: 100 * sum(counts[i][PRED_LABELS.index(GOLD_LABELS[i])] for i in rows) / max(1, sum(sum(counts[i]) for i in rows))
-    return {"n": n, "probe_acc": rate(range(len(GOLD_LABELS))),
+    return {"n": n, "probe_acc": rate(range(len(GOLD_LABELS))), "choice_entropy": _mean(entropy),
             "by_gold": {g: rate([i]) if sum(counts[i]) else None for i, g in enumerate(GOLD_LABELS)},
             "confusion": {"rows": list(GOLD_LABELS), "cols": list(PRED_LABELS), "counts": counts}}
 
@@ -440,7 +474,7 @@ if __name__ == "__main__":
     from corpus import write_jsonl
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=rollout.DEFAULT_MODEL, help="HF causal LM folder")
+    ap.add_argument("--model", default=prepare.DEFAULT_MODEL, help="HF causal LM folder")
     ap.add_argument("--name", default=None, help="label of the model in the table (default: folder name)")
     ap.add_argument("--data", default="data/mini")
     ap.add_argument("--split", nargs="+", default=["test"], help="question splits, concatenated (e.g. test visual_test)")
@@ -452,6 +486,8 @@ if __name__ == "__main__":
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
+    ap.add_argument("--gold_think", default="kb_first", choices=["kb_first", "kb_last"],
+                    help="the golden routing <think> of the few-shot examples' and the route probe's golden prefixes: as synth.py wrote the SFT data")
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--protocol", default="strict", choices=["strict", "fallback", "released"],
@@ -509,13 +545,13 @@ if __name__ == "__main__":
         sys.exit(f"error: {e}")
     if not (Path(args.model) / "config.json").exists():
         why = "LoRA adapters of an unfinished run: evaluate its final or best checkpoint (merged weights)" \
-            if (Path(args.model) / "adapter").is_dir() else "run `python rollout.py prepare` for the default"
+            if (Path(args.model) / "adapter").is_dir() else "run `python prepare.py` for the default"
         sys.exit(f"error: {args.model}: not a model folder ({why})")
-    engine = rollout.make_engine(args.backend, args.model, seed=args.seed)
+    engine = engines.make_engine(args.backend, args.model, seed=args.seed)
     rollout.check_multi_query(args)
     settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
                                 max_active=args.max_active, structure=args.structure, max_pairs=args.max_pairs,
-                                max_rets=args.max_rets)
+                                max_rets=args.max_rets, gold_think=args.gold_think)
     if args.protocol != "strict":
         settings = replace(settings, fallback=True)
     if args.protocol == "released":
@@ -541,7 +577,8 @@ if __name__ == "__main__":
         p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=args.model, split=split, questions=len(qs))
         corpus.write_atomic(out / "route_probe.json", json.dumps(p, indent=2) + "\n")
         corpus.write_atomic(out / "routing_confusion_probe.png", confusion_chart(p["confusion"], f"route probe ({args.probe} samples a prefix)", name))
-        print(f"route probe: {p['probe_acc']:.1f}% of sampled routes take the gold KB; by gold decision: "
+        print(f"route probe: {p['probe_acc']:.1f}% of sampled routes take the gold KB, choice entropy "
+              f"{p['choice_entropy']:.2f} bits; by gold decision: "
               + ", ".join(f"{g} {v:.1f}%" for g, v in p["by_gold"].items() if v is not None) + f"  ({out}/route_probe.json)")
     if results:
         print_table(write_report(results, out, title=f"{name} on {args.data} {split} ({len(qs)} questions)"))

@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import corpus
-import rollout
 import trainutil
+import vision
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -108,7 +108,7 @@ def load_rows(path, max_len, vocab_size, vl=False):
                 raise corpus.DataError(f"{path}: row {i}: image file not found: {image}")
         for a, b in r.get("segments") or [[0, len(ids)]]:
             if 1 in mask[a:b]:
-                seg = rollout.images_in(images, a, b)
+                seg = vision.images_in(images, a, b)
                 end = min([b - a, max_len] + [s for s, n, _ in seg if s + n > max_len])
                 rows.append((ids[a:a + end], mask[a:a + end], [im for im in seg if im[0] + im[1] <= end]))
     if not rows:
@@ -126,7 +126,7 @@ def collate(rows, pad_id, device):
     return ids.to(device), labels.to(device)
 
 def pixels(rows, vis, ids):
-    """A VL micro-batch's image inputs (rollout.VisionIO.pixels; {} for a text model or rows without images)."""
+    """A VL micro-batch's image inputs (vision.VisionIO.pixels; {} for a text model or rows without images)."""
     return vis.pixels([r[2] for r in rows], ids.device, ids) if vis else {}
 
 def loss_sum(model, ids, labels, pix=None):
@@ -223,7 +223,7 @@ def main(argv=None):
     random.seed(args.seed)
 
     # ---- model (FSDP2, fp32 master weights) and optimizer
-    tok, vis = AutoTokenizer.from_pretrained(weights), rollout.VisionIO.load(weights)  # vis: a VL model's image plumbing
+    tok, vis = AutoTokenizer.from_pretrained(weights), vision.VisionIO.load(weights)  # vis: a VL model's image plumbing
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
                                    lora=lora)

@@ -40,9 +40,11 @@ import torch
 import torch.distributed as dist
 
 import corpus
+import engines
 import reward
 import rollout
 import trainutil
+import vision
 
 ROUTE_TOKENS, ANSWER_TOKENS = 64, 48  # generation budgets of a routing and an answer step while training
 
@@ -73,6 +75,8 @@ def get_args(argv=None):
     ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel "
                     "queries; the route reward matches them to the step's gold steps)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
+    ap.add_argument("--gold_think", default="kb_first", choices=["kb_first", "kb_last"],
+                    help="the golden routing <think> of the golden prefixes (teacher_prefix): as synth.py wrote the SFT data")
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--topk", type=int, default=3, help="evidence documents per sub-question")
@@ -155,7 +159,7 @@ def route_kbs(steps, t):
 
 def settings(args, **kw):
     return rollout.Settings(max_steps=args.max_steps, topk=args.topk, structure=args.structure, max_pairs=args.max_pairs,
-                            max_rets=args.max_rets, **kw)
+                            max_rets=args.max_rets, gold_think=args.gold_think, **kw)
 
 def kb_balance(questions, max_steps, max_pairs=1):
     """--balance_kb: factor N / (C n_c) for each gold route c over the N route steps of the training questions (C
@@ -266,7 +270,8 @@ def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom, ent
 
 #### rollouts -> training rows
 
-STATS = ("route_r", "kb_acc", "answer_r", "outcome", "format_ok", "overflow", "retrievals", "tokens", "reask")  # logged means
+STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "format_ok", "overflow", "retrievals",
+         "tokens", "reask")  # logged means
 
 def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens."""
@@ -284,7 +289,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
         for x, (r, o), a in zip(group, scored, adv):
             adv_tok = token_advantages(len(x["ids"]), x["spans"], a)
             rows += [dict(ids=x["ids"][c:d], mask=x["mask"][c:d], old=x["logprobs"][c:d], adv=adv_tok[c:d],
-                          images=rollout.images_in(x["images"], c, d))
+                          images=vision.images_in(x["images"], c, d))
                      for c, d in x["segments"] if any(x["mask"][c:d])]  # a row per chat (one unless released)
             stats["route_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "route"]
             stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
@@ -325,15 +330,16 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
             gold = reward.by_step(x["gold_steps"])
             g = gold[t] if t < len(gold) else []  # []: the gold stops here
             earlier = [e for e in x["steps"] if e["step"] < t]
-            rs = []
+            rs, choices = [], []
             for ids, _ in group:
                 text = engine.tok.decode(ids, skip_special_tokens=True)
                 if kind == "route":
                     p = reward.parse_route(text, args.max_pairs, args.max_rets)
                     r = reward.score_route(p, g, encode, w.format)
                     stats["route_r"].append(r)
+                    kbs = (("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))) if p.ok else None
+                    choices.append(kbs)
                     if p.ok:
-                        kbs = ("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))
                         stats["kb_acc"].append(float(kbs == route_kbs(x["gold_steps"], t)))
                     stats["reask"] += [float(reward.re_asks(q, earlier)) for q, _ in p.pairs]
                 else:
@@ -344,6 +350,9 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                 stats["format_ok"].append(float(p.ok))
                 stats["tokens"].append(len(ids))
                 rs.append(r)
+            if kind == "route":  # the decision as a distribution: how spread the group's KB choices are
+                stats["kb_entropy"].append(choice_entropy(choices))
+                stats["kb_mixed"].append(float(len(set(choices)) > 1))
             scale = w.route_scale[gold_route(x["gold_steps"], t)] if w.route_scale and kind == "route" else 1.0
             adv = norm(rs) * scale
             if getattr(getattr(engine, "vis", None), "mrope", False):  # 3-D positions: a row per completion, not a packed group
@@ -352,6 +361,12 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
             else:
                 rows.append(dict(pack_group(prefix, group, adv), images=images))
     return rows, stats
+
+def choice_entropy(choices):
+    """Entropy in bits of the empirical distribution of a group's routing choices (a malformed route is one more
+    outcome): 0 when every sample made the same choice, which leaves the route decision no relative advantage."""
+    n = len(choices)
+    return float(-sum(c / n * math.log2(c / n) for c in Counter(choices).values())) if n else 0.0
 
 def pack_group(prefix, group, adv):
     """The n completions of one prompt as one row, the prompt (but its last token) once and then, per completion, that
@@ -541,10 +556,39 @@ def dev_eval(engine, retriever, qs, args, rank, world):
     parts = [None] * world
     dist.all_gather_object(parts, [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in mine])
     s = evaluate.score([x for p in parts for x in p])
-    dev = {"dev_f1_recall": s["f1_recall"], "dev_routing_acc": s["routing_acc"], "dev_routing_macro": s["routing_macro"]}
+    dev = {"dev_f1_recall": s["f1_recall"], "dev_routing_acc": s["routing_acc"], "dev_routing_macro": s["routing_macro"],
+           "dev_routing_macro0": s["routing_macro0"], "dev_route_info0": s["route_info0"]}
     return dict(dev, dev_score=(dev["dev_f1_recall"] + dev["dev_routing_acc"]) / 2)
 
 #### main
+
+def setup_policy(args, start, weights, resuming, lora, rank, world, device, print0):
+    """The sharded policy (and KL reference), its AdamW (resumed: with the step and dev history), and this rank's
+    engine holding the policy's weights."""
+    tree = args.rollout == "teacher_prefix"  # packed groups: 4D attention masks (SDPA, not flash-attn)
+    model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
+                                   tree_mask=tree, lora=lora)
+    ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=args.dtype == "bf16",
+                                 tree_mask=tree) if args.kl_coef > 0 and not lora else None  # LoRA: adapters off
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    step, dev_hist = 0, {}  # dev_hist: step -> dev score (--eval_questions)
+    if resuming:
+        state = trainutil.load_trainer_state(model, opt, start, args, print0)
+        step, dev_hist = state["step"], state.get("dev", {})
+    trainutil.check_gpu_budget(model, engines.VLLMEngine.GPU_FRACTION)
+    engine = engines.VLLMEngine(weights, seed=args.seed + rank)  # each rank owns one engine
+    if lora:  # the engine holds the base: give it the policy (resumed adapters; a quantised base as the trainer sees it)
+        engine.sync_weights(trainutil.policy_params(model))
+    return model, ref, opt, step, dev_hist, engine
+
+def report(out, step, peaks, dev_hist, world, print0):
+    print0(f"done: {step} steps; final checkpoint {out / 'final'}; learning curves {out / 'curves.png'}")
+    print0("peak memory (GiB), rank " + " / ".join(map(str, range(world))) + ": " +
+           ", ".join(f"{k} " + " / ".join(f"{v:.1f}" for v in vs) for k, vs in peaks.items()))
+    if dev_hist:
+        b = max(dev_hist, key=dev_hist.get)
+        print0(f"best on dev (mean of F1-Recall and routing accuracy): step {b}, {dev_hist[b]:.1f}; {out / 'best'}")
 
 def main(argv=None):
     args = get_args(argv)
@@ -566,27 +610,15 @@ def main(argv=None):
     encoder = retrievers.Encoder()  # all-MiniLM-L6-v2, for the sub-question cosine
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(weights)
-    vis = rollout.VisionIO.load(weights)
+    vis = vision.VisionIO.load(weights)
     files = vis.proc if vis else tok  # saved beside the weights: a VL model's processor, else the tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
-    tree = args.rollout == "teacher_prefix"  # packed groups: 4D attention masks (SDPA, not flash-attn)
-    model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
-                                   tree_mask=tree, lora=lora)
-    ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=args.dtype == "bf16",
-                                 tree_mask=tree) if args.kl_coef > 0 and not lora else None  # LoRA: adapters off
+    model, ref, opt, step, dev_hist, engine = setup_policy(args, start, weights, resuming, lora, rank, world, device,
+                                                          print0)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
-    step, dev_hist = 0, {}  # dev_hist: step -> dev score (--eval_questions)
-    if resuming:
-        state = trainutil.load_trainer_state(model, opt, start, args, print0)
-        step, dev_hist = state["step"], state.get("dev", {})
-    trainutil.check_gpu_budget(model, rollout.VLLMEngine.GPU_FRACTION)
-    engine = rollout.VLLMEngine(weights, seed=args.seed + rank)  # each rank owns one engine
-    if lora:  # the engine holds the base: give it the policy (resumed adapters; a quantised base as the trainer sees it)
-        engine.sync_weights(trainutil.policy_params(model))
     w = Weights(args.w_format, args.w_hit, kb_balance(questions, args.max_steps, args.max_pairs) if args.balance_kb else None)
     if w.route_scale:
         print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
@@ -638,12 +670,7 @@ def main(argv=None):
         bar.close()
         log.close()
         plot_curves(out)
-    print0(f"done: {step} steps; final checkpoint {out / 'final'}; learning curves {out / 'curves.png'}")
-    print0("peak memory (GiB), rank " + " / ".join(map(str, range(world))) + ": " +
-           ", ".join(f"{k} " + " / ".join(f"{v:.1f}" for v in vs) for k, vs in peaks.items()))
-    if dev_hist:
-        b = max(dev_hist, key=dev_hist.get)
-        print0(f"best on dev (mean of F1-Recall and routing accuracy): step {b}, {dev_hist[b]:.1f}; {out / 'best'}")
+    report(out, step, peaks, dev_hist, world, print0)
     engine.close()  # vLLM's teardown destroys the default process group too (it shares it)
     if own_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -656,10 +683,13 @@ def plot_curves(out):
     from matplotlib.ticker import MaxNLocator
     recs = [json.loads(l) for l in open(Path(out) / "log.jsonl")]
     panels = [("outcome", "outcome reward"), ("route_r", "route-step reward"), ("kb_acc", "KB choice = gold's"),
+              ("kb_entropy", "KB choice entropy in a group (bits)"), ("kb_mixed", "groups with mixed KB choices"),
               ("answer_r", "answer-step reward"), ("format_ok", "well-formed steps / trajectories"), ("entropy", "entropy"),
               ("kl", "KL to reference (k3)"), ("retrievals", "retrieval calls / trajectory"),
               ("tokens", "policy tokens / sample"), ("dev_f1_recall", "dev F1-Recall (greedy)"),
-              ("dev_routing_acc", "dev routing accuracy (greedy)"), ("dev_routing_macro", "dev balanced routing accuracy")]
+              ("dev_routing_acc", "dev routing accuracy (greedy)"), ("dev_routing_macro", "dev balanced routing accuracy"),
+              ("dev_routing_macro0", "dev balanced accuracy, 1st route"),
+              ("dev_route_info0", "dev I(gold; chosen) / H(gold), 1st route, %")]
     series = [(title, [(r["step"], r[k]) for r in recs if r.get(k) is not None]) for k, title in panels]
     series = [(title, pts) for title, pts in series if pts]
     cols = 3

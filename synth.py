@@ -22,8 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import corpus
+import engines
+import prepare
 import reward
 import rollout
+import vision
 
 #### teacher-mode filters
 
@@ -145,7 +148,7 @@ if __name__ == "__main__":
     ap.add_argument("--data", default="data/mini", help="corpus.py folder (gold and teacher modes)")
     ap.add_argument("--out", default="data/mini/traj", help="output folder ({split}.jsonl) or file (--export_r1router)")
     ap.add_argument("--splits", nargs="+", default=["train", "dev"])
-    ap.add_argument("--model", default=rollout.DEFAULT_MODEL, help="the policy whose tokenizer and chat template are used")
+    ap.add_argument("--model", default=prepare.DEFAULT_MODEL, help="the policy whose tokenizer and chat template are used")
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port")
     ap.add_argument("--teacher", default=None, help="teacher mode: HF folder of the teacher model")
     ap.add_argument("-n", type=int, default=4, help="teacher mode: samples per question")
@@ -159,6 +162,9 @@ if __name__ == "__main__":
                          "lookups) as one multi-query step (RAG-R1)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
     ap.add_argument("--topk", type=int, default=3)
+    ap.add_argument("--gold_think", default="kb_first", choices=["kb_first", "kb_last"],
+                    help="the golden routing <think>: names the KB before the sub-question (kb_first) or names none, so "
+                         "the KB is chosen at <ret> after the sub-question is written (kb_last)")
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N questions of each split (0 = all)")
@@ -173,26 +179,29 @@ if __name__ == "__main__":
         rollout.check_multi_query(args)
         from transformers import AutoTokenizer
         if not (Path(args.model) / "tokenizer_config.json").exists():
-            sys.exit(f"error: {args.model}: no tokenizer there (run `python rollout.py prepare` for the default)")
+            sys.exit(f"error: {args.model}: no tokenizer there (run `python prepare.py` for the default)")
         tok = AutoTokenizer.from_pretrained(args.model)
-        vis = rollout.VisionIO.load(args.model)  # a VL policy's transcripts hold the question image and retrieved pictures
+        vis = vision.VisionIO.load(args.model)  # a VL policy's transcripts hold the question image and retrieved pictures
         settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
-                                    structure=args.structure, max_pairs=args.max_pairs, max_rets=args.max_rets)
+                                    structure=args.structure, max_pairs=args.max_pairs, max_rets=args.max_rets,
+                                    gold_think=args.gold_think)
         gold_settings = replace(settings, route_tokens=1024, answer_tokens=1024)
         if args.r1router:
             qs, ret = read_r1router(args.r1router)
-            trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, max_pairs=args.max_pairs), ret, qs, s=gold_settings)
+            trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, max_pairs=args.max_pairs, think=args.gold_think), ret, qs,
+                                    s=gold_settings)
             corpus.write_jsonl(Path(args.out) / "train.jsonl", [slim(x) for x in trajs])
             print(f"imported {len(trajs)} R1-Router trajectories ({sum(x['format_ok'] for x in trajs)} well-formed) -> {args.out}/train.jsonl")
             sys.exit(0)
         import retrievers
         ret = retrievers.make_retriever(args.retriever, args.data)
-        engine = rollout.make_engine(args.backend, args.teacher, seed=args.seed) if args.teacher else None
+        engine = engines.make_engine(args.backend, args.teacher, seed=args.seed) if args.teacher else None
         for split in args.splits:
             qs = corpus.load_questions(args.data, split)
             qs = qs[:args.limit] if args.limit else qs
             if engine is None:
-                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs), ret, qs, s=gold_settings)
+                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs, args.gold_think), ret, qs,
+                                        s=gold_settings)
                 report = f"{sum(x['format_ok'] for x in trajs)} of {len(trajs)} well-formed"
             else:
                 trajs, counts = teacher_trajectories(engine, ret, qs, args.n, settings, args.seed)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import corpus
+from engines import auto_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # bitsandbytes (imported by peft) asks the hub for a CPU kernel on AVX512-BF16 machines and warns when offline; its own
@@ -167,7 +168,6 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, BitsAndBytesConfig
-    from rollout import auto_model
     auto, attn = auto_model(path), "sdpa"
     if device.type == "cuda" and not tree_mask:
         try:
@@ -252,7 +252,7 @@ def selected_logits(model, ids, sel, attn=None, pos=None, pixels=None):
     """Logits [N, V] of only the N positions where sel [B, T-1] is True (position t predicts token t + 1).
     A pre-hook on lm_head keeps just those hidden states, so lm_head (with a 49k vocabulary the costliest matmul) runs
     on them alone; it acts inside the root forward, where FSDP has gathered lm_head. pixels: a VL batch's image
-    inputs (rollout.VisionIO.pixels)."""
+    inputs (vision.VisionIO.pixels)."""
     head = model.get_output_embeddings()
     hook = head.register_forward_pre_hook(lambda mod, args: (args[0][:, :-1][sel][None],))  # [B, T, H] -> [1, N, H]
     try:
@@ -308,7 +308,6 @@ def export_hf(model, folder, rank):
     """The policy's effective weights (policy_params: LoRA merged, a quantised base dequantised) as an HF folder on
     rank 0, in fp32, of the base model's class and config (no quantisation config): transformers and vLLM load it."""
     import copy
-    from rollout import auto_model
     full = {name: t.cpu() if rank == 0 else None for name, t in policy_params(model)}  # a collective: every rank
     if rank != 0:
         return

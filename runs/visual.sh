@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The multimodal half end to end on the mini-world's visual questions (questions/visual_*.jsonl), once with the VL
-# policy (Idefics3 around SmolLM2-135M-Instruct, its vision tower random: `python rollout.py prepare --vl`) and once
+# policy (Idefics3 around SmolLM2-135M-Instruct, its vision tower random: `python prepare.py --vl`) and once
 # with the text policy (SmolLM2-135M-Instruct, which sees captions only), at the main job's budgets:
 #   golden trajectories (train + visual_train) -> SFT -> Step-GRPO -> routed on test[:100] + visual_test (200), then
 #   the paired difference VL - text on the same questions. `make visual` (~1 h on 2 CPU cores); a finished stage is skipped.
@@ -9,7 +9,7 @@ PY=${PY:-.venv/bin/python}
 DATA=data/mini
 OUT=${OUT:-out/visual}
 start=$(date +%s)
-$PY rollout.py prepare --vl
+$PY prepare.py --vl
 for policy in text vl; do
   model=models/SmolLM2-135M-Instruct; [ $policy = vl ] && model=models/Idefics3-SmolLM2-135M
   d=$OUT/$policy

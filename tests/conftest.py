@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+import prepare
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: plenty for the tiny test model, and 2-rank runs fit beside other jobs
 
@@ -45,8 +47,7 @@ def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama (tied embeddings, head_dim 32: vLLM's CPU attention rejects 16) with the SmolLM2 tokenizer."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    import rollout
-    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
+    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
@@ -65,7 +66,7 @@ def traj_dir(tmp_path_factory, tiny_index):
     import retrievers
     import rollout
     out = tmp_path_factory.mktemp("traj")
-    tok, ret = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL), retrievers.Retriever(tiny_index, "bm25")
+    tok, ret = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL), retrievers.Retriever(tiny_index, "bm25")
     for split, n in (("train", 32), ("dev", 6)):
         qs = corpus.load_questions(tiny_index, split)[:n]
         trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)

@@ -6,6 +6,7 @@ import pytest
 
 import corpus
 import evaluate
+import prepare
 from evaluate import (
     confusion, decisions, first_samples, gold_hits, markdown, routing_accuracy, score, write_report,
 )
@@ -117,6 +118,29 @@ def test_confusion_matrix_counts():
     assert score([PERFECT, NO_RET])["routing_macro"] == approx(100 * (1 + 1 + 1) / 3)
 
 
+def test_first_decision_confusion_balanced_accuracy_and_information():
+    # step 0 of the set: gold text a b c g (all chose text), table f (table); stop d e (d stopped, e chose text)
+    first = score(SET)["confusion_by_step"][0]
+    assert first["counts"] == [[4, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 0, 0, 1, 0]]
+    assert sum(map(sum, first["counts"])) == len(SET)  # one first decision a question
+    assert score(SET)["routing_macro0"] == approx(100 * (1 + 1 + 1 / 2) / 3)
+    # I(gold; chosen) / H(gold) by hand, natural logs (the ratio does not depend on the base)
+    import math
+    n, pg, pc = 7, {"text": 4, "table": 1, "stop": 2}, {"text": 5, "table": 1, "stop": 1}
+    joint = {("text", "text"): 4, ("table", "table"): 1, ("stop", "text"): 1, ("stop", "stop"): 1}
+    mi = sum(c / n * math.log(c * n / (pg[g] * pc[p])) for (g, p), c in joint.items())
+    h = -sum(v / n * math.log(v / n) for v in pg.values())
+    assert score(SET)["route_info0"] == approx(100 * mi / h)
+    # a router that always says text, whatever the question: no information, however accurate on the majority
+    blind = [traj(f"q{i}", "1hop", ["x"], [kb], ["text"], "x") for i, kb in enumerate(["text"] * 8 + ["table"] * 2)]
+    assert score(blind)["route_info0"] == approx(0.0) and score(blind)["routing_macro0"] == approx(50.0)
+    # one that reads the question: all of it
+    sighted = [traj(f"q{i}", "1hop", ["x"], [kb], [kb], "x") for i, kb in enumerate(["text", "table", "image"] * 3)]
+    assert score(sighted)["route_info0"] == approx(100.0)
+    # a gold label that never varies carries no entropy to explain
+    assert evaluate.route_information(confusion([PERFECT], step=0)) is None
+
+
 def test_per_type_breakdown():
     by = score(SET)["by_type"]
     assert list(by) == ["none", "1hop", "2hop", "3hop", "comparison"]
@@ -175,8 +199,9 @@ def test_markdown_tables():
     assert md.startswith("# mini dev\n")
     assert "| method | n | F1-Recall | EM | F1 | Acc | routing acc | steps/q | retrievals/q | s/q | format fail % |" in md
     assert "| r1-router | 7 | 50.0 | 28.6 | 47.6 | 42.9 | 63.1 | 1.29 | 1.29 | 0.500 | 14.3 |" in md  # 3.5 s / 7
-    # routing macro, route exact, gold hit, text/table/image, re-ask %, tokens
-    assert "| r1-router | 51.8 | 42.9 | 70.0 | 1.00 | 0.29 | 0.00 | 0.0 | 60 |" in md
+    # routing macro, its first decision's and that decision's information (both checked by hand above), route exact,
+    # gold hit, text/table/image, re-ask %, tokens
+    assert "| r1-router | 51.8 | 83.3 | 62.6 | 42.9 | 70.0 | 1.00 | 0.29 | 0.00 | 0.0 | 60 |" in md
     assert "| method | none | 1hop | 2hop | 3hop | comparison |" in md
     assert "| r1-router | 50.0 | 0.0 | 50.0 | 100.0 | 50.0 |" in md
     assert "| direct answer | 7 |" in md
@@ -241,7 +266,7 @@ def test_route_probe_samples_at_golden_prefixes(tiny_index):
     import corpus
     import retrievers
     import rollout
-    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
+    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     qs = [q for q in corpus.load_questions(tiny_index, "dev") if q["steps"]][:10]
     ret = retrievers.Retriever(tiny_index, "bm25")
     # the stop is asked for only below max_steps (3): after the third retrieval the final answer is forced

@@ -11,6 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import engines
+import prepare
+import vision
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,9 +57,8 @@ def test_ivfpq_index_loads_onto_the_gpu_and_searches_like_cpu(tmp_path):
 
 def test_engine_sleeps_and_follows_a_bf16_sync(tiny_model_dir):
     # sleep gives the KV cache's memory back; after a sync the engine scores like the new weights at bf16 tolerance
-    import rollout
     from transformers import AutoModelForCausalLM
-    engine = rollout.VLLMEngine(tiny_model_dir, gpu_memory_utilization=0.3)
+    engine = engines.VLLMEngine(tiny_model_dir, gpu_memory_utilization=0.3)
     ids = engine.tok.encode("The mayor of Felo is Ly Normi, and the capital is Uldoria.")
     old = torch.tensor(engine.prompt_logprobs(ids))
     free_awake = torch.cuda.mem_get_info()[0]
@@ -75,10 +78,10 @@ def test_engine_sleeps_and_follows_a_bf16_sync(tiny_model_dir):
 
 PROBE = """
 import os, torch, torch.distributed as dist
-import rollout, trainutil
+import engines, trainutil
 rank, world, device, _ = trainutil.env_rank()
 trainutil.init_group(world)
-engine = rollout.VLLMEngine(os.environ["PROBE_MODEL"], gpu_memory_utilization=0.3)
+engine = engines.VLLMEngine(os.environ["PROBE_MODEL"], gpu_memory_utilization=0.3)
 free, total = torch.cuda.mem_get_info(device)
 used = torch.tensor([(total - free) / total], device=device)
 everyone = [torch.zeros_like(used) for _ in range(world)]
@@ -146,15 +149,15 @@ def test_vl_engine_on_gpu_sleeps_syncs_and_trains(tmp_path, tiny_model_dir, tiny
     import corpus
     import retrievers
     import rollout
-    vl = rollout.prepare_vl(tmp_path / "vl", text_model=tiny_model_dir)
-    vis = rollout.VisionIO.load(vl)
+    vl = prepare.prepare_vl(tmp_path / "vl", text_model=tiny_model_dir)
+    vis = vision.VisionIO.load(vl)
     qs = corpus.load_questions(tiny_index, "visual_train")[:2]
     _, prefixes = rollout.golden_prefixes(vis.tok, retrievers.Retriever(tiny_index, "bm25"), qs, vis=vis)
     ids, images = next((p, im) for _, _, p, im in prefixes if len(im) > 1)
-    engine = rollout.VLLMEngine(vl, gpu_memory_utilization=0.3)
+    engine = engines.VLLMEngine(vl, gpu_memory_utilization=0.3)
     old = torch.tensor(engine.prompt_logprobs(ids, images))
     engine.sleep()
-    model = rollout.auto_model(vl).from_pretrained(vl, dtype=torch.float32).cuda()
+    model = engines.auto_model(vl).from_pretrained(vl, dtype=torch.float32).cuda()
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -15,6 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import engines
+import prepare
 import sft
 import stepgrpo
 import trainutil
@@ -91,12 +93,11 @@ def test_the_merge_on_the_meta_device_makes_no_tensor_elsewhere(tiny_model_dir):
     assert {k: v.shape for k, v in out.items()} == shapes
 
 def test_a_vl_policy_gets_adapters_in_its_decoder_and_vision_tower_and_merges_to_its_own_names(tiny_model_dir, tmp_path, group):
-    import rollout
-    vl = rollout.prepare_vl(tmp_path / "idefics3", text_model=tiny_model_dir)
+    vl = prepare.prepare_vl(tmp_path / "idefics3", text_model=tiny_model_dir)
     model = trainutil.load_sharded(vl, torch.device("cpu"), 1, bf16=False, lora=trainutil.Lora(4))
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any("vision_model" in n for n in trained) and any("text_model" in n for n in trained)
-    hf = rollout.auto_model(vl).from_pretrained(vl, dtype=torch.float32)
+    hf = engines.auto_model(vl).from_pretrained(vl, dtype=torch.float32)
     merged = dict(trainutil.policy_params(model))
     assert merged.keys() == dict(hf.named_parameters()).keys()
     assert all(torch.equal(merged[k], v) for k, v in hf.named_parameters())
@@ -150,9 +151,9 @@ def test_lora_sft_resumes_exactly_and_keeps_checkpoints_small(lora_run, tiny_mod
 
 VLLM_LOGPROBS = """
 import json, sys
-import rollout
+import engines
 if __name__ == "__main__":
-    print(json.dumps(rollout.VLLMEngine(sys.argv[1], max_model_len=1024).prompt_logprobs(json.loads(sys.argv[2]))))
+    print(json.dumps(engines.VLLMEngine(sys.argv[1], max_model_len=1024).prompt_logprobs(json.loads(sys.argv[2]))))
 """
 
 def test_merged_export_loads_in_transformers_and_vllm_and_equals_the_adapted_model(lora_run, tiny_model_dir, traj_dir):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import corpus
+import prepare
 import retrievers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,8 +129,7 @@ def tiny_clip_dir(tmp_path_factory):
     """A tiny random CLIP with the SmolLM2 tokenizer (no download), saved with its processor like any HF CLIP folder."""
     import torch
     from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-    import rollout
-    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL, model_max_length=64)
+    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL, model_max_length=64)
     layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     cfg = CLIPConfig(text_config=dict(vocab_size=len(tok), max_position_embeddings=64, bos_token_id=tok.bos_token_id,
                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **layers),

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 import corpus
+import engines
+import prepare
 import retrievers
 import reward
 import rollout
 
-SMOL = rollout.DEFAULT_MODEL
+SMOL = prepare.DEFAULT_MODEL
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir):
@@ -20,15 +22,31 @@ def tiny_model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_model):
-    return rollout.VLLMEngine(tiny_model, max_model_len=4096)
+    return engines.VLLMEngine(tiny_model, max_model_len=4096)
 
 @pytest.fixture(scope="module")
 def hf_engine(tiny_model):
-    return rollout.HFEngine(tiny_model)
+    return engines.HFEngine(tiny_model)
 
 @pytest.fixture(scope="module")
 def retriever(tiny_index):
     return retrievers.Retriever(tiny_index, "bm25")
+
+def test_gold_think_kb_last_names_no_kb_before_the_sub_question(tiny_index, retriever, hf_engine):
+    # the same routes, KBs and answers either way; kb_last's <think> names no retriever, so the choice is made at <ret>
+    tok, qs = hf_engine.tok, corpus.load_questions(tiny_index, "train")[:20]
+    first = rollout.rollout(rollout.GoldPolicy(tok, qs), retriever, qs)
+    last = rollout.rollout(rollout.GoldPolicy(tok, qs, think="kb_last"), retriever, qs)
+    assert all(x["format_ok"] for x in first + last)
+    assert [x["steps"] for x in first] == [x["steps"] for x in last]
+    for x, y in zip(first, last):
+        for a, b in zip(x["spans"], y["spans"]):
+            if a["kind"] == "route" and a["step"] < len(x["gold_steps"]):
+                think = lambda z, sp: tok.decode(z["ids"][sp["start"]:sp["end"]]).split("</think>")[0]
+                assert "retriever" in think(x, a) and think(y, b) == "<think>" + rollout.GoldPolicy.NEXT
+    # golden prefixes follow the setting (Step-GRPO's teacher_prefix groups start from them)
+    _, prefixes = rollout.golden_prefixes(tok, retriever, qs[:4], rollout.Settings(gold_think="kb_last"))
+    assert all("retriever." not in tok.decode(p) for _, _, p, _ in prefixes)
 
 def test_gold_policy_through_the_loop_builds_exact_masks_and_spans(tiny_index, retriever, hf_engine):
     tok = hf_engine.tok

@@ -17,13 +17,14 @@ import torch
 from safetensors.torch import load_file
 
 import corpus
+import prepare
 import retrievers
 import rollout
 import sft
 import trainutil
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOL = ROOT / rollout.DEFAULT_MODEL
+SMOL = ROOT / prepare.DEFAULT_MODEL
 # fp32: the by-hand and 1-vs-2-rank comparisons are tight; test_bf16_step and the resume test run bf16
 FAST = ["--max_len", "512", "--batch_size", "2", "--wandb_mode", "disabled", "--warmup_steps", "0", "--dtype", "fp32"]
 
@@ -202,9 +203,9 @@ def test_resume_continues_exactly(tiny_model, traj_dir, tmp_path):
 
 VLLM_LOGPROBS = """
 import json, sys
-import rollout
+import engines
 if __name__ == "__main__":
-    print(json.dumps(rollout.VLLMEngine(sys.argv[1], max_model_len=1024).prompt_logprobs(json.loads(sys.argv[2]))))
+    print(json.dumps(engines.VLLMEngine(sys.argv[1], max_model_len=1024).prompt_logprobs(json.loads(sys.argv[2]))))
 """
 
 def test_checkpoint_loads_in_transformers_and_vllm_tied_and_equal_to_the_trainer(single_run, tiny_model, traj_dir):

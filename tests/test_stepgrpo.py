@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import prepare
 import reward
 import stepgrpo
 
@@ -28,7 +29,7 @@ def test_a_trajectory_cut_by_the_context_keeps_the_rewards_of_its_spans(tiny_ind
     import corpus
     import retrievers
     import rollout
-    tok, ret = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL), retrievers.Retriever(tiny_index, "bm25")
+    tok, ret = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL), retrievers.Retriever(tiny_index, "bm25")
     qs = corpus.load_questions(tiny_index, "train")[:8]
     full = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)
     eng = rollout.GoldPolicy(tok, qs)
@@ -382,11 +383,11 @@ def teacher_setup(tiny_index, spans="route"):
     import corpus
     import retrievers
     import rollout
-    tok = AutoTokenizer.from_pretrained(rollout.DEFAULT_MODEL)
+    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     qs = corpus.load_questions(tiny_index, "train")[:6]
     ret = retrievers.Retriever(tiny_index, "bm25")
     args = Namespace(max_steps=3, topk=3, temperature=1.0, group_size=2, teacher_spans=spans, structure="transcript",
-                     max_pairs=1, max_rets=1)
+                     max_pairs=1, max_rets=1, gold_think="kb_first")
     return tok, qs, ret, args, rollout.golden_prefixes(tok, ret, qs)[1]
 
 def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
@@ -407,6 +408,15 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
         assert all(a == 0.0 for s in seqs for a in s["adv"])
         completions = [tok.decode([t for t, m in zip(s["ids"], s["mask"]) if m]) for s in seqs]
         assert (spans == "route") == all("</ret>" in c and "<answer>" not in c for c in completions)
+        # unanimous groups: no spread in the KB choice, no group with mixed choices
+        assert st["kb_entropy"] == [0.0] * n_route and st["kb_mixed"] == [0.0] * n_route
+
+def test_choice_entropy_of_a_group_in_bits():
+    assert stepgrpo.choice_entropy([("text",)] * 8) == 0.0
+    assert stepgrpo.choice_entropy([("text",), ("table",)] * 4) == pytest.approx(1.0)
+    # four equally likely outcomes, a malformed route (None) one of them: 2 bits
+    assert stepgrpo.choice_entropy([("text",), ("table",), ("stop",), None] * 2) == pytest.approx(2.0)
+    assert stepgrpo.choice_entropy([("text",)] * 3 + [("image",)]) == pytest.approx(0.811278, abs=1e-6)
 
 def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, encoder):
     # an engine whose context holds about half the route prefixes plus a routing step: only those make groups (each

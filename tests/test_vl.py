@@ -2,7 +2,7 @@
 images, weight sync into a VL engine, image tokens never sampled or trained on, 2-rank SFT and exact resume, Step-GRPO
 on a VL policy.
 
-The VL policy is rollout.prepare_vl around the tiny random Llama of conftest.py (Idefics3: a 2-layer SigLIP on 64 x 64
+The VL policy is prepare.prepare_vl around the tiny random Llama of conftest.py (Idefics3: a 2-layer SigLIP on 64 x 64
 pictures, 4 tokens an image); the questions are the tiny world's visual split (corpus.py), whose images the retriever
 looks at."""
 import json
@@ -17,21 +17,24 @@ import torch
 from safetensors.torch import load_file
 
 import corpus
+import engines
+import prepare
 import retrievers
 import rollout
 import sft
 import stepgrpo
 import trainutil
+import vision
 
 ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny_vl(tiny_model_dir, tmp_path_factory):
-    return rollout.prepare_vl(tmp_path_factory.mktemp("vl") / "idefics3", text_model=tiny_model_dir)
+    return prepare.prepare_vl(tmp_path_factory.mktemp("vl") / "idefics3", text_model=tiny_model_dir)
 
 @pytest.fixture(scope="module")
 def vis(tiny_vl):
-    return rollout.VisionIO.load(tiny_vl)
+    return vision.VisionIO.load(tiny_vl)
 
 @pytest.fixture(scope="module")
 def ret(tiny_index):
@@ -43,11 +46,11 @@ def visual(tiny_index):
 
 @pytest.fixture(scope="module")
 def hf(tiny_vl):
-    return rollout.HFEngine(tiny_vl)
+    return engines.HFEngine(tiny_vl)
 
 @pytest.fixture(scope="module")
 def engine(tiny_vl):
-    return rollout.VLLMEngine(tiny_vl, max_model_len=2048)
+    return engines.VLLMEngine(tiny_vl, max_model_len=2048)
 
 def test_visual_questions_through_the_loop_with_and_without_pixels(tiny_index, ret, visual, vis, tiny_model_dir):
     # the gold policy on visual questions: the question image finds its entity's picture at step 1 whatever the
@@ -121,7 +124,7 @@ def test_sync_into_a_vl_engine_and_image_tokens_never_sampled(ret, visual, vis, 
     # trainer's with image tokens suppressed
     _, prefixes = rollout.golden_prefixes(vis.tok, ret, visual[:2], vis=vis)
     ids, images = next((p, im) for _, _, p, im in prefixes if len(im) > 1)
-    model = rollout.auto_model(tiny_vl).from_pretrained(tiny_vl, dtype=torch.float32).eval()
+    model = engines.auto_model(tiny_vl).from_pretrained(tiny_vl, dtype=torch.float32).eval()
     old = torch.tensor(engine.prompt_logprobs(ids, images))
     torch.manual_seed(1)
     with torch.no_grad():
@@ -140,7 +143,7 @@ def test_sync_into_a_vl_engine_and_image_tokens_never_sampled(ret, visual, vis, 
     assert plain.item() == image_id  # unsuppressed, the model would write an image token
     engine.sync_weights(dict(trainutil.policy_params(model)))
     outs = engine.generate([ids] * 4, 12, 1.0, seed=0, images=[images] * 4)
-    hf = rollout.HFEngine(model)
+    hf = engines.HFEngine(model)
     assert all(not set(o) & set(vis.special_ids) for o, _ in outs + hf.generate([ids] * 4, 12, 1.0, seed=0, images=[images] * 4))
     tokens, lps = outs[0]
     mine = trainer_logprobs(model, vis, ids + tokens, images, vis.special_ids)[len(ids) - 1:]
@@ -182,7 +185,7 @@ def test_vl_sft_two_ranks_equal_one_process_and_resume_exactly(tiny_vl, vl_traj,
     a, b = load_file(one / "step_2" / "model.safetensors"), load_file(tiny_vl / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a if "vision_model" in k) > 1e-4  # the vision tower learned
     assert (one / "final" / "processor_config.json").is_file()  # the checkpoint is a VL folder: processor and all
-    assert rollout.VisionIO.load(one / "final").expand(None) == rollout.VisionIO.load(tiny_vl).expand(None)
+    assert vision.VisionIO.load(one / "final").expand(None) == vision.VisionIO.load(tiny_vl).expand(None)
     # exact resume: AdamW, 4 steps straight against the step-2 checkpoint of the same run resumed
     args = ["--model", str(tiny_vl), "--data", str(vl_traj), "--grad_accum", "2", "--train_steps", "4", "--save_every", "2",
             *FAST]

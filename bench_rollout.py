@@ -1,0 +1,109 @@
+"""
+bench_rollout.py: throughput of the routed rollout loop against raw vLLM generation of as many tokens (each step
+structure; visual questions too when the data has them), vLLM against HF generate (images/s for a VL policy), and the
+time of a weight sync into the running engine. Figures print; docs/LOG.md keeps the measured ones.
+    python bench_rollout.py --model out/demo/sft/final --n_questions 32 -n 4
+    python bench_rollout.py --model out/released/sft/final --structure released     # R1-Router's released structure
+A policy trained on the step format runs whole trajectories (the prompt-only model stops early).
+"""
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+import corpus
+import retrievers
+from engines import HFEngine, VLLMEngine, auto_model
+from prepare import DEFAULT_MODEL
+from rollout import SYSTEM_PROMPT, ReleasedSteps, Settings, TranscriptSteps, rollout
+
+def bench_loop(engine, ret, qs, args, structure, label):
+    """The routed loop in one step structure against raw vLLM generating as many tokens from the same first prompts;
+    returns those prompts [(ids, images)]. On 2 CPU cores time follows the tokens the model computes, so prefill per
+    trajectory (prompt tokens not in vLLM's prefix cache) is the figure a structure can lower."""
+    s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=structure)
+    rollout(engine, ret, qs[:4], n=1, s=s)  # warm-up
+    engine.computed.update(prefill=0, decode=0)
+    t = time.perf_counter()
+    trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
+    loop_s, ran, n = time.perf_counter() - t, dict(engine.computed), len(trajs)
+    n_tok = sum(x["n_policy_tokens"] for x in trajs)
+    per_traj = max(1, n_tok // n)
+    chat = ReleasedSteps(engine.tok, engine.vis) if structure == "released" else \
+        TranscriptSteps(engine.tok, SYSTEM_PROMPT.format(max_steps=s.max_steps), vis=engine.vis)
+    starts = [chat.start(dict(question=q["question"], image=q.get("image"), steps=[])) for q in qs for _ in range(args.n)]
+    prompts = [(tr.prompt(), tr.prompt_images()) for tr in starts]
+    from vllm import SamplingParams
+    sp = SamplingParams(max_tokens=per_traj, min_tokens=per_traj, ignore_eos=True, temperature=args.temperature)
+    engine.llm.reset_prefix_cache()
+    t = time.perf_counter()
+    engine.llm.generate([engine.tokens_prompt(p, im) for p, im in prompts], sp, use_tqdm=False)
+    raw = len(prompts) * per_traj / (time.perf_counter() - t)
+    steps, images = sum(len(x["steps"]) for x in trajs) / n, sum(len(x["images"]) for x in trajs) / n
+    print(f"{label} ({structure}): {n} trajectories, {steps:.2f} retrieval steps, {images:.1f} images, "
+          f"{100 * sum(x['format_ok'] for x in trajs) / n:.0f}% well-formed, {sum(x['overflow'] for x in trajs)} context "
+          f"overflows; per trajectory the model ran {ran['prefill'] / n:.0f} prefill + {ran['decode'] / n:.0f} decode "
+          f"tokens in {loop_s / n:.2f}s (batched); {n_tok / loop_s:.0f} policy tok/s in {loop_s:.1f}s; raw vLLM "
+          f"{raw:.0f} tok/s -> loop/raw = {n_tok / loop_s / raw:.2f}")
+    return prompts
+
+def main(args):
+    """Throughput of the routed loop (each step structure; visual questions too, when the data has them) vs raw vLLM
+    generation of as many tokens, vLLM vs HF (on prompts with images for a VL policy: images/s), weight-sync time."""
+    qs = corpus.load_questions(args.data, args.split)[:args.n_questions]
+    ret = retrievers.make_retriever(args.retriever, args.data)
+    engine = VLLMEngine(args.model, seed=args.seed)
+    for structure in ("transcript", "released") if args.structure == "both" else (args.structure,):
+        prompts = bench_loop(engine, ret, qs, args, structure, f"{args.split} questions")
+    if (Path(args.data) / "questions" / f"visual_{args.split}.jsonl").is_file():  # the cost of a visual question
+        vqs = corpus.load_questions(args.data, f"visual_{args.split}")[:args.n_questions]
+        visual = bench_loop(engine, ret, vqs, args, args.structure.replace("both", "transcript"), f"visual_{args.split} questions")
+        prompts = visual if engine.vis else prompts
+    from vllm import SamplingParams
+    # backend speed: 16 prompts x 64 new tokens, greedy, EOS ignored by both
+    prompts, n_new = prompts[:16], 64
+    n_img = sum(len(im) for _, im in prompts)
+    sp = SamplingParams(max_tokens=n_new, min_tokens=n_new, ignore_eos=True, temperature=0.0)
+    t = time.perf_counter()
+    engine.llm.generate([engine.tokens_prompt(p, im) for p, im in prompts], sp, use_tqdm=False)
+    v_s = time.perf_counter() - t
+    hf = HFEngine(args.model)
+    t = time.perf_counter()
+    for i in range(0, len(prompts), 8):  # batch 8 (HF's best on 2 cores in the CPU notes)
+        batch = prompts[i:i + 8]
+        L = max(len(p) for p, _ in batch)
+        x = torch.tensor([[engine.tok.eos_token_id] * (L - len(p)) + p for p, _ in batch])
+        am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p, _ in batch])
+        pix = hf.vis.pixels([im for _, im in batch], "cpu", x) if hf.vis else {}
+        with torch.inference_mode():
+            hf.model.generate(input_ids=x, attention_mask=am, **pix, max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False, pad_token_id=engine.tok.eos_token_id)
+    h_s = time.perf_counter() - t
+    v, h = len(prompts) * n_new / v_s, len(prompts) * n_new / h_s
+    images = f"; {n_img} images: vLLM {n_img / v_s:.1f} images/s, HF {n_img / h_s:.1f}" if n_img else ""
+    print(f"backends, 16 prompts x {n_new} tokens: vLLM {v:.0f} tok/s ({engine.dtype}), HF {h:.0f} tok/s (fp32) -> "
+          f"{v / h:.1f}x (target >= 3){images}")
+    sd = auto_model(args.model).from_pretrained(args.model, dtype=torch.float32).state_dict()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        engine.sync_weights(sd)
+        times.append(time.perf_counter() - t)
+    print(f"weight sync ({sum(v.numel() for v in sd.values()) / 1e6:.0f}M parameters{', prefix and encoder caches reset' if engine.vis else ''}): "
+          f"{min(times):.2f}s best, {sum(times) / 3:.2f}s mean of 3 (target <= 1 s)")
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="any HF causal LM or image-text-to-text folder")
+    ap.add_argument("--data", default="data/mini")
+    ap.add_argument("--split", default="dev")
+    ap.add_argument("--n_questions", type=int, default=32)
+    ap.add_argument("-n", type=int, default=4, help="samples per question")
+    ap.add_argument("--max_steps", type=int, default=3)
+    ap.add_argument("--topk", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--structure", default="transcript", choices=["transcript", "released", "both"])
+    ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
+    ap.add_argument("--seed", type=int, default=0)
+    main(ap.parse_args())

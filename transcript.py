@@ -1,0 +1,121 @@
+"""
+transcript.py: a trajectory as token ids plus a mask of what the policy wrote. `ChatFormat` finds the string pieces
+of any concatenative chat template (ChatML, Llama-3, ...) by rendering sentinel messages; `Transcript` grows token by
+token, so the ids that were sampled are exactly the ids trained on. rollout.py builds trajectories with it and sft.py
+renders golden ones through the same code, so training and evaluation never drift apart.
+"""
+from dataclasses import dataclass, field
+
+import reward
+from vision import Img, images_in
+
+class ChatFormat:
+    """The string pieces of the tokenizer's chat template, found by rendering sentinel messages, so any
+    concatenative template (ChatML, Llama-3, ...) works without hard-coding it."""
+    def __init__(self, tok, system_prompt):
+        self.tok, self.system = tok, system_prompt
+        r = lambda msgs, gen=False: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        S, U = dict(role="system", content=system_prompt), dict(role="user", content="\x00Q")
+        base = r([S, U])
+        self.gen_prompt = r([S, U], True)[len(base):]  # e.g. "<|im_start|>assistant\n"
+        after_a = r([S, U, dict(role="assistant", content="\x01")]).split("\x01")[1]  # e.g. "<|im_end|>\n"
+        seg = r([S, U, dict(role="assistant", content="\x01"), dict(role="user", content="\x02")], True).split("\x01")[1]
+        if not seg.startswith(after_a) or "\x02" not in seg:
+            raise ValueError("chat template is not concatenative; rollout.py cannot build transcripts incrementally")
+        self.end_assistant = after_a
+        self.user_open, self.user_close = seg[len(after_a):seg.index("\x02")], seg[seg.index("\x02") + 1:]
+        self.prefix_tpl = base.split("\x00Q")[0], base.split("\x00Q")[1] + self.gen_prompt
+
+    def ids(self, text):
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def encode(self, parts, vis=None):
+        """parts: strings and Img -> (ids, [[start, n, path]] of each image). Consecutive strings are one text; an
+        image goes in as VisionIO.expand's tokens (vis None, a text policy: image parts are left out)."""
+        ids, images, text = [], [], ""
+        for part in [*parts, None]:
+            if isinstance(part, str):
+                text += part
+                continue
+            ids += self.ids(text) if text else []
+            text = ""
+            if isinstance(part, Img) and vis is not None:
+                images.append([len(ids), len(vis.expand(part.path)), part.path])
+                ids += vis.expand(part.path)
+        return ids, images
+
+@dataclass
+class Transcript:
+    ids: list = field(default_factory=list)       # [T] token ids
+    mask: list = field(default_factory=list)      # [T] 1 where the policy wrote the token
+    logprobs: list = field(default_factory=list)  # [T] sampling policy's logprob of each policy token (0.0 elsewhere)
+    spans: list = field(default_factory=list)     # [{kind: route|answer|final, step, start, end}]
+    starts: list = field(default_factory=lambda: [0])  # where each chat begins (--structure released: one a step)
+    images: list = field(default_factory=list)    # [[start, n, path]]: the tokens of each image (VL policies)
+
+    def new_chat(self, ids, images=()):
+        """The next request is a new chat `ids` (the released structure), not a continuation of this one."""
+        if self.ids:
+            self.starts.append(len(self.ids))
+        self.add_context(ids, images)
+
+    def prompt(self):
+        return self.ids[self.starts[-1]:]
+
+    def prompt_images(self):
+        return images_in(self.images, self.starts[-1], len(self.ids))
+
+    def undo(self):
+        """Drop the last policy span (a malformed step about to be sampled again); returns its ids."""
+        sp = self.spans.pop()
+        ids = self.ids[sp["start"]:]
+        del self.ids[sp["start"]:], self.mask[sp["start"]:], self.logprobs[sp["start"]:]
+        return ids
+
+    def segments(self):
+        """[[start, end]] of each chat: the rows a trainer takes (one for the transcript structure)."""
+        return [[a, b] for a, b in zip(self.starts, self.starts[1:] + [len(self.ids)])]
+
+    def add_context(self, ids, images=()):
+        """Context tokens (mask 0); images: [[start within ids, n, path]] (ChatFormat.encode)."""
+        self.images += [[len(self.ids) + a, n, p] for a, n, p in images]
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def add_policy(self, ids, logprobs, kind, step):
+        self.spans.append(dict(kind=kind, step=step, start=len(self.ids), end=len(self.ids) + len(ids)))
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+def start_transcript(fmt, question, shots=None, image=None, vis=None):
+    """The system prompt and the question (after the few-shot conversation `shots`, if given: few_shot_prefix); a
+    visual question's image before it for a VL policy (vis)."""
+    tr = Transcript()
+    head = [Img(image)] if image and vis else []
+    if shots:
+        tr.add_context(shots)
+        tr.add_context(*fmt.encode([fmt.user_open, *head, question + fmt.user_close], vis))
+    else:
+        tr.add_context(*fmt.encode([fmt.prefix_tpl[0], *head, question + fmt.prefix_tpl[1]], vis))
+    return tr
+
+def evidence_parts(kb, docs, pixels=False):
+    """The documents of one KB as chat parts: numbered contents, and with pixels (a VL policy) each image document's
+    picture before its caption."""
+    parts = [f"Retrieved by {reward.KB_TO_RET[kb]}:"]
+    for i, d in enumerate(docs):
+        parts += [f"\n[{i + 1}] "] + ([Img(d["path"])] if pixels and d.get("path") else []) + [d["contents"]]
+    return parts
+
+def evidence_text(kb, docs):
+    return "".join(evidence_parts(kb, docs))
+
+def next_turn(fmt, user_text=None):
+    """Template text after a policy turn: close it, optionally add a user turn, open the next assistant turn.
+    user_text: a string, or a list of parts (ChatFormat.encode) when it holds images; the result is of the same kind."""
+    if isinstance(user_text, list):
+        return [fmt.end_assistant + fmt.user_open, *user_text, fmt.user_close[:-len(fmt.gen_prompt)] + fmt.gen_prompt]
+    mid = "" if user_text is None else fmt.user_open + user_text + fmt.user_close[:-len(fmt.gen_prompt)]
+    return fmt.end_assistant + mid + fmt.gen_prompt
