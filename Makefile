@@ -1,4 +1,5 @@
-# Two commands do everything on a fresh CPU machine:  `make demo`  (the main job)  and  `make test`.
+# Two commands do everything on a fresh CPU machine:  `make demo`  (the main job)  and  `make test`
+# (`make test-fast`: the edit loop's tier).
 # Set-up is a virtualenv with the pinned CPU stack; a stamp file makes re-running it take a second.
 PYTHON ?= python3
 PY := .venv/bin/python
@@ -10,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test test-gpu bench bench-memory bench-trl bench-index vs-sft released visual lora multiquery real real-eval clean
+.PHONY: setup demo test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft decision released visual lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -62,6 +63,10 @@ demo: $(OUT)/eval/prompt-only/results.json $(OUT)/eval/sft/results.json $(OUT)/e
 test: .venv/.stamp $(MODEL)/config.json
 	$(PY) -m pytest -q
 
+# The edit loop's tier: unit tests and one end-to-end smoke (tests/test_smoke.py), the slow-marked runs left out
+test-fast: .venv/.stamp $(MODEL)/config.json
+	$(PY) -m pytest -q -m "not slow"
+
 # On a GPU machine, in an environment with requirements-gpu.txt: the GPU tests (the CPU suite skips them)
 GPU_PY ?= python
 test-gpu:
@@ -86,6 +91,12 @@ SEEDS ?= 1 2 3
 vs-sft: $(DATA)/traj/train.jsonl
 	SEEDS="$(SEEDS)" PY=$(PY) bash runs/vs_sft.sh
 
+# Does the SFT router read the question? The golden <think> naming the KB first (kb_first) against naming none, the KB
+# chosen at <ret> after the sub-question (kb_last): SFT seeds 0 and 1 at the main job's budgets, scored on 200 dev
+# questions (balanced routing accuracy, the first decision's, its information; ~1 h here)
+decision: $(DATA)/traj/train.jsonl
+	PY=$(PY) bash runs/decision.sh
+
 # R1-Router's released reward/loss, evaluation protocol and step structure against the recipe, from the main job's
 # checkpoints, on the whole test split with paired intervals, and both structures' rollout throughput (~1.5 h here)
 released: $(OUT)/stepgrpo/final/config.json
@@ -105,7 +116,7 @@ multiquery: $(DATA)/traj/train.jsonl
 	PY=$(PY) bash runs/multiquery.sh
 
 # Real benchmarks read in place from REAL_SRC (a folder with hotpotqa/, musique/, wikitablequestions/, r1router/):
-# one data folder (text + table KBs), its indexes, then runs/real_eval.sh (README "Real data").
+# one data folder (text + table KBs), its indexes, then runs/real_eval.sh (docs/realdata.md).
 REAL := data/real
 real: .venv/.stamp
 	@test -n "$(REAL_SRC)" || { echo "error: make real needs REAL_SRC=/path/to/the/benchmarks"; exit 2; }

@@ -139,10 +139,11 @@ class VLLMEngine:
     def sync_weights(self, weights):
         """Load new weights into the running engine (no restart). `weights`: a state dict, or (name, tensor) pairs
         consumed one at a time (trainutil.policy_params gathers each parameter from the FSDP shards only when asked),
-        so beyond the engine's own copy at most one full parameter exists at once. Asleep (GPU): wake the weights,
-        load, free the trainer's cached blocks, then wake the KV cache (TRL's and verl's order). Finally drop KV
-        blocks computed with the old weights."""
+        so beyond the engine's own copy at most one full parameter exists at once. Asleep (GPU): free the trainer's
+        cached blocks (the update's activations), wake the weights, load, free the gathered parameters' blocks, then
+        wake the KV cache (TRL's and verl's order). Finally drop KV blocks computed with the old weights."""
         if self.asleep:
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         dtype = getattr(torch, self.dtype)
         tied = getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)

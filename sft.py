@@ -9,7 +9,8 @@ sft.py: supervised fine-tuning on golden step trajectories (synth.py), FSDP2, CP
     python sft.py ... --lora_r 16 --quant nf4                   # QLoRA: the base quantised (bitsandbytes)
 
 Data: <data>/train.jsonl and <data>/dev.jsonl, one trajectory a row with `ids` (a whole chat transcript, tokenised
-with the model's tokenizer) and `mask` (1 where the policy wrote the token). The loss is next-token cross-entropy
+with the model's tokenizer: <data>/meta.json, from synth.py, names it, and another is refused) and `mask` (1 where
+the policy wrote the token). The loss is next-token cross-entropy
 on the policy's tokens only, summed over the GLOBAL batch (every rank, every micro-batch of one optimizer step) and
 divided by the global count of such tokens, so any world size x grad_accum split of the same global batch gives the
 same gradient (tests/test_sft.py: 2 ranks equal 1 process). Global batch G = batch_size x grad_accum x world rows;
@@ -21,6 +22,7 @@ Outputs in --out (trainutil.py): step_<N>/ (an HF folder transformers and vLLM l
 Outline: arguments -> data (validated rows, masked loss) -> checkpoints -> dev loss -> one step -> main.
 """
 import argparse
+import json
 import math
 import os
 import random
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 
 import corpus
 import trainutil
+import transcript
 import vision
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,6 +64,8 @@ def get_args(argv=None):
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32); "
                          "auto: bf16 on CUDA and AVX512-BF16 CPUs, else fp32")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: CUDA when torch sees it, else the CPU; cuda: exit at once when CUDA is missing")
     ap.add_argument("--lora_r", type=int, default=0, help="LoRA rank: train adapters on a frozen base (0: all weights)")
     ap.add_argument("--lora_alpha", type=float, default=32.0, help="LoRA scale is alpha / r")
     ap.add_argument("--lora_dropout", type=float, default=0.05)
@@ -114,6 +119,19 @@ def load_rows(path, max_len, vocab_size, vl=False):
     if not rows:
         raise corpus.DataError(f"{path}: no rows")
     return rows
+
+def check_tokenizer(data, tok, print0):
+    """Trajectories are token ids: refuse those synth.py wrote with another tokenizer (<data>/meta.json), which would
+    train on garbage. A folder without meta.json (older synth.py, written by hand) passes with a warning."""
+    path = Path(data) / transcript.META
+    if not path.is_file():
+        print0(f"warning: {path} not found: cannot check that the trajectories hold {tok.name_or_path}'s token ids")
+        return
+    theirs, mine = json.loads(path.read_text()), transcript.tokenizer_meta(tok)
+    if theirs.get("vocab_sha256") != mine["vocab_sha256"]:
+        raise corpus.DataError(f"{data}: trajectories tokenised by {theirs.get('tokenizer')} (vocab "
+                               f"{theirs.get('vocab_sha256')}) but the policy's tokenizer is {mine['tokenizer']} (vocab "
+                               f"{mine['vocab_sha256']}); run synth.py --model with the policy")
 
 def collate(rows, pad_id, device):
     """rows [(ids, mask, ...)] -> ids [B, T] right-padded, labels [B, T] (= ids where mask is 1, else -100)."""
@@ -198,7 +216,7 @@ def train_step(model, opt, rows, lr, args, pad_id, device, vis=None):
 def main(argv=None):
     args = get_args(argv)
     from transformers import AutoConfig, AutoTokenizer
-    rank, world, device, print0 = trainutil.env_rank()
+    rank, world, device, print0 = trainutil.env_rank(args.device)
     lora = trainutil.lora_of(args)
     args.dtype = trainutil.resolve_dtype(args.dtype, device)  # the resolved choice is what trainer_state.pt records
 
@@ -208,6 +226,8 @@ def main(argv=None):
     try:
         config = AutoConfig.from_pretrained(weights)
         vl, vocab = hasattr(config, "vision_config"), config.get_text_config().vocab_size
+        tok = AutoTokenizer.from_pretrained(weights)
+        check_tokenizer(args.data, tok, print0)
         train = [r for sp in args.train_splits for r in load_rows(Path(args.data) / f"{sp}.jsonl", args.max_len, vocab, vl)]
         dev = load_rows(Path(args.data) / f"{args.dev_split}.jsonl", args.max_len, vocab, vl) if args.eval_every else []
     except (corpus.DataError, OSError, ValueError) as e:
@@ -218,12 +238,12 @@ def main(argv=None):
     if steps_per_epoch == 0:
         sys.exit(f"error: {args.data}/{{{','.join(args.train_splits)}}}.jsonl have {len(train)} rows, fewer than one global batch ({G})")
     total = args.train_steps
-    own_group = trainutil.init_group(world, args.timeout)
+    own_group = trainutil.init_group(world, args.timeout, device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
     # ---- model (FSDP2, fp32 master weights) and optimizer
-    tok, vis = AutoTokenizer.from_pretrained(weights), vision.VisionIO.load(weights)  # vis: a VL model's image plumbing
+    vis = vision.VisionIO.load(weights)  # a VL model's image plumbing
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
                                    lora=lora)

@@ -68,6 +68,11 @@ def get_args(argv=None):
     ap.add_argument("--balance_kb", action=argparse.BooleanOptionalAction, default=True,
                     help="scale route advantages by the inverse frequency of the gold route (extension)")
     ap.add_argument("--w_format", type=float, default=0.2, help="reward of a step that parses (extension; 0: R1-Router)")
+    ap.add_argument("--route_credit", default="whole", choices=["whole", "split"],
+                    help="teacher_prefix: whole = one advantage on every token of a routing step (R1-Router); split = the "
+                         "KB half of the route reward on the <ret> tokens, the rest (cosine, format) on the tokens before")
+    ap.add_argument("--adv_std", action=argparse.BooleanOptionalAction, default=True,
+                    help="divide group advantages by the group's std (GRPO); --no-adv_std: r - mean only (Dr. GRPO)")
     ap.add_argument("--w_hit", type=float, default=0.0, help="onpolicy: reward when the gold document is retrieved")
     ap.add_argument("--batch_questions", type=int, default=16, help="questions per step, over all ranks")
     ap.add_argument("-n", "--group_size", type=int, default=8, help="samples per golden-prefix step or per question")
@@ -104,6 +109,8 @@ def get_args(argv=None):
     ap.add_argument("--activation_checkpointing", action="store_true")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="compute dtype (master weights, grads and optimizer stay fp32); auto: bf16 where native")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: CUDA when torch sees it, else the CPU; cuda: exit at once when CUDA is missing")
     ap.add_argument("--lora_r", type=int, default=0,
                     help="LoRA rank: train adapters on a frozen base, which is also the KL reference (0: all weights)")
     ap.add_argument("--lora_alpha", type=float, default=32.0, help="LoRA scale is alpha / r")
@@ -120,7 +127,13 @@ def get_args(argv=None):
     return ap.parse_args(argv)
 
 def check_args(args, world):
-    """One-line errors for flag combinations that cannot work, before anything is loaded."""
+    """One-line errors for flag combinations that cannot work, before anything is loaded. --quant int8 sets
+    --old_logprobs trainer: LLM.int8 quantises activations too, so the engine's bf16 logprobs are not the trainer's."""
+    if args.quant == "int8" and args.old_logprobs != "trainer":
+        args.old_logprobs = "trainer"
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("note: --quant int8 uses --old_logprobs trainer (LLM.int8 quantises activations: the engine's bf16 "
+                  "logprobs are not the trainer's)", flush=True)
     if args.rollout == "teacher_prefix" and args.reward == "outcome":
         sys.exit("error: --reward outcome needs --rollout onpolicy (a teacher_prefix group holds one step, no outcome)")
     if args.batch_questions % world:
@@ -198,19 +211,20 @@ def span_rewards(x, encode, w):
         out.append(r)
     return out, (reward.f1_recall(x["final_answer"] or "", x["answers"]) if x["format_ok"] else 0.0)
 
-def norm(v, eps=1e-4):
-    """(v - mean) / (std + eps) over a group, with the unbiased std as GRPO implementations; exactly 0 if all equal."""
+def norm(v, eps=1e-4, std=True):
+    """(v - mean) / (std + eps) over a group, with the unbiased std as GRPO implementations; exactly 0 if all equal.
+    std False: v - mean (Dr. GRPO: small reward differences are not blown up to +-1)."""
     v = np.asarray(v, dtype=np.float64)
     if len(v) < 2 or v.min() == v.max():  # exactly 0, not v - mean's rounding error / eps (~1e-13)
         return np.zeros_like(v)
-    return (v - v.mean()) / (v.std(ddof=1) + eps)
+    return (v - v.mean()) / (v.std(ddof=1) + eps) if std else v - v.mean()
 
-def group_advantages(spans, rewards, outcomes, mode="step", scale=None):
+def group_advantages(spans, rewards, outcomes, mode="step", scale=None, std=True):
     """onpolicy, one group (the n samples of a question). spans[i]: span dicts of sample i, rewards[i]: their rewards,
     outcomes[i]: R_i. Returns A[i][j] = c_(kind, step) norm_(kind, step)(r_ij) + norm(R_i), where norm_(kind, step)
     runs over the samples that have a span of that kind at that step (0 if only one has it) and c = scale.get((kind,
-    step), 1) (--balance_kb); mode "outcome": A[i][j] = norm(R_i) (plain GRPO)."""
-    R = norm(outcomes)
+    step), 1) (--balance_kb); mode "outcome": A[i][j] = norm(R_i) (plain GRPO). std: as norm's (--adv_std)."""
+    R = norm(outcomes, std=std)
     adv = [[float(R[i])] * len(s) for i, s in enumerate(spans)]
     if mode == "outcome":
         return adv
@@ -220,7 +234,7 @@ def group_advantages(spans, rewards, outcomes, mode="step", scale=None):
             by_key.setdefault((sp["kind"], sp["step"]), []).append((i, j))
     for key, members in by_key.items():
         c = (scale or {}).get(key, 1.0)
-        for (i, j), a in zip(members, norm([rewards[i][j] for i, j in members])):
+        for (i, j), a in zip(members, norm([rewards[i][j] for i, j in members], std=std)):
             adv[i][j] += c * float(a)
     return adv
 
@@ -285,7 +299,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
         scale = w.route_scale and {("route", t): w.route_scale[gold_route(group[0]["gold_steps"], t)]
                                    for t in range(args.max_steps)}
         adv = group_advantages([x["spans"] for x in group], [r for r, _ in scored], [o for _, o in scored],
-                               args.reward, scale)
+                               args.reward, scale, args.adv_std)
         for x, (r, o), a in zip(group, scored, adv):
             adv_tok = token_advantages(len(x["ids"]), x["spans"], a)
             rows += [dict(ids=x["ids"][c:d], mask=x["mask"][c:d], old=x["logprobs"][c:d], adv=adv_tok[c:d],
@@ -330,7 +344,7 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
             gold = reward.by_step(x["gold_steps"])
             g = gold[t] if t < len(gold) else []  # []: the gold stops here
             earlier = [e for e in x["steps"] if e["step"] < t]
-            rs, choices = [], []
+            rs, choices, kb_part = [], [], []
             for ids, _ in group:
                 text = engine.tok.decode(ids, skip_special_tokens=True)
                 if kind == "route":
@@ -339,6 +353,7 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                     stats["route_r"].append(r)
                     kbs = (("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))) if p.ok else None
                     choices.append(kbs)
+                    kb_part.append(0.5 * float(kbs == route_kbs(x["gold_steps"], t)))  # route_reward's KB half
                     if p.ok:
                         stats["kb_acc"].append(float(kbs == route_kbs(x["gold_steps"], t)))
                     stats["reask"] += [float(reward.re_asks(q, earlier)) for q, _ in p.pairs]
@@ -354,13 +369,37 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
                 stats["kb_entropy"].append(choice_entropy(choices))
                 stats["kb_mixed"].append(float(len(set(choices)) > 1))
             scale = w.route_scale[gold_route(x["gold_steps"], t)] if w.route_scale and kind == "route" else 1.0
-            adv = norm(rs) * scale
+            if kind == "route" and args.route_credit == "split":  # [per completion: per-token advantages]
+                adv = split_credit(engine.tok, group, rs, kb_part, args.adv_std, scale)
+            else:
+                adv = norm(rs, std=args.adv_std) * scale
             if getattr(getattr(engine, "vis", None), "mrope", False):  # 3-D positions: a row per completion, not a packed group
                 rows += [dict(ids=prefix + ids, mask=[0] * len(prefix) + [1] * len(ids), old=[0.0] * len(prefix) + list(lps),
-                              adv=[float(a)] * (len(prefix) + len(ids)), images=images) for (ids, lps), a in zip(group, adv)]
+                              adv=[0.0] * len(prefix) + (a if isinstance(a, list) else [float(a)] * len(ids)), images=images)
+                         for (ids, lps), a in zip(group, adv)]
             else:
                 rows.append(dict(pack_group(prefix, group, adv), images=images))
     return rows, stats
+
+def split_credit(tok, group, rewards, kb_part, std, scale):
+    """--route_credit split: per completion, per-token advantages. The KB half of the route reward (0.5 [KB = gold's])
+    is normalised in the group and put on the tokens from <ret> on, where the KB is written; the rest of the reward
+    (the sub-question's cosine, the format term) on the tokens before. So the decision's credit is not diluted over
+    the ~40 tokens of the step's wording, and wording noise does not reach the decision tokens."""
+    a_kb = norm(kb_part, std=std) * scale
+    a_rest = norm([r - k for r, k in zip(rewards, kb_part)], std=std) * scale
+    return [[float(a_rest[i])] * ret_start(tok, ids) + [float(a_kb[i])] * (len(ids) - ret_start(tok, ids))
+            for i, (ids, _) in enumerate(group)]
+
+def ret_start(tok, ids):
+    """The number of tokens before the first one that completes "<ret>" (len(ids) if none does)."""
+    if "<ret>" not in tok.decode(ids):
+        return len(ids)
+    lo, hi = 1, len(ids)  # a tag once decoded stays in every longer prefix: binary-search the first such prefix
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if "<ret>" in tok.decode(ids[:mid]) else (mid + 1, hi)
+    return lo - 1
 
 def choice_entropy(choices):
     """Entropy in bits of the empirical distribution of a group's routing choices (a malformed route is one more
@@ -378,8 +417,9 @@ def pack_group(prefix, group, adv):
     row = dict(ids=list(prefix[:-1]), mask=[0] * L, old=[0.0] * L, adv=[0.0] * L, seg=[-1] * L, pos=list(range(L)),
                n_seq=len(group))
     for i, ((ids, lps), a) in enumerate(zip(group, adv)):
+        a = [0.0, *a] if isinstance(a, list) else [float(a)] * (1 + len(ids))  # a: one value, or one a token
         for key, vals in (("ids", [prefix[-1], *ids]), ("mask", [0] + [1] * len(ids)), ("old", [0.0, *lps]),
-                          ("adv", [float(a)] * (1 + len(ids))), ("seg", [i] * (1 + len(ids))),
+                          ("adv", a), ("seg", [i] * (1 + len(ids))),
                           ("pos", list(range(L, L + 1 + len(ids))))):
             row[key] += vals
     return row
@@ -592,7 +632,7 @@ def report(out, step, peaks, dev_hist, world, print0):
 
 def main(argv=None):
     args = get_args(argv)
-    rank, world, device, print0 = trainutil.env_rank()
+    rank, world, device, print0 = trainutil.env_rank(args.device)
     check_args(args, world)
     lora = trainutil.lora_of(args)
     args.dtype = trainutil.resolve_dtype(args.dtype, device)  # the resolved choice is what trainer_state.pt records
@@ -606,7 +646,7 @@ def main(argv=None):
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
     check_questions(questions, args)
-    own_group = trainutil.init_group(world, args.timeout)
+    own_group = trainutil.init_group(world, args.timeout, device)
     encoder = retrievers.Encoder()  # all-MiniLM-L6-v2, for the sub-question cosine
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(weights)

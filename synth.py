@@ -16,6 +16,7 @@ Three sources, one output format (one JSONL row per question: the rollout.py tra
     python synth.py --export_r1router data/mini/traj/train.jsonl --out data/mini/r1router_train.jsonl
 """
 import argparse
+import json
 import re
 import sys
 from dataclasses import replace
@@ -26,6 +27,7 @@ import engines
 import prepare
 import reward
 import rollout
+import transcript
 import vision
 
 #### teacher-mode filters
@@ -143,6 +145,11 @@ def to_r1router(x, system_route=rollout.SYSTEM_PROMPT, system_answer=rollout.DIR
 def slim(x):
     return {k: v for k, v in x.items() if k != "logprobs"}  # SFT needs ids + mask; sampling logprobs are RL's business
 
+def write_trajectories(out, split, trajs, tok):
+    """<out>/<split>.jsonl, and <out>/meta.json naming the tokenizer of their ids (sft.py refuses another's)."""
+    corpus.write_jsonl(Path(out) / f"{split}.jsonl", [slim(x) for x in trajs])
+    corpus.write_atomic(Path(out) / transcript.META, json.dumps(transcript.tokenizer_meta(tok)) + "\n")
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="data/mini", help="corpus.py folder (gold and teacher modes)")
@@ -190,7 +197,7 @@ if __name__ == "__main__":
             qs, ret = read_r1router(args.r1router)
             trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, max_pairs=args.max_pairs, think=args.gold_think), ret, qs,
                                     s=gold_settings)
-            corpus.write_jsonl(Path(args.out) / "train.jsonl", [slim(x) for x in trajs])
+            write_trajectories(args.out, "train", trajs, tok)
             print(f"imported {len(trajs)} R1-Router trajectories ({sum(x['format_ok'] for x in trajs)} well-formed) -> {args.out}/train.jsonl")
             sys.exit(0)
         import retrievers
@@ -206,7 +213,7 @@ if __name__ == "__main__":
             else:
                 trajs, counts = teacher_trajectories(engine, ret, qs, args.n, settings, args.seed)
                 report = "teacher filters: " + ", ".join(f"{k} {v}" for k, v in counts.items())
-            corpus.write_jsonl(Path(args.out) / f"{split}.jsonl", [slim(x) for x in trajs])
+            write_trajectories(args.out, split, trajs, tok)
             hits = [g["doc_id"] in s["retrieved"] for x in trajs for g, s in zip(x["gold_steps"], x["steps"])]
             print(f"{split}: {len(trajs)} trajectories ({report}); gold doc retrieved at {sum(hits) / max(1, len(hits)):.1%} "
                   f"of steps; {sum(sum(x['mask']) for x in trajs) / max(1, len(trajs)):.0f} policy tokens of "

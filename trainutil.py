@@ -3,9 +3,9 @@ trainutil.py: the FSDP2 set-up, checkpoints and logging that sft.py and stepgrpo
 
 Same code with or without torchrun: a single process is an FSDP2 world of one (a gloo/nccl group over an in-memory
 store), so the sharding, mixed-precision, state-dict and clipping paths are the ones a multi-rank run takes.
-GPU: NCCL, flash-attn 2 when installed. CPU: gloo. Both: bf16 compute with fp32 master weights and fp32 gradient
-reduction (--dtype bf16), or fp32 throughout (--dtype fp32); --dtype auto (the default) picks bf16 where the
-hardware computes it natively (CUDA, AVX512-BF16 CPUs) and fp32 elsewhere.
+GPU: NCCL, flash-attn 2 when installed (bf16 compute only). CPU: gloo. Both: bf16 compute with fp32 master weights
+and fp32 gradient reduction (--dtype bf16), or fp32 throughout (--dtype fp32); --dtype auto (the default) picks bf16
+where the hardware computes it natively (CUDA, AVX512-BF16 CPUs) and fp32 elsewhere. --device cuda refuses the CPU.
 
 Checkpoint layout (in --out):
     step_<N>/          Hugging Face folder (config, safetensors, tokenizer) that transformers and vLLM load as is,
@@ -40,9 +40,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # kernel is used instead
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-def env_rank():
-    """-> rank, world, device from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (alone: a world of one), and print0."""
-    cuda = torch.cuda.is_available()
+def env_rank(device="auto"):
+    """-> rank, world, device from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (alone: a world of one), and print0.
+    device (--device): auto takes CUDA when torch sees it, else the CPU; cuda exits when CUDA is missing, since a GPU
+    job on a machine with a broken driver would otherwise train on the CPU for days; cpu stays off the GPUs."""
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: torch sees no CUDA device (check nvidia-smi, the NVIDIA driver and torch's CUDA "
+                 "build; --device cpu to train on the CPU)")
+    cuda = device != "cpu" and torch.cuda.is_available()
     rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -50,10 +55,11 @@ def env_rank():
     print0 = lambda *a, **k: print(*a, **k, flush=True) if rank == 0 else None
     return rank, world, device, print0
 
-def init_group(world, timeout_min=30):
+def init_group(world, timeout_min=30, device=None):
     """Join the process group (alone: a gloo/nccl group of one over an in-memory store). Returns whether we made it:
     a caller's existing group (e.g. one an in-process vLLM made) is reused and left to its owner. timeout_min: how long
-    a collective may wait (NCCL's default is 10; rank 0 writing a 7B checkpoint's weights can take longer)."""
+    a collective may wait (NCCL's default is 10; rank 0 writing a 7B checkpoint's weights can take longer). device:
+    this rank's (env_rank's; None: CUDA when available), which picks NCCL or gloo."""
     import datetime
     own = not dist.is_initialized()
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
@@ -62,7 +68,8 @@ def init_group(world, timeout_min=30):
         sys.exit("error: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment")
     if own:
         kw = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+        cuda = torch.cuda.is_available() if device is None else device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo",
                                 timeout=datetime.timedelta(minutes=timeout_min), **kw)
     if dist.get_world_size() != world:
         sys.exit(f"error: the process group has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
@@ -86,6 +93,11 @@ def resolve_start(model, out, resume, lora=False):
             sys.exit(f"error: --resume: {start} is {'a LoRA' if not lora else 'not a LoRA'} checkpoint but --lora_r is "
                      f"{'0' if not lora else 'set'}; resume with the run's own flags")
     weights = Path(model) if resuming and lora else start
+    if not weights.exists():  # the scripts run offline (HF_HUB_OFFLINE): a Hub name (org/name) is not a folder
+        hub = len(weights.parts) == 2 and not weights.is_absolute()
+        sys.exit(f"error: {weights}: not a model folder (no such folder" + (
+            f"; a Hub model must be downloaded first: hf download {weights} --local-dir models/{weights.name}, then "
+            f"--model models/{weights.name}" if hub else "") + ")")
     if not (weights / "config.json").is_file():
         hint = ": LoRA adapters of an unfinished run (resume it, or start from its final checkpoint)" \
             if (weights / "adapter").is_dir() else " (no config.json)"
@@ -152,6 +164,17 @@ def is_quantized(p):
     """A bitsandbytes-quantised parameter (FSDP2 leaves these out: each rank holds them whole)."""
     return type(p).__name__ in ("Params4bit", "Int8Params")
 
+def attention(device, bf16, tree_mask=False):
+    """The attention implementation: flash-attn 2 when installed, on CUDA with bf16 compute only (it has no fp32
+    kernels: --dtype fp32 would raise in the first forward) and without 4D masks (tree_mask); else SDPA."""
+    if device.type != "cuda" or not bf16 or tree_mask:
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "flash_attention_2"
+
 def load_sharded(path, device, world, activation_checkpointing=False, train=True, bf16=True, tree_mask=False, lora=None):
     """fp32 master weights; each block (blocks(): decoder layers, vision-encoder layers) is one FSDP unit, the root
     holds the rest (embeddings, final norm, lm_head; a VL model's patch embedding and connector).
@@ -168,13 +191,7 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, BitsAndBytesConfig
-    auto, attn = auto_model(path), "sdpa"
-    if device.type == "cuda" and not tree_mask:
-        try:
-            import flash_attn  # noqa: F401
-            attn = "flash_attention_2"
-        except ImportError:
-            pass
+    auto, attn = auto_model(path), attention(device, bf16, tree_mask)
     quant = lora.quant if lora else "none"
     full, buffers, generation_config = {}, {}, None
     if quant != "none":

@@ -4,10 +4,21 @@ of any concatenative chat template (ChatML, Llama-3, ...) by rendering sentinel 
 token, so the ids that were sampled are exactly the ids trained on. rollout.py builds trajectories with it and sft.py
 renders golden ones through the same code, so training and evaluation never drift apart.
 """
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 import reward
 from vision import Img, images_in
+
+META = "meta.json"  # beside a folder of trajectories (synth.py): tokenizer_meta of the tokenizer that wrote their ids
+
+def tokenizer_meta(tok):
+    """Whose token ids a trajectory holds: the tokenizer's name and a hash of its vocabulary (sha256 of the sorted
+    (token, id) pairs, 16 hex digits). Ids of another vocabulary are in range and train on garbage without an error,
+    so sft.py compares the hash with its policy's."""
+    vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False)
+    return dict(tokenizer=str(tok.name_or_path), vocab_sha256=hashlib.sha256(vocab.encode()).hexdigest()[:16])
 
 class ChatFormat:
     """The string pieces of the tokenizer's chat template, found by rendering sentinel messages, so any

@@ -4,6 +4,7 @@ expansion of an image in a chat turn (what the trainer sees), the bare placehold
 instead, and the pixel inputs of a batch. `VisionIO.load` returns None for a text-only policy, and every caller then
 leaves images out. Used by transcript.py (chat turns with images) and engines.py (prompts with images).
 """
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,9 @@ class VisionIO:
     image part (Idefics3: <image>; Qwen: <|vision_start|><|image_pad|><|vision_end|>); the transcript holds the
     processor's expansion of it (the tokens the model attends to, what the trainer sees), and vLLM gets the bare
     placeholder back with the picture in multi_modal_data, which it expands the same way (tested)."""
+    CACHE = 256  # decoded pictures (full-size RGB) and token expansions kept, least recently used first out: a run
+                 # over an image KB would otherwise hold every picture it ever saw in host memory
+
     def __init__(self, model_dir):
         import inspect
         from transformers import AutoConfig, AutoProcessor
@@ -32,7 +36,7 @@ class VisionIO:
         text = self.proc.apply_chat_template([dict(role="user", content=part)], tokenize=False)
         self.placeholder = text[text.index("\x01") + 1:text.index("\x02")]
         self.placeholder_ids = self.tok.encode(self.placeholder, add_special_tokens=False)
-        self._expanded, self._pixels = {}, {}
+        self._expanded, self._pixels = OrderedDict(), OrderedDict()  # path -> token ids, path -> PIL image (LRU)
         # tokens only an image expansion holds: never sampled (the engines suppress them), skipped when reading text
         special = {i for i, t in self.tok.added_tokens_decoder.items() if t.special}
         self.special_ids = sorted(set(self.expand(None)) & special)
@@ -48,18 +52,26 @@ class VisionIO:
         from PIL import Image
         if path is None:
             return Image.new("RGB", (224, 224), "white")
-        if path not in self._pixels:
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"image file not found: {path}")
-            self._pixels[path] = Image.open(path).convert("RGB")
-        return self._pixels[path]
+        if path not in self._pixels and not Path(path).is_file():
+            raise FileNotFoundError(f"image file not found: {path}")
+        return self._cached(self._pixels, path, lambda: Image.open(path).convert("RGB"))
 
     def expand(self, path):
         """Token ids of one image in a chat turn: the processor's expansion of the placeholder (cached per file)."""
-        if path not in self._expanded:
+        def make():
             out = self.proc(text=self.placeholder, images=[self.image(path)], add_special_tokens=False)
-            self._expanded[path] = list(out["input_ids"][0])
-        return self._expanded[path]
+            return list(out["input_ids"][0])
+        return self._cached(self._expanded, path, make)
+
+    def _cached(self, cache, key, make):
+        """cache[key], made by make() when missing; the least recently used entry goes past CACHE entries."""
+        if key in cache:
+            cache.move_to_end(key)
+        else:
+            cache[key] = make()
+            if len(cache) > self.CACHE:
+                cache.popitem(last=False)
+        return cache[key]
 
     def collapse(self, ids, images):
         """(ids with each image's expansion replaced by the bare placeholder, the pictures in order): vLLM's input."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real data (README "Real data"): prompt-only SmolLM2, the main job's SFT and Step-GRPO checkpoints (trained on the
+# Real data (docs/realdata.md): prompt-only SmolLM2, the main job's SFT and Step-GRPO checkpoints (trained on the
 # mini-world only), and both continued on the real MuSiQue training split (golden trajectories from its
 # decompositions); scored on held-out MuSiQue, HotpotQA and WikiTableQuestions, one table per split.
 # Run from the repo root after `make demo` and `make real REAL_SRC=...`, or as `make real-eval`. Resumable.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # R1-Router's released choices against this repo's recipe, at the main job's budgets and from its checkpoints
-# (run `make demo` first; README "R1-Router as released"; ~1.5 h on 2 CPU cores):
+# (run `make demo` first; docs/released.md; ~1.5 h on 2 CPU cores):
 #   1. the released reward and loss (--teacher_spans all --no-balance_kb --w_format 0 --entropy_coef 1e-3
 #      --old_logprobs trainer) against the recipe: Step-GRPO from the same SFT checkpoint, same questions and seed;
 #   2. the released evaluation protocol (evaluate.py --protocol released) against greedy strict, on the recipe's checkpoint;

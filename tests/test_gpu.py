@@ -29,7 +29,7 @@ def test_faiss_on_gpu_returns_what_cpu_faiss_returns():
     import faiss
     import retrievers
     if not hasattr(faiss, "StandardGpuResources"):
-        pytest.skip("this faiss has no GPU support")
+        pytest.skip("faiss-gpu not installed (requirements-gpu.txt installs faiss-cpu)")
     rng = np.random.default_rng(0)
     docs, queries = rng.standard_normal((5000, 384)).astype(np.float32), rng.standard_normal((64, 384)).astype(np.float32)
     cpu = retrievers.faiss_index(docs)
@@ -44,7 +44,7 @@ def test_ivfpq_index_loads_onto_the_gpu_and_searches_like_cpu(tmp_path):
     import bench_index
     import retrievers
     if not hasattr(faiss, "StandardGpuResources"):
-        pytest.skip("this faiss has no GPU support")
+        pytest.skip("faiss-gpu not installed (requirements-gpu.txt installs faiss-cpu)")
     x = bench_index.clustered(12_064, 384, 1.0, np.random.default_rng(0))
     docs, queries = x[:12_000], x[12_000:]  # [12000, 384], [64, 384]
     index, params = retrievers.dense_index(docs, "ivfpq")

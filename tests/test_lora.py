@@ -118,6 +118,7 @@ def test_lora_flags_that_cannot_work_exit_with_one_line(tiny_model_dir):
 
 #### sft.py: 2 ranks, resume, the checkpoints
 
+@pytest.mark.slow
 def test_two_ranks_lora_sft_equal_one_process(lora_run, tiny_model_dir, traj_dir, tmp_path):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "sft.py",
@@ -130,6 +131,7 @@ def test_two_ranks_lora_sft_equal_one_process(lora_run, tiny_model_dir, traj_dir
         assert adapter_diff(out / f"step_{step}", lora_run / f"step_{step}") < 1e-5
     assert adapter_diff(lora_run / "step_2", lora_run / "step_1") > 1e-3  # step 2 did something
 
+@pytest.mark.slow
 def test_lora_sft_resumes_exactly_and_keeps_checkpoints_small(lora_run, tiny_model_dir, traj_dir, tmp_path):
     b = tmp_path / "b"
     b.mkdir()
@@ -156,6 +158,7 @@ if __name__ == "__main__":
     print(json.dumps(engines.VLLMEngine(sys.argv[1], max_model_len=1024).prompt_logprobs(json.loads(sys.argv[2]))))
 """
 
+@pytest.mark.slow
 def test_merged_export_loads_in_transformers_and_vllm_and_equals_the_adapted_model(lora_run, tiny_model_dir, traj_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -188,6 +191,7 @@ def grpo(model, data, out, *extra, nproc=1):
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(l) for l in open(Path(out) / "log.jsonl")]
 
+@pytest.mark.slow
 def test_lora_step_grpo_from_an_sft_lora_checkpoint_keeps_the_engine_equal_to_the_trainer(lora_run, tiny_index, tmp_path):
     recs = grpo(lora_run / "final", tiny_index, tmp_path / "run", "--train_steps", "2", "--check_sync", nproc=2)
     assert [r["step"] for r in recs] == [1, 2]
@@ -196,6 +200,7 @@ def test_lora_step_grpo_from_an_sft_lora_checkpoint_keeps_the_engine_equal_to_th
     start, final = load_file(lora_run / "final" / "model.safetensors"), load_file(tmp_path / "run" / "final" / "model.safetensors")
     assert max((start[k] - final[k]).abs().max().item() for k in start) > 1e-4
 
+@pytest.mark.slow
 def test_lora_step_grpo_resumes_exactly(lora_run, tiny_index, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     a = grpo(lora_run / "final", tiny_index, straight, "--train_steps", "2")
@@ -206,6 +211,7 @@ def test_lora_step_grpo_resumes_exactly(lora_run, tiny_index, tmp_path):
     for key in ("loss", "kl", "entropy", "tokens", "grad_norm"):
         assert a[1][key] == pytest.approx(b[1][key], rel=1e-6, abs=1e-9), key
 
+@pytest.mark.slow
 def test_qlora_nf4_base_on_cpu_trains_adapters_and_syncs_the_dequantised_policy(tiny_model_dir, tiny_index, tmp_path):
     pytest.importorskip("bitsandbytes")
     recs = grpo(tiny_model_dir, tiny_index, tmp_path / "q", "--train_steps", "1", "--check_sync", "--quant", "nf4")

@@ -91,6 +91,7 @@ def single_run(tiny_model, traj_dir, tmp_path_factory):
     sft.main(["--model", str(tiny_model), "--data", str(traj_dir), "--out", str(out), "--grad_accum", "4", *FAST, *SGD])
     return out
 
+@pytest.mark.slow
 def test_first_step_is_sgd_on_the_global_token_mean(single_run, tiny_model, traj_dir):
     """Step 1 by hand: the global batch is the first 8 rows of the seed-0 permutation; the loss is the NLL summed over
     all their policy tokens / their number (not a mean of per-micro-batch means); the update is -lr * clipped grad."""
@@ -112,6 +113,7 @@ def test_first_step_is_sgd_on_the_global_token_mean(single_run, tiny_model, traj
             assert torch.allclose(w, expect, atol=1e-6, rtol=0), k
     assert max_diff(single_run / "step_1", tiny_model) > 1e-2  # the step really moved the weights
 
+@pytest.mark.slow
 def test_bf16_step_is_close_to_fp32(single_run, tiny_model, traj_dir, tmp_path):
     """--dtype bf16: the same first step with bf16 compute. Loss and update are close to the fp32 run's
     but not equal to it, so the bf16 path really ran; the checkpoint stays fp32 (master weights)."""
@@ -153,6 +155,7 @@ def test_rank0_load_fills_every_shard_and_keeps_the_head_tied(tiny_model):
     if own:
         dist.destroy_process_group()
 
+@pytest.mark.slow
 def test_two_ranks_fsdp_equal_one_process(single_run, tiny_model, traj_dir, tmp_path):
     """torchrun, 2 gloo ranks x 2 micro-batches (and activation checkpointing) vs 1 process x 4: the same global
     batches. Plain SGD, so the weights compare tightly (measured ~1e-8; AdamW's first step lr*g/(|g|+eps) would
@@ -176,6 +179,7 @@ def test_two_ranks_fsdp_equal_one_process(single_run, tiny_model, traj_dir, tmp_
 
 #### resume, and the checkpoint itself
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tiny_model, traj_dir, tmp_path):
     """AdamW + warm-up + cosine, 6 steps straight vs a copy of the same run's step-3 checkpoint resumed with --resume
     (what a crash right after step 3 leaves): mid-epoch (4 steps of 8 of the 32 rows per epoch), so the rest of
@@ -208,6 +212,7 @@ if __name__ == "__main__":
     print(json.dumps(engines.VLLMEngine(sys.argv[1], max_model_len=1024).prompt_logprobs(json.loads(sys.argv[2]))))
 """
 
+@pytest.mark.slow
 def test_checkpoint_loads_in_transformers_and_vllm_tied_and_equal_to_the_trainer(single_run, tiny_model, traj_dir):
     from transformers import AutoTokenizer
     assert (single_run / "latest").read_text() == "step_2\n" and (single_run / "final").resolve() == (single_run / "step_2").resolve()
@@ -241,6 +246,7 @@ def test_checkpoint_loads_in_transformers_and_vllm_tied_and_equal_to_the_trainer
 
 #### bad input
 
+@pytest.mark.slow
 def test_bad_input_exits_with_one_line_naming_the_problem(tiny_model, traj_dir, tmp_path):
     good = [json.loads(line) for line in open(traj_dir / "train.jsonl")]
 

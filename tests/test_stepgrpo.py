@@ -291,6 +291,7 @@ def records(out):
 
 @pytest.mark.parametrize("mode,structure", [("teacher_prefix", "transcript"), ("onpolicy", "transcript"),
                                             ("onpolicy", "released")])
+@pytest.mark.slow
 def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_index, mode, structure):
     out = tmp_path / "run"
     run(common(tiny_model_dir, tiny_index, out) + ["--rollout", mode, "--structure", structure, "--train_steps", "2",
@@ -304,6 +305,7 @@ def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_i
     assert max((before[k] - after[k]).abs().max().item() for k in before) > 1e-4
     assert (out / "curves.png").stat().st_size > 10_000
 
+@pytest.mark.slow
 def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(tmp_path, tiny_model_dir, tiny_index):
     # the tiny random policy earns 0 advantage everywhere: with --kl_coef 0 every row is skipped, yet both ranks still
     # run one (zero-weight) micro-batch so FSDP's collectives match, and without weight decay nothing moves
@@ -315,6 +317,7 @@ def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(tmp_path, tiny_mod
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before)
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path, tiny_model_dir, tiny_index):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(common(tiny_model_dir, tiny_index, straight) + ["--train_steps", "2"])
@@ -327,6 +330,7 @@ def test_resume_continues_exactly(tmp_path, tiny_model_dir, tiny_index):
     for key in ("loss", "kl", "entropy", "tokens", "grad_norm"):
         assert ra[1][key] == pytest.approx(rb[1][key], rel=1e-6, abs=1e-9), key
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(tmp_path, tiny_model_dir, tiny_index):
     # kill -9 one worker of a 2-rank job after its first checkpoint: torchrun --max-restarts 1 restarts both ranks,
     # --resume auto picks up the newest whole checkpoint, and the job ends with the weights of an uninterrupted run
@@ -368,6 +372,7 @@ def test_an_interrupted_checkpoint_is_never_resumed_from(tmp_path, tiny_model_di
     shutil.copytree(out / "step_1", out / "step_2")
     assert trainutil.resolve_start(str(tiny_model_dir), out, "auto") == (out / "step_1", out / "step_1", True)
 
+@pytest.mark.slow
 def test_max_restarts_with_the_shared_rendezvous_store_is_refused(tmp_path, tiny_model_dir, tiny_index):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
            str(ROOT / "stepgrpo.py")] + common(tiny_model_dir, tiny_index, tmp_path / "run")
@@ -387,7 +392,8 @@ def teacher_setup(tiny_index, spans="route"):
     qs = corpus.load_questions(tiny_index, "train")[:6]
     ret = retrievers.Retriever(tiny_index, "bm25")
     args = Namespace(max_steps=3, topk=3, temperature=1.0, group_size=2, teacher_spans=spans, structure="transcript",
-                     max_pairs=1, max_rets=1, gold_think="kb_first")
+                     max_pairs=1, max_rets=1, gold_think="kb_first",
+                     route_credit="whole", adv_std=True)
     return tok, qs, ret, args, rollout.golden_prefixes(tok, ret, qs)[1]
 
 def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
@@ -410,6 +416,26 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
         assert (spans == "route") == all("</ret>" in c and "<answer>" not in c for c in completions)
         # unanimous groups: no spread in the KB choice, no group with mixed choices
         assert st["kb_entropy"] == [0.0] * n_route and st["kb_mixed"] == [0.0] * n_route
+
+def test_split_credit_puts_the_kb_half_on_the_ret_tokens_only():
+    # two completions that differ only in the KB: the wording's reward is equal, so the tokens before <ret> get 0 and
+    # the decision tokens get the whole relative advantage
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
+    texts = [reward.format_route("The next fact to look up.", [("Where was Ly Normi born?", kb)]) for kb in ("text", "table")]
+    group = [(tok.encode(t, add_special_tokens=False), None) for t in texts]
+    cut = [stepgrpo.ret_start(tok, ids) for ids, _ in group]
+    for (ids, _), k in zip(group, cut):
+        assert "<ret>" not in tok.decode(ids[:k]) and "<ret>" in tok.decode(ids[:k + 1])
+        assert tok.decode(ids[k:]).lstrip(">").startswith(("Text", "Table", "\nText", "\nTable"))
+    adv = stepgrpo.split_credit(tok, group, [1.2, 0.7], [0.5, 0.0], std=True, scale=1.0)
+    for a, (ids, _), k, sign in zip(adv, group, cut, (1, -1)):
+        assert len(a) == len(ids) and a[:k] == [0.0] * k
+        assert a[k:] == pytest.approx([sign * 0.25 / (0.5 ** 0.5 / 2 + 1e-4)] * (len(ids) - k))
+    assert stepgrpo.split_credit(tok, group, [1.2, 0.7], [0.5, 0.0], std=False, scale=2.0)[0][-1] == pytest.approx(0.5)
+    # a completion without <ret> (malformed): all its tokens are wording
+    assert stepgrpo.ret_start(tok, tok.encode("<think>no route", add_special_tokens=False)) == len(
+        tok.encode("<think>no route", add_special_tokens=False))
 
 def test_choice_entropy_of_a_group_in_bits():
     assert stepgrpo.choice_entropy([("text",)] * 8) == 0.0
@@ -473,6 +499,7 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
              for _ in range(2)]
     assert st["reask"] == asked and 0 < sum(asked) < len(asked)
 
+@pytest.mark.slow
 def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
     for extra, flag in ((["--reward", "outcome"], "--reward"), (["-n", "1"], "-n"), (["--max_pairs", "0"], "--max_pairs"),
                         (["--structure", "released", "--max_pairs", "2"], "--max_pairs"), (["--max_rets", "4"], "--max_rets")):
@@ -480,6 +507,7 @@ def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
         last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback
         assert r.returncode != 0 and last.startswith("error: ") and flag in last, r.stderr
 
+@pytest.mark.slow
 def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_dir, tiny_index):
     import shutil
     data = tmp_path / "data"
@@ -496,6 +524,7 @@ def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode != 0 and last.startswith("error: ") and words in last, r.stderr[-2000:]
 
+@pytest.mark.slow
 def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(tmp_path, tiny_model_dir, tiny_index):
     plain, evald = tmp_path / "plain", tmp_path / "eval"
     run(common(tiny_model_dir, tiny_index, plain) + ["--train_steps", "3"])

@@ -26,6 +26,8 @@ import stepgrpo
 import trainutil
 import vision
 
+pytestmark = pytest.mark.slow  # a VL policy and its engines: the whole module is in `make test` only
+
 ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
