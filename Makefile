@@ -73,6 +73,14 @@ test-gpu:
 	test -f $(MODEL)/config.json || $(GPU_PY) prepare.py --out $(MODEL)
 	$(GPU_PY) -m pytest -q -rs tests/test_gpu.py
 
+# Does training work on this one-GPU machine? Offline, no downloaded weights, under 10 min: tiny random Qwen2 and
+# Qwen2.5-VL through SFT (bf16, save, exact resume), Step-GRPO (HF engine; vLLM where installed), LoRA and the visual
+# path; one table with peak memory (runs/gpu_check.py). DRY=1: the same on the CPU in fp32, with the venv's Python.
+.PHONY: gpu-check
+gpu-check:
+	test -f $(MODEL)/tokenizer_config.json || $(if $(DRY),$(PY),$(GPU_PY)) prepare.py --out $(MODEL)
+	DRY=$(DRY) PY=$(if $(DRY),$(PY),$(GPU_PY)) bash runs/gpu_check.sh
+
 # BENCH_MODEL=out/demo/sft/final: a policy that writes the transcript's step format runs whole trajectories
 # (each structure wants a policy trained on it: runs/released.sh benches both, each with its own SFT checkpoint)
 BENCH_MODEL ?= $(MODEL)

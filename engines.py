@@ -1,18 +1,22 @@
 """
 engines.py: the generation engines and their weight sync. An engine has submit(key, prompt, ...) + poll() ->
 [(key, token ids, logprobs)] of the requests that finished, generate(prompts) -> [(token ids, logprobs)] on top,
-sleep() and sync_weights(weights). Outputs stop after the first stop string or EOS; logprobs are those of the
-distribution sampled from (logits / temperature), as the trainer computes them.
+sleep() and sync_weights(weights), which checks that every parameter came. Outputs stop after the first stop string or
+EOS; logprobs are those of the distribution sampled from (logits / temperature), as the trainer computes them.
     VLLMEngine  vLLM in-process (continuous batching; weights reloaded in place after each update)
     HFEngine    plain transformers generate (the fallback, and the reference the vLLM path is tested against)
 A new engine goes here and into make_engine.
 """
+import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 from vision import VisionIO
+
+MAX_LEN = 4096  # tokens of a request (prompt + new) that the engines take in training by default
 
 def truncate(tok, ids, logprobs, stop, eos):
     """Cut after the first EOS, then after the first token that completes a stop string (HF pads finished rows)."""
@@ -26,6 +30,30 @@ def truncate(tok, ids, logprobs, stop, eos):
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if any(s in tok.decode(ids[:mid]) for s in stop) else (mid + 1, hi)
     return ids[:lo], logprobs[:lo]
+
+def param_names(model):
+    """The HF names of a model folder's parameters, from a weightless copy on the meta device: what a full weight sync
+    must send (a tied head is not a parameter of its own). Not the folder's safetensors keys: transformers 5 saves some
+    models (Qwen2.5-VL) under older names than its model classes, and so the trainer, use."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        return {n for n, _ in auto_model(config).from_config(config).named_parameters()}
+
+def check_sent(expected, sent):
+    """Exit naming the parameters a weight sync left out. vLLM's reload only warns about a missing parameter, and
+    says nothing when one shard of a fused one is missing (q_proj of qkv_proj, gate_proj of gate_up_proj): that
+    shard keeps uninitialised memory. The HF names cover both: each shard is a parameter of its own there."""
+    missing = sorted(expected - set(sent))
+    if missing:
+        sys.exit(f"error: weight sync left out {len(missing)} of {len(expected)} parameters: {', '.join(missing[:3])}"
+                 + (", ..." if len(missing) > 3 else ""))
+
+def quiet_rotary(record):
+    """vLLM's reload logs "RotaryEmbedding: Failed to load weights" at every sync: the layer has no weights, only a
+    cos/sin cache made at start, which vLLM puts back (the engine then scores like the new weights, tested). Noise
+    that would bury a real warning, so it is dropped."""
+    return not (record.msg == "%s: Failed to load weights" and str(record.args[0]).endswith("RotaryEmbedding"))
 
 class Batched:
     """For engines that run one batch at a time: poll() generates everything submitted since the last poll."""
@@ -47,7 +75,10 @@ class VLLMEngine:
     """vLLM, in-process (no engine subprocess: fast to start, and weights can be swapped in place)."""
     GPU_FRACTION = 0.5  # of each GPU, for the engine's weights and KV cache (the trainer's shards and Adam get the rest)
 
-    def __init__(self, model, max_model_len=4096, dtype="auto", seed=0, gpu_memory_utilization=GPU_FRACTION, max_images=16):
+    def __init__(self, model, max_model_len=MAX_LEN, dtype="auto", seed=0, gpu_memory_utilization=GPU_FRACTION, max_images=16,
+                 max_pixels=None):
+        """max_model_len: tokens of a request (prompt + new), max_pixels: the processor's cap on a picture's pixels
+        (VisionIO; None: the processor's), the same for the transcripts' image expansions and for vLLM's."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # the V1 model runner on CUDA too (vLLM 0.32 defaults to V2 there): the CPU runner the tests run subclasses V1,
         # so a GPU run takes the code paths (sampling logprobs, prompt logprobs, reload_weights) that were tested
@@ -62,10 +93,12 @@ class VLLMEngine:
         # joins the trainer's process group; the uni executor would put every rank's engine on device 0
         backend = "external_launcher" if dist.is_initialized() and dist.get_world_size() > 1 else "uni"
         self.dtype = ("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype  # bf16 on CPU degrades SmolLM2
-        self.vis = VisionIO.load(model)  # None: a text-only policy
+        self.vis = VisionIO.load(model, max_pixels)  # None: a text-only policy
         # a VL transcript holds the question image and up to max_steps x topk evidence pictures (vLLM sizes its
         # encoder cache for this many per prompt)
         mm = dict(limit_mm_per_prompt={"image": max_images}) if self.vis else {}
+        if self.vis and max_pixels:  # vLLM's processor expands a picture to as many tokens as the transcript holds
+            mm["mm_processor_kwargs"] = {"max_pixels": max_pixels}
         self.can_sleep, self.asleep = not on_cpu, False  # sleep mode frees GPU memory for the update; not on CPU
         self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len, enforce_eager=on_cpu, seed=seed,
                        distributed_executor_backend=backend, gpu_memory_utilization=gpu_memory_utilization,
@@ -74,6 +107,8 @@ class VLLMEngine:
                        # as the trainer computes them; vLLM's default reports the untempered ones
                        logprobs_mode="processed_logprobs",
                        block_size=32 if on_cpu else None, **mm)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(quiet_rotary)
+        self.params = param_names(model)  # what every sync must send (check_sent)
         self.tok = self.llm.get_tokenizer()
         self.max_len = max_model_len  # prompt + new tokens; rollout() ends a longer trajectory instead of submitting it
         self.pending, self.n_requests = {}, 0  # vLLM request id -> (caller's key, stop strings)
@@ -141,15 +176,18 @@ class VLLMEngine:
         consumed one at a time (trainutil.policy_params gathers each parameter from the FSDP shards only when asked),
         so beyond the engine's own copy at most one full parameter exists at once. Asleep (GPU): free the trainer's
         cached blocks (the update's activations), wake the weights, load, free the gathered parameters' blocks, then
-        wake the KV cache (TRL's and verl's order). Finally drop KV blocks computed with the old weights."""
+        wake the KV cache (TRL's and verl's order). Finally drop KV blocks computed with the old weights. Exits when
+        a parameter of the model was not sent (check_sent)."""
         if self.asleep:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         dtype = getattr(torch, self.dtype)
         tied = getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
+        sent = set()
 
         def stream():
             for name, t in weights.items() if isinstance(weights, dict) else weights:
+                sent.add(name)
                 t = t.to(dtype)  # the engine's dtype: a bf16 copy on GPU, half the fp32 master's size
                 yield name, t
                 if tied and name.endswith("embed_tokens.weight"):  # vLLM's lm_head needs its own copy
@@ -162,23 +200,27 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         if self.vis:  # vision embeddings computed with the old weights (reusing them also fails: "Encoder cache miss")
             self.llm.llm_engine.reset_encoder_cache()
+        check_sent(self.params, sent)
 
     def close(self):
         """Shut the engine down now. NB: vLLM's teardown also destroys torch.distributed's default process group."""
         self.llm.llm_engine.engine_core.shutdown()
 
 class HFEngine(Batched):
-    """Plain transformers generate: the fallback, and the reference the vLLM path is tested against."""
-    def __init__(self, model, dtype="auto", seed=0, batch_size=32):
+    """Plain transformers generate: the fallback (stepgrpo.py --engine hf), and the reference the vLLM path is tested
+    against."""
+    def __init__(self, model, dtype="auto", seed=0, batch_size=32, max_len=None):
         from transformers import AutoTokenizer
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dt = {"auto": torch.bfloat16 if self.device == "cuda" else torch.float32}.get(dtype) or getattr(torch, dtype)
         self.model = model if not isinstance(model, (str, Path)) else auto_model(model).from_pretrained(model, dtype=dt)
         self.model.to(self.device).eval()
+        self.dtype = str(self.model.dtype).removeprefix("torch.")  # as VLLMEngine's: "float32" or "bfloat16"
         self.tok = AutoTokenizer.from_pretrained(self.model.name_or_path)
         self.vis = VisionIO.load(self.model.name_or_path)
         torch.manual_seed(seed)
         self.batch_size = batch_size
+        self.max_len = max_len  # prompt + new tokens (None: no limit); rollout() ends a longer trajectory
 
     @torch.inference_mode()
     def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
@@ -207,11 +249,29 @@ class HFEngine(Batched):
                 res.append(truncate(self.tok, new[i].tolist(), lps[i].tolist(), stop, self.tok.eos_token_id))
         return res
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids, images=()):
+        """Logprob of every token of `ids` after the first, under the engine's current weights."""
+        x = torch.tensor([ids], device=self.device)
+        pix = self.vis.pixels([images], self.device, x) if self.vis else {}
+        lp = self.model(input_ids=x, **pix).logits[0, :-1].float().log_softmax(-1)  # [T-1, V]
+        return lp.gather(-1, x[0, 1:, None])[:, 0].tolist()
+
     def sleep(self):
         pass  # no sleep mode: the HF engine keeps its weights where they are
 
     def sync_weights(self, weights):
-        self.model.load_state_dict(dict(weights), strict=False)
+        """Copy a state dict or (name, tensor) pairs into the model one at a time (policy_params gathers each only when
+        asked). Strict: an unknown name exits, and so does a parameter not sent (check_sent); a tied head is the
+        embedding's alias, whether it is sent or not."""
+        own, sent = self.model.state_dict(keep_vars=True), set()
+        with torch.no_grad():
+            for name, t in weights.items() if isinstance(weights, dict) else weights:
+                if name not in own:
+                    sys.exit(f"error: weight sync: the engine's model has no weight {name}")
+                own[name].copy_(t)
+                sent.add(name)
+        check_sent({n for n, _ in self.model.named_parameters()}, sent)
 
     def close(self):
         pass

@@ -486,7 +486,7 @@ if __name__ == "__main__":
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
-    ap.add_argument("--gold_think", default="kb_first", choices=["kb_first", "kb_last"],
+    ap.add_argument("--gold_think", default="kb_last", choices=["kb_first", "kb_last"],
                     help="the golden routing <think> of the few-shot examples' and the route probe's golden prefixes: as synth.py wrote the SFT data")
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

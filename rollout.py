@@ -138,7 +138,7 @@ class GoldPolicy(Batched):
            "image": "How something looks: the image retriever."}  # think kb_first: the routing reason, KB named
     NEXT = "The next fact to look up."  # think kb_last: no KB named; the choice is made at <ret>, after the sub-question
 
-    def __init__(self, tok, questions, vis=None, max_pairs=1, think="kb_first"):
+    def __init__(self, tok, questions, vis=None, max_pairs=1, think="kb_last"):
         self.tok, self.vis, self.keys, self.max_pairs, self.think = tok, vis, None, max_pairs, think
         self.by_question, self.by_id = {q["question"]: q for q in questions}, {q["id"]: q for q in questions}
         self.skip = set(vis.special_ids) if vis else set()  # a VL transcript's image tokens are not text
@@ -300,8 +300,8 @@ class Settings:
     max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
     max_pairs: int = 1          # sub-question / retriever pairs a routing step may hold (RAG-R1's parallel queries)
     max_rets: int = 1           # retrievers a pair may name (R1-Router's multi-retriever mode)
-    gold_think: str = "kb_first"  # GoldPolicy's routing <think>: kb_first names the KB before the sub-question is
-                                # written, kb_last names none (the KB is chosen at <ret>, after the sub-question)
+    gold_think: str = "kb_last"  # GoldPolicy's routing <think>: kb_last names no KB (the KB is chosen at <ret>, after
+                                # the sub-question), kb_first names it before the sub-question is written
 
 def check_multi_query(args):
     """One-line errors for --max_pairs / --max_rets (every script that takes them)."""

@@ -144,8 +144,9 @@ def collate(rows, pad_id, device):
     return ids.to(device), labels.to(device)
 
 def pixels(rows, vis, ids):
-    """A VL micro-batch's image inputs (vision.VisionIO.pixels; {} for a text model or rows without images)."""
-    return vis.pixels([r[2] for r in rows], ids.device, ids) if vis else {}
+    """A VL micro-batch's image inputs (vision.VisionIO.pixels; {} for a text model), a dummy picture for rows without
+    images (every rank runs the vision tower: its blocks are FSDP units)."""
+    return vis.pixels([r[2] for r in rows], ids.device, ids, always=True) if vis else {}
 
 def loss_sum(model, ids, labels, pix=None):
     """Sum of the next-token NLLs over label positions (fp32) and their count. ids, labels: [B, T]; pix: pixels().

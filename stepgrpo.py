@@ -80,13 +80,21 @@ def get_args(argv=None):
     ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel "
                     "queries; the route reward matches them to the step's gold steps)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
-    ap.add_argument("--gold_think", default="kb_first", choices=["kb_first", "kb_last"],
+    ap.add_argument("--gold_think", default="kb_last", choices=["kb_first", "kb_last"],
                     help="the golden routing <think> of the golden prefixes (teacher_prefix): as synth.py wrote the SFT data")
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--topk", type=int, default=3, help="evidence documents per sub-question")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
+    ap.add_argument("--max_model_len", type=int, default=engines.MAX_LEN,
+                    help="the engine's context (prompt + new tokens): a step that does not fit ends its trajectory, or "
+                         "leaves its golden prefix without a group (teacher_prefix); log.jsonl's `overflow` is that share")
+    ap.add_argument("--max_pixels", type=int, default=None,
+                    help="VL policy: cap on a picture's pixels, in the trainer's processor and vLLM's (default: the "
+                         "processor's; Qwen2.5-VL's allows 16k tokens a picture, so a visual step overflows 4k: e.g. "
+                         "401408 = 512*28*28, <= 512 tokens, with --max_model_len 8192 for the 1 + max_steps x topk "
+                         "pictures of a transcript); Idefics3's processor has no such cap and ignores it")
     # optimisation
     ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--clip_eps", type=float, default=0.2)
@@ -120,7 +128,15 @@ def get_args(argv=None):
                     help="module names to adapt (all-linear: every linear layer but the output head)")
     ap.add_argument("--quant", default="none", choices=["none", "nf4", "int8"],
                     help="QLoRA: the frozen base quantised by bitsandbytes (needs --lora_r)")
-    ap.add_argument("--check_sync", action="store_true", help="after each sync, log the max |engine - trainer| logprob")
+    ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"],
+                    help="the sampler on each rank: vllm (in-process vLLM), or hf: transformers generate on an unsharded "
+                         "copy of the policy, synced like vLLM's (setup_policy); for machines without vLLM")
+    ap.add_argument("--check_sync", nargs="?", const="every", default="first", choices=["first", "every", "off"],
+                    help="after this run's first sync (or every one; bare --check_sync: every), log the max |engine - "
+                         "trainer| logprob over one rollout row as sync_max_diff, and stop above --sync_tol")
+    ap.add_argument("--sync_tol", type=float, default=None,
+                    help="largest sync_max_diff allowed (default: 1e-3 when trainer and engine compute in fp32, 1.0 "
+                         "when either is bf16; see sync_tol)")
     ap.add_argument("--timeout", type=float, default=30, help="minutes a collective may wait (checkpoints at 7B)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wandb_mode", default=os.environ.get("WANDB_MODE", "offline"), choices=["online", "offline", "disabled"])
@@ -456,14 +472,16 @@ def micro_batches(rows, args, pad_id, device, vis=None):
     Without a KL term a row whose policy tokens all have advantage 0 (a unanimous group) has zero gradient: it is
     skipped, but `denom` still counts it, so the update is exactly the one over every row. Every rank runs the same
     number of micro-batches (FSDP all-gathers inside each forward), at least one: a rank with none left runs a copy
-    of its first row with weight 0. Returns [(collated tensors..., weight)], denom, the fraction of rows skipped."""
+    of its first row with weight 0; and a VL policy's micro-batch without images a dummy picture (VisionIO.pixels
+    always), since another rank's may have some and run the vision blocks.
+    Returns [(collated tensors..., weight)], denom, the fraction of rows skipped."""
     rows = sorted(rows, key=lambda s: len(s["ids"]))  # micro-batches of similar lengths pad less; the loss is a global sum
     live = [s for s in rows if args.kl_coef > 0 or any(a for a, m in zip(s["adv"], s["mask"]) if m)]
     n_micro = torch.tensor([max(1, math.ceil(len(live) / args.micro_batch))], device=device)
     dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
     chunks = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
     stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2)]  # no rows: nothing fit
-    pixels = lambda m, ids: vis.pixels([s.get("images", []) for s in m], device, ids) if vis else {}
+    pixels = lambda m, ids: vis.pixels([s.get("images", []) for s in m], device, ids, always=True) if vis else {}
     micro = [c + (pixels(m or stand_in, c[0]), float(bool(m))) for m in chunks for c in [collate(m or stand_in, pad_id, device)]]
     count = sum(sum(s["mask"]) for s in rows) if args.loss_norm == "token" else sum(s.get("n_seq", 1) for s in rows)
     denom = torch.tensor([count], dtype=torch.float64, device=device)
@@ -518,6 +536,7 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     """One step on this rank's questions `mine`: rollouts and rewards, the update, the new weights into the engine.
     Returns the rows, the rollout stats, the update's sums and grad norm, and the phases' seconds (+ --check_sync)."""
     device = next(model.parameters()).device
+    check = args.check_sync == "every" or (args.check_sync == "first" and "sync" not in peak.gib)  # gib: phases run so far
     make_batch = onpolicy_batch if args.rollout == "onpolicy" else teacher_prefix_batch
     t = time.perf_counter()
     with peak("rollout"):
@@ -534,9 +553,24 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     with peak("sync"):
         engine.sync_weights(trainutil.policy_params(model))
     timing["sync_s"] = time.perf_counter() - t
-    if args.check_sync:  # the engine must now score a rollout exactly as the trainer does
-        timing["sync_max_diff"] = sync_gap(model, engine, rows[0], device)  # the same on every rank
+    if check:  # the engine must now score a rollout as the trainer does
+        row = rows[0] if rows else dict(ids=[pad_id] * 2)  # nothing fit: a stand-in (sync_gap is a collective)
+        gap = timing["sync_max_diff"] = sync_gap(model, engine, row, device)  # the same on every rank
+        tol = sync_tol(args, engine)
+        if not gap <= tol:  # NaN fails too
+            sys.exit(f"error: after the weight sync the engine's logprobs differ from the trainer's by up to {gap:.3g} "
+                     f"(--sync_tol {tol:g}): the engine does not sample from the policy being trained")
     return rows, stats, sums, grad_norm, timing
+
+def sync_tol(args, engine):
+    """--sync_tol, else by precision. fp32 trainer and engine: 1e-3, 10x above a correct sync's gap (< 1e-4 in the
+    tests, 9.5e-7 in docs/LOG.md). bf16 on either side: 1.0. Rounding alone moves logprobs there (2.5e-3 on CPU in
+    docs/LOG.md; the GPU tests allow 0.1 on the tiny models) and may reach tenths of a nat on a real model's unlikely
+    tokens (not measured here), while a broken sync (a parameter missing, uninitialised or another layer's) is off
+    by nats."""
+    if args.sync_tol is not None:
+        return args.sync_tol
+    return 1e-3 if args.dtype == "fp32" and engine.dtype == "float32" else 1.0
 
 def sync_gap(model, engine, row, device):
     """--check_sync: max |engine - trainer| logprob over every token of one rollout row (the full vocabulary: the
@@ -544,7 +578,7 @@ def sync_gap(model, engine, row, device):
     ids, images, vis = row["ids"], row.get("images", []), engine.vis
     with torch.no_grad():
         x = torch.tensor([ids], device=device)
-        pix = vis.pixels([images], device, x) if vis else {}
+        pix = vis.pixels([images], device, x, always=True) if vis else {}
         mine = token_logprobs(model, x, torch.ones(1, len(ids), device=device),
                               torch.ones(1, len(ids) - 1, dtype=torch.bool, device=device), pix=pix)[0]  # [T-1]
     diff = (torch.tensor(engine.prompt_logprobs(ids, images), device=device) - mine).abs().max().reshape(1)
@@ -604,7 +638,10 @@ def dev_eval(engine, retriever, qs, args, rank, world):
 
 def setup_policy(args, start, weights, resuming, lora, rank, world, device, print0):
     """The sharded policy (and KL reference), its AdamW (resumed: with the step and dev history), and this rank's
-    engine holding the policy's weights."""
+    engine holding the policy's weights. --engine hf: HFEngine, an unsharded copy of the policy loaded from the weights
+    folder and synced after each update from trainutil.policy_params, as vLLM's is (one gather a parameter, a strict
+    copy). Not generate on the FSDP2 module itself: its forward all-gathers every layer at every decoding step, a
+    collective all ranks would have to run in lockstep while their rollouts end at different times."""
     tree = args.rollout == "teacher_prefix"  # packed groups: 4D attention masks (SDPA, not flash-attn)
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
                                    tree_mask=tree, lora=lora)
@@ -616,8 +653,12 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     if resuming:
         state = trainutil.load_trainer_state(model, opt, start, args, print0)
         step, dev_hist = state["step"], state.get("dev", {})
-    trainutil.check_gpu_budget(model, engines.VLLMEngine.GPU_FRACTION)
-    engine = engines.VLLMEngine(weights, seed=args.seed + rank)  # each rank owns one engine
+    if args.engine == "hf":
+        engine = engines.HFEngine(weights, seed=args.seed + rank, max_len=args.max_model_len)
+    else:
+        trainutil.check_gpu_budget(model, engines.VLLMEngine.GPU_FRACTION)
+        engine = engines.VLLMEngine(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
+                                    seed=args.seed + rank)  # each rank owns one engine
     if lora:  # the engine holds the base: give it the policy (resumed adapters; a quantised base as the trainer sees it)
         engine.sync_weights(trainutil.policy_params(model))
     return model, ref, opt, step, dev_hist, engine

@@ -169,7 +169,7 @@ if __name__ == "__main__":
                          "lookups) as one multi-query step (RAG-R1)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
     ap.add_argument("--topk", type=int, default=3)
-    ap.add_argument("--gold_think", default="kb_first", choices=["kb_first", "kb_last"],
+    ap.add_argument("--gold_think", default="kb_last", choices=["kb_first", "kb_last"],
                     help="the golden routing <think>: names the KB before the sub-question (kb_first) or names none, so "
                          "the KB is chosen at <ret> after the sub-question is written (kb_last)")
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],

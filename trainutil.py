@@ -269,13 +269,30 @@ def selected_logits(model, ids, sel, attn=None, pos=None, pixels=None):
     """Logits [N, V] of only the N positions where sel [B, T-1] is True (position t predicts token t + 1).
     A pre-hook on lm_head keeps just those hidden states, so lm_head (with a 49k vocabulary the costliest matmul) runs
     on them alone; it acts inside the root forward, where FSDP has gathered lm_head. pixels: a VL batch's image
-    inputs (vision.VisionIO.pixels)."""
+    inputs (vision.VisionIO.pixels); their "dummy" picture goes through the vision tower with weight 0 in a hook on
+    the token embeddings (zero_vision_term), the point of the forward where the model runs its own pictures, so
+    every rank enters the vision blocks' all-gathers (forward) and reduce-scatters (backward) in the same order."""
+    pixels = dict(pixels or {})
+    dummy = pixels.pop("dummy", None)
     head = model.get_output_embeddings()
-    hook = head.register_forward_pre_hook(lambda mod, args: (args[0][:, :-1][sel][None],))  # [B, T, H] -> [1, N, H]
+    hooks = [head.register_forward_pre_hook(lambda mod, args: (args[0][:, :-1][sel][None],))]  # [B, T, H] -> [1, N, H]
+    if dummy is not None:
+        hooks.append(model.get_input_embeddings().register_forward_hook(
+            lambda mod, args, out: out + zero_vision_term(model, dummy)))
     try:
-        return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, **(pixels or {})).logits[0]
+        return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, **pixels).logits[0]
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
+
+def zero_vision_term(model, dummy):
+    """0 x the sum of every output of the vision tower and connector on the dummy picture's inputs (a scalar): it
+    changes no logit and no gradient (the vision weights' is exactly 0), but the rank has run the vision tower, as a
+    rank whose batch has pictures does (verl's and TRL's fix, transformers#37186). The model's forward never sees
+    the dummy: no image token, image_grid_thw or mm_token_type_ids, so positions (Qwen's 3-D RoPE) are a text batch's."""
+    out = model.get_image_features(**dummy, return_dict=True)  # last_hidden_state, pooler_output (the connector's)
+    parts = [v for x in out.values() for v in (x if isinstance(x, (list, tuple)) else [x])]  # Qwen: a tensor an image
+    return 0.0 * sum(v.float().sum() for v in parts)
 
 def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=None, merged=True):
     """step_<N>/ (every rank takes part): the HF folder of the policy's full weights (gathered to rank 0's host memory;

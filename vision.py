@@ -21,11 +21,14 @@ class VisionIO:
     CACHE = 256  # decoded pictures (full-size RGB) and token expansions kept, least recently used first out: a run
                  # over an image KB would otherwise hold every picture it ever saw in host memory
 
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, max_pixels=None):
+        """max_pixels: the processor's cap on a picture's pixels (Qwen2.5-VL: tokens = pixels / 28^2, and its default
+        cap, 12.8M pixels, allows 16k tokens, more than a 4k context), None: the processor's own; a processor without
+        such a cap (Idefics3) ignores it."""
         import inspect
         from transformers import AutoConfig, AutoProcessor
         from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-        self.proc = AutoProcessor.from_pretrained(model_dir)
+        self.proc = AutoProcessor.from_pretrained(model_dir, **({"max_pixels": max_pixels} if max_pixels else {}))
         self.tok = self.proc.tokenizer
         # a model with multimodal RoPE (Qwen2.5-VL, Qwen3-VL) places image tokens on a 3-D position grid, which its
         # forward builds from mm_token_type_ids; 1-D position ids (a packed group's) would not match the engine's
@@ -37,15 +40,17 @@ class VisionIO:
         self.placeholder = text[text.index("\x01") + 1:text.index("\x02")]
         self.placeholder_ids = self.tok.encode(self.placeholder, add_special_tokens=False)
         self._expanded, self._pixels = OrderedDict(), OrderedDict()  # path -> token ids, path -> PIL image (LRU)
+        self._dummy = None  # pixel inputs of the dummy picture (pixels(always=True)), made once
         # tokens only an image expansion holds: never sampled (the engines suppress them), skipped when reading text
         special = {i for i, t in self.tok.added_tokens_decoder.items() if t.special}
         self.special_ids = sorted(set(self.expand(None)) & special)
 
     @staticmethod
-    def load(model_dir):
+    def load(model_dir, max_pixels=None):
         """VisionIO for a model folder whose config has a vision tower, else None (a text-only policy)."""
         from transformers import AutoConfig
-        return VisionIO(model_dir) if hasattr(AutoConfig.from_pretrained(model_dir), "vision_config") else None
+        vl = hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
+        return VisionIO(model_dir, max_pixels) if vl else None
 
     def image(self, path):
         """The RGB picture of a file (None: a 224 x 224 white square, R1-Router's dummy image)."""
@@ -82,16 +87,28 @@ class VisionIO:
             at = start + n
         return out + ids[at:], pics
 
-    def pixels(self, rows, device, ids=None):
+    def pixels(self, rows, device, ids=None, always=False):
         """Model inputs (pixel_values, and pixel_attention_mask or image_grid_thw, ...) of the pictures of a batch,
         rows: per sequence its images [[start, n, path]] (Transcript.images); {} when no row has one. A multimodal-RoPE model also gets
-        mm_token_type_ids (1 at image tokens) of the batch's ids [B, T]."""
+        mm_token_type_ids (1 at image tokens) of the batch's ids [B, T].
+        always (training, any world size): a batch without pictures gets {"dummy": one white picture's inputs}
+        instead, which trainutil.selected_logits runs through the vision tower with weight 0. The vision blocks are
+        FSDP units and the model runs them only when it has pixels, so without it a rank whose batch has no picture
+        would skip the all-gathers that another rank's batch with pictures enters (gloo errors, NCCL hangs)."""
         if not any(rows):
-            return {}
+            return {"dummy": self.dummy(device)} if always else {}
         out = self.proc.image_processor([[self.image(p) for *_, p in sorted(r)] for r in rows], return_tensors="pt")
         if self.mrope:
             out["mm_token_type_ids"] = (ids == self.image_token_id).long()  # [B, T]
         return {k: v.to(device) for k, v in out.items()}
+
+    def dummy(self, device):
+        """Pixel inputs of the 224 x 224 white picture (image(None)) alone, as one tile: the least vision work."""
+        if self._dummy is None:
+            ip = self.proc.image_processor
+            one_tile = {"do_image_splitting": False} if hasattr(ip, "do_image_splitting") else {}  # Idefics3: no crops
+            self._dummy = ip([[self.image(None)]], return_tensors="pt", **one_tile)
+        return {k: v.to(device) for k, v in self._dummy.items()}
 
 def images_in(images, a, b):
     """The images [[start, n, path]] that lie in ids[a:b], positions made relative to a."""

@@ -95,7 +95,7 @@ def test_sync_frees_the_trainers_cache_before_waking_the_weights(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     engine = object.__new__(engines.VLLMEngine)  # no vLLM: the attributes sync_weights uses
-    engine.llm, engine.asleep, engine.dtype, engine.vis = FakeLLM(calls), True, "bfloat16", None
+    engine.llm, engine.asleep, engine.dtype, engine.vis, engine.params = FakeLLM(calls), True, "bfloat16", None, {"w"}
     engine.sync_weights({"w": torch.ones(2)})
     assert calls == ["empty_cache", "wake_up weights", "reload_weights w", "empty_cache", "wake_up kv_cache",
                      "reset_prefix_cache"]  # TRL's order: the trainer's cached blocks go before the weights come back

@@ -35,8 +35,8 @@ def retriever(tiny_index):
 def test_gold_think_kb_last_names_no_kb_before_the_sub_question(tiny_index, retriever, hf_engine):
     # the same routes, KBs and answers either way; kb_last's <think> names no retriever, so the choice is made at <ret>
     tok, qs = hf_engine.tok, corpus.load_questions(tiny_index, "train")[:20]
-    first = rollout.rollout(rollout.GoldPolicy(tok, qs), retriever, qs)
-    last = rollout.rollout(rollout.GoldPolicy(tok, qs, think="kb_last"), retriever, qs)
+    first = rollout.rollout(rollout.GoldPolicy(tok, qs, think="kb_first"), retriever, qs)
+    last = rollout.rollout(rollout.GoldPolicy(tok, qs), retriever, qs)  # kb_last: the default
     assert all(x["format_ok"] for x in first + last)
     assert [x["steps"] for x in first] == [x["steps"] for x in last]
     for x, y in zip(first, last):
@@ -222,6 +222,62 @@ def test_sync_weights_changes_the_engine_to_the_new_model(tiny_model, vllm_engin
     vllm_engine.sync_weights(original)  # and back: the engine follows every sync
     assert torch.allclose(torch.tensor(vllm_engine.prompt_logprobs(ids)), old, atol=1e-5)
 
+def test_a_sync_that_leaves_out_a_parameter_or_a_fused_shard_exits(tiny_model, vllm_engine):
+    # vLLM alone warns about a missing parameter and says nothing about a missing q_proj (a shard of its fused
+    # qkv_proj), whose memory is then uninitialised: the engine's check names either. A complete sync passes, scores
+    # like the new weights, and logs no RotaryEmbedding "Failed to load weights" (a real warning still shows)
+    import logging
+
+    from transformers import AutoModelForCausalLM
+    ids = vllm_engine.tok.encode("The mayor of Felo is Ly Normi, and the capital is Uldoria.")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    original = {k: v.clone() for k, v in model.named_parameters()}
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    new = dict(model.named_parameters())  # no lm_head: tied to the embedding, the engine copies it
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addHandler(handler)
+    try:
+        for name in ("model.layers.1.post_attention_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+                     "model.layers.1.mlp.gate_proj.weight"):
+            with pytest.raises(SystemExit, match=f"^error: weight sync left out 1 of 20 parameters: {name}$"):
+                vllm_engine.sync_weights({k: v for k, v in new.items() if k != name})
+        assert "RMSNorm: Failed to load weights" in records
+        records.clear()
+        vllm_engine.sync_weights(new)
+        assert not [r for r in records if "Failed to load weights" in r]
+    finally:
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").removeHandler(handler)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(vllm_engine.prompt_logprobs(ids)), want, atol=1e-4)
+    vllm_engine.sync_weights(original)  # the module's other tests use the original weights
+
+def test_hf_engine_sync_is_strict(tiny_model):
+    # every parameter must come (the tied head may or may not: it is the embedding), and an unknown name exits
+    from transformers import AutoModelForCausalLM
+    engine = engines.HFEngine(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    new = {k: v.detach() for k, v in model.named_parameters()}
+    with pytest.raises(SystemExit, match="^error: weight sync left out 1 of 20 parameters: model.norm.weight$"):
+        engine.sync_weights({k: v for k, v in new.items() if k != "model.norm.weight"})
+    with pytest.raises(SystemExit, match="^error: weight sync: the engine's model has no weight model.nrom.weight$"):
+        engine.sync_weights({**new, "model.nrom.weight": new["model.norm.weight"]})
+    ids = engine.tok.encode("The mayor of Felo is Ly Normi.")
+    for weights in (new, model.state_dict()):  # without and with the tied lm_head
+        engine.sync_weights(weights)
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(engine.prompt_logprobs(ids)), want, atol=1e-5)
+
 def test_direct_baselines(tiny_index, retriever, hf_engine):
     qs = corpus.load_questions(tiny_index, "dev")[:5]
     s = rollout.Settings(temperature=0.0, answer_tokens=16)
@@ -321,7 +377,7 @@ def test_one_query_a_step_reproduces_r1_routers_trajectories_token_for_token(tin
     for split in ("train", "test"):
         qs = corpus.load_questions(tiny_index, split)
         for s in (rollout.Settings(), rollout.Settings(route_mode="all"), rollout.Settings(structure="released")):
-            for x in rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs), retriever, qs, s=s):
+            for x in rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs, think="kb_first"), retriever, qs, s=s):
                 h.update(json.dumps([x["ids"], x["mask"], x["spans"]]).encode())
     assert h.hexdigest() == "8f196ddee5b0c4095da519a995a40b7ac85487b929691bfeeab40d55c1a7ee51"
 

@@ -32,10 +32,10 @@ def test_synth_sft_stepgrpo_evaluate_end_to_end(tmp_path, tiny_model_dir, tiny_i
     assert {"dev_routing_macro0", "dev_route_info0"} <= rec[1].keys() and "kb_entropy" in rec[1]
     assert (tmp_path / "grpo" / "curves.png").is_file()
     for name in ("sft", "grpo"):
-        cli("evaluate.py", "--model", tmp_path / name / "final", "--data", tiny_index, "--split", "test",
+        cli("evaluate.py", "--model", tmp_path / name / "final", "--name", name, "--data", tiny_index, "--split", "test",
             "--n_questions", "6", "--methods", "routed", "--retriever", "bm25", "--out", tmp_path / "eval" / name)
         res = json.loads((tmp_path / "eval" / name / "results.json").read_text())
-        assert res["routed"]["n"] == 6 and len(res["routed"]["confusion_by_step"]) >= 1
+        assert res[f"{name}/routed"]["n"] == 6 and len(res[f"{name}/routed"]["confusion_by_step"]) >= 1
     out = cli("evaluate.py", "--paired", tmp_path / "eval" / "sft" / "trajectories-routed.jsonl",
               tmp_path / "eval" / "grpo" / "trajectories-routed.jsonl")
     assert "F1-Recall" in out or "f1_recall" in out

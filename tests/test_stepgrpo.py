@@ -269,6 +269,75 @@ def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
         assert full.abs().max() > 1e-4 and torch.allclose(grads(live, 0.0, norm_mode, denom), full, atol=1e-7)
     assert not torch.allclose(grads(live, 0.1, "token", 8), grads(live + [dead], 0.1, "token", 8), atol=1e-5)
 
+def test_check_sync_runs_on_the_first_step_and_stops_above_the_tolerance(tiny_model_dir, monkeypatch):
+    # --check_sync first (the default): the first step's sync is checked and logged as sync_max_diff, later ones not;
+    # an engine that missed the update (a sync that did nothing) is off by more than --sync_tol and the run stops
+    import engines
+    import trainutil
+    assert [stepgrpo.get_args(a).check_sync for a in ([], ["--check_sync"], ["--check_sync", "off"])] == \
+        ["first", "every", "off"]
+    args = stepgrpo.get_args(["--dtype", "fp32", "--lr", "1e-2"])
+    row = dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -10.8, -10.8, -10.8], adv=[0.0, 1.0, 1.0, 1.0])
+    monkeypatch.setattr(stepgrpo, "teacher_prefix_batch", lambda *a: ([row], dict(retrieve_s=0.0)))
+    own = trainutil.init_group(1)
+    try:
+        model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False, tree_mask=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        engine, peak = engines.HFEngine(tiny_model_dir), trainutil.PeakMemory()
+        assert stepgrpo.sync_tol(args, engine) == 1e-3
+        assert stepgrpo.sync_tol(Namespace(**{**vars(args), "dtype": "bf16"}), engine) == 1.0
+        step = lambda: stepgrpo.train_step(model, None, opt, engine, None, [], args, None, None, 0, peak, seed=0)[-1]
+        first, second = step(), step()
+        assert first["sync_max_diff"] < 1e-4 and "sync_max_diff" not in second
+        args.check_sync = "every"
+        monkeypatch.setattr(engine, "sync_weights", lambda weights: None)  # the engine misses the update
+        with pytest.raises(SystemExit, match="^error: after the weight sync the engine's logprobs differ .*--sync_tol 0.001"):
+            step()
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+
+@pytest.mark.slow
+def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_by_vllm(tiny_model_dir, tiny_index):
+    # --engine hf (setup_policy's HFEngine) samples; the update sees only the samples and their logprobs, and vLLM's
+    # logprobs of the same tokens equal transformers', so one update from either set of rows gives the same weights
+    # (while old logprobs shifted by 0.05, 500x the logprob tolerance, would not)
+    import corpus
+    import engines
+    import retrievers
+    import rollout
+    import trainutil
+    args = stepgrpo.get_args(["--model", str(tiny_model_dir), "--engine", "hf", "--dtype", "fp32", "--micro_batch", "4"])
+    own, cpu = trainutil.init_group(1), torch.device("cpu")
+    vllm = engines.VLLMEngine(tiny_model_dir, max_model_len=2048)
+    try:
+        model, *_, hf = stepgrpo.setup_policy(args, tiny_model_dir, tiny_model_dir, False, None, 0, 1, cpu, print)
+        assert isinstance(hf, engines.HFEngine) and hf.max_len == engines.MAX_LEN
+        qs = corpus.load_questions(tiny_index, "train")[:2]
+        _, prefixes = rollout.golden_prefixes(hf.tok, retrievers.Retriever(tiny_index, "bm25"), qs)
+        groups = []  # (prompt, the HF samples with their logprobs, the same samples with vLLM's)
+        for _, _, prefix, _ in prefixes[:2]:
+            outs = hf.generate([prefix] * 4, 12, temperature=1.0, seed=len(groups))
+            theirs = [vllm.prompt_logprobs(prefix + ids)[len(prefix) - 1:] for ids, _ in outs]
+            assert all(torch.allclose(torch.tensor(lps), torch.tensor(v), atol=1e-4) for (_, lps), v in zip(outs, theirs))
+            groups.append((prefix, outs, [(ids, v) for (ids, _), v in zip(outs, theirs)]))
+
+        def updated(k, shift=0.0, model=None):
+            rows = [stepgrpo.pack_group(p, [(ids, [lp + shift for lp in lps]) for ids, lps in g[k]], [1.0, -1.0, 0.5, -0.5])
+                    for p, *g in groups]
+            model = model or trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False, tree_mask=True)
+            micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, cpu)
+            stepgrpo.update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), micro, denom, args)
+            return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        a, b, c = updated(0, model=model), updated(1), updated(1, shift=0.05)
+    finally:
+        vllm.close()  # its teardown destroys the default process group too (as at the end of stepgrpo.main)
+        if own and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    base = load_file(tiny_model_dir / "model.safetensors")
+    gap = lambda x, y: max((x[k] - y[k]).abs().max().item() for k in base)
+    assert gap(a, base) > 1e-3 and gap(a, b) < 1e-5 and gap(b, c) > 1e-4
+
 #### end to end: 2-rank torchrun with vLLM sync, and exact resume (subprocesses, the real command line)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,6 +373,21 @@ def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_i
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert max((before[k] - after[k]).abs().max().item() for k in before) > 1e-4
     assert (out / "curves.png").stat().st_size > 10_000
+
+@pytest.mark.slow
+def test_step_grpo_runs_with_the_hf_engine_where_vllm_is_missing(tmp_path, tiny_model_dir, tiny_index):
+    # --engine hf with vllm unimportable: one step, its sync checked (the default --check_sync first), weights moved
+    out, hide = tmp_path / "run", tmp_path / "novllm" / "vllm"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('vllm is hidden in this test')\n")
+    cmd = [sys.executable, str(ROOT / "stepgrpo.py")] + common(tiny_model_dir, tiny_index, out) + [
+        "--engine", "hf", "--train_steps", "1", "--dtype", "fp32"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(hide.parent)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = records(out)
+    assert [r["step"] for r in recs] == [1] and recs[0]["sync_max_diff"] < 1e-4
+    before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert max((before[k] - after[k]).abs().max().item() for k in before) > 1e-4
 
 @pytest.mark.slow
 def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(tmp_path, tiny_model_dir, tiny_index):
@@ -392,7 +476,7 @@ def teacher_setup(tiny_index, spans="route"):
     qs = corpus.load_questions(tiny_index, "train")[:6]
     ret = retrievers.Retriever(tiny_index, "bm25")
     args = Namespace(max_steps=3, topk=3, temperature=1.0, group_size=2, teacher_spans=spans, structure="transcript",
-                     max_pairs=1, max_rets=1, gold_think="kb_first",
+                     max_pairs=1, max_rets=1, gold_think="kb_last",
                      route_credit="whole", adv_std=True)
     return tok, qs, ret, args, rollout.golden_prefixes(tok, ret, qs)[1]
 

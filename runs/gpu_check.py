@@ -1,0 +1,307 @@
+"""
+runs/gpu_check.py: does the training stack work on this one-GPU machine? Under 10 minutes, offline, no downloaded
+weights (runs/gpu_check.sh runs it; `make gpu-check`). It builds tiny random models from configs with
+models/SmolLM2-135M-Instruct's tokenizer (a Qwen2 text policy, a Qwen2.5-VL policy, a BERT sentence encoder for the
+route reward), a tiny world (corpus.py) with BM25 indexes (retrievers.py) and golden trajectories, then runs the
+scripts' main() in this process:
+    cuda       the device, a bf16 matmul
+    sft        SFT 2 steps in bf16, a checkpoint after each
+    resume     SFT 1 step, then --resume to 2: the weights equal the straight run's
+    grpo-hf    Step-GRPO 2 steps, --engine hf, the engine checked against the trainer after every sync
+    grpo-vllm  the same with the vLLM engine (skipped where vllm does not import)
+    lora       Step-GRPO 1 step with LoRA adapters (the merged weights synced and checked)
+    visual     the VL policy: SFT 2 steps on visual questions, then Step-GRPO 1 step (--engine hf)
+and prints one table: each check's result, seconds and peak memory. --dry: the same on the CPU in fp32 (the cuda
+check and bf16 skipped, with a line saying so); tests/test_gpu_check.py runs it. Needs torch, transformers, peft,
+bm25s, pillow, psutil and matplotlib; vllm and faiss are optional (a numpy flat index stands in for faiss's), and
+Qwen2.5-VL's processor needs torchvision (without it the visual check takes prepare.py's Idefics3 policy).
+"""
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+import traceback
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, the CPU engine's KV cache: the tiny policy needs little
+
+import numpy as np
+import torch
+
+def has(module):
+    return importlib.util.find_spec(module) is not None
+
+class FlatIP:
+    """What retrievers.py uses of faiss.IndexFlatIP (the image KB's pixel index), in numpy: for machines without faiss."""
+    def __init__(self, d):
+        self.d, self.x = d, np.zeros((0, d), dtype=np.float32)  # [n, d]
+
+    @property
+    def ntotal(self):
+        return len(self.x)
+
+    def add(self, x):
+        self.x = np.concatenate([self.x, x])
+
+    def search(self, q, k):
+        s = q @ self.x.T  # [m, n]
+        ids = np.argsort(-s, axis=1)[:, :k]  # [m, k]
+        return np.take_along_axis(s, ids, 1), ids
+
+def stand_in_faiss():
+    """A `faiss` module of FlatIP alone (retrievers.py's BM25 path needs no more) where the real one is missing.
+    Returns which faiss the run uses."""
+    if has("faiss"):
+        return "faiss"
+    faiss = types.ModuleType("faiss")
+    faiss.IndexFlatIP = FlatIP
+    faiss.write_index = lambda index, path: np.save(open(path, "wb"), index.x)
+    def read_index(path, *_):
+        index = FlatIP(0)
+        index.x = np.load(path)
+        index.d = index.x.shape[1]
+        return index
+    faiss.read_index = read_index
+    sys.modules["faiss"] = faiss
+    return "numpy stand-in"
+
+#### tiny models, world and trajectories
+
+def text_model(out, tok):
+    """A tiny random Qwen2 (tied embeddings; head_dim 32, which vLLM's CPU attention needs)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+def qwen_vl(out, tok):
+    """A tiny random Qwen2.5-VL (2 vision blocks on 56 x 56 pictures: 4 tokens an image), the tokenizer plus Qwen's
+    image tokens, and a chat template writing an image part as Qwen's <|vision_start|><|image_pad|><|vision_end|>."""
+    import prepare
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor
+    tok = type(tok).from_pretrained(tok.name_or_path)
+    names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok.add_special_tokens({"additional_special_tokens": names})
+    start, end, image, video = tok.convert_tokens_to_ids(names)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text = dict(vocab_size=(len(tok) + 63) // 64 * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, **ids,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6]))  # sums to head_dim / 2
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
+                           vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True, **ids)
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(out)
+    pictures = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2,
+                                     temporal_patch_size=2)
+    template = prepare.VL_TEMPLATE.replace("'<image>'", "'<|vision_start|><|image_pad|><|vision_end|>'")
+    Qwen2_5_VLProcessor(image_processor=pictures, tokenizer=tok, chat_template=template).save_pretrained(out)
+    return out
+
+def vl_model(work, tok):
+    """-> (folder, name): Qwen2.5-VL, or without torchvision (its processor needs it) prepare.py's Idefics3 around a
+    tiny Llama (as the test suite's)."""
+    if has("torchvision"):
+        return qwen_vl(work / "qwen2.5-vl", tok), "Qwen2.5-VL"
+    import prepare
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(work / "llama")
+    tok.save_pretrained(work / "llama")
+    return prepare.prepare_vl(work / "idefics3", text_model=work / "llama"), "Idefics3 (no torchvision for Qwen2.5-VL)"
+
+def sentence_encoder(out, tok):
+    """A tiny random BERT for the route reward's sub-question cosine (retrievers.Encoder loads it as it would MiniLM)."""
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=512, pad_token_id=tok.pad_token_id)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+def world(out, text, vl):
+    """A tiny world with BM25 indexes, and golden trajectories: text (train, dev) for the text policy, visual
+    (visual_train, visual_dev as train, dev) for the VL one, each in its own tokenizer."""
+    import corpus
+    import retrievers
+    import rollout
+    import synth
+    import vision
+    from transformers import AutoTokenizer
+    data = out / "world"
+    corpus.generate_mini(argparse.Namespace(world="mini", out=str(data), seed=0, n_people=60, n_cities=12, n_countries=4,
+                                            n_orgs=15, n_works=40, n_train=40, n_dev=8, n_test=8, n_visual_train=16,
+                                            n_visual_dev=4, n_visual_test=4, quiet=True))
+    retrievers.build(data, methods=("bm25",), progress=False)
+    ret = retrievers.Retriever(data, "bm25")
+    vis, tok = vision.VisionIO.load(vl), AutoTokenizer.from_pretrained(text)
+    for folder, t, v, splits in (("traj", tok, None, ("train", "dev")), ("vltraj", vis.tok, vis, ("visual_train", "visual_dev"))):
+        for split, name in zip(splits, ("train", "dev")):
+            qs = corpus.load_questions(data, split)[:16]
+            synth.write_trajectories(out / folder, name, rollout.rollout(rollout.GoldPolicy(t, qs, v), ret, qs), t)
+    return data
+
+#### the checks
+
+def records(out):
+    return [json.loads(line) for line in open(Path(out) / "log.jsonl")]
+
+def max_diff(a, b):
+    from safetensors.torch import load_file
+    x, y = load_file(Path(a) / "model.safetensors"), load_file(Path(b) / "model.safetensors")
+    return max((x[k].float() - y[k].float()).abs().max().item() for k in x)
+
+def checks(c):
+    """[(name, function -> note, or None to skip with `why`)] over the setup `c`."""
+    import sft
+    import stepgrpo
+    run = lambda main, argv: main([str(a) for a in argv])
+    common = ["--dtype", c.dtype, "--device", c.device, "--wandb_mode", "disabled"]
+    tune = lambda model, data, out, steps, *extra: run(sft.main, [
+        "--model", model, "--data", data, "--out", out, "--train_steps", steps, "--batch_size", 2, "--grad_accum", 1,
+        "--max_len", 1024, "--eval_every", 0, "--save_every", 1, "--keep", 0, "--warmup_steps", 0, "--lr", 1e-3, *common, *extra])
+    grpo = lambda model, out, steps, *extra: run(stepgrpo.main, [
+        "--model", model, "--data", c.data, "--out", out, "--train_steps", steps, "--batch_questions", 2, "-n", 2,
+        "--retriever", "bm25", "--eval_questions", 0, "--save_every", 0, "--lr", 1e-2, "--kl_coef", 0.1,
+        "--weight_decay", 0.1, "--check_sync", "every", *common, *extra])
+    sft_final, W = c.work / "sft" / "final", c.work  # the Step-GRPO checks start from the SFT check's checkpoint
+
+    def cuda():
+        x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+        assert torch.isfinite(x @ x).all()
+        return f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
+
+    def sft_run():
+        tune(c.text, W / "traj", W / "sft", 2)
+        loss = [r["loss"] for r in records(W / "sft") if "loss" in r]
+        assert len(loss) == 2 and all(map(math.isfinite, loss)), loss
+        return f"{c.dtype}, loss {loss[0]:.3f} -> {loss[1]:.3f}"
+
+    def resume():
+        tune(c.text, W / "traj", W / "resumed", 1)
+        tune(c.text, W / "traj", W / "resumed", 2, "--resume")
+        d = max_diff(W / "sft" / "final", W / "resumed" / "final")
+        assert d <= 1e-5, f"resumed weights differ from the straight run's by {d:.2e}"
+        return f"max |straight - resumed| {d:.1e}"
+
+    def step_grpo(model, engine, out, steps, *extra):
+        def check():
+            grpo(model, W / out, steps, "--engine", engine, *extra)
+            recs = records(W / out)
+            assert [r["step"] for r in recs] == list(range(1, steps + 1)) and all("sync_max_diff" in r for r in recs)
+            return f"sync_max_diff {max(r['sync_max_diff'] for r in recs):.1e}, rollout {recs[-1]['rollout_s']:.1f} s"
+        return check
+
+    def visual():
+        tune(c.vl, W / "vltraj", W / "visual-sft", 2)
+        return f"{c.vl_name}; " + step_grpo(W / "visual-sft" / "final", "hf", "visual-grpo", 1, "--split", "visual_train")()
+
+    return [("cuda", None if c.dry else cuda, "dry run"),
+            ("sft", sft_run, None),
+            ("resume", resume, None),
+            ("grpo-hf", step_grpo(sft_final, "hf", "grpo-hf", 2), None),
+            ("grpo-vllm", step_grpo(sft_final, "vllm", "grpo-vllm", 2) if has("vllm") else None, "vllm is not installed"),
+            ("lora", step_grpo(sft_final, "hf", "lora", 1, "--lora_r", 4, "--lora_alpha", 8), None),
+            ("visual", visual, None)]
+
+class Peak:
+    """`with Peak() as p:` p.gib, the peak memory in GiB while inside, sampled every 10 ms by a thread: the GPU's
+    memory in use (all of it, vLLM's pool too: the scripts reset torch's own peak counter) or this process's RSS."""
+    def __enter__(self):
+        import psutil
+        proc = psutil.Process()
+        used = (lambda: (lambda f, t: t - f)(*torch.cuda.mem_get_info())) if torch.cuda.is_available() \
+            else (lambda: proc.memory_info().rss)
+        self.gib, self.done = 0.0, threading.Event()
+        def sample():
+            while not self.done.is_set():
+                self.gib = max(self.gib, used() / 2**30)
+                self.done.wait(0.01)
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+def run_check(name, fn):
+    """-> (name, result, seconds, peak GiB, note); a failure (an exception, a script's sys.exit) is one row, and the
+    process group a failed script left behind is closed. The memory the check held goes back before the next."""
+    import torch.distributed as dist
+    t = time.perf_counter()
+    with Peak() as peak:
+        try:
+            result, note = "pass", fn()
+        except (Exception, SystemExit) as e:
+            traceback.print_exc()
+            result, note = "FAIL", (str(e).strip().splitlines() or [type(e).__name__])[-1][:120]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return name, result, time.perf_counter() - t, peak.gib, note
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry", action="store_true", help="on the CPU in fp32; the GPU-only checks skipped")
+    ap.add_argument("--out", default="out/gpu_check", help="work folder (emptied first)")
+    ap.add_argument("--tokenizer", default="models/SmolLM2-135M-Instruct", help="a folder with a chat-template tokenizer")
+    c = ap.parse_args()
+    missing = [m for m in ("transformers", "peft", "bm25s", "PIL", "psutil", "matplotlib") if not has(m)]
+    if missing:
+        sys.exit(f"error: gpu_check needs {', '.join(missing)} (pip install them; offline, carry their wheels)")
+    if not c.dry and not torch.cuda.is_available():
+        sys.exit("error: torch sees no CUDA device (DRY=1 / --dry runs the check on the CPU)")
+    if not (Path(c.tokenizer) / "tokenizer_config.json").is_file():
+        sys.exit(f"error: {c.tokenizer}: no tokenizer there (`python prepare.py` makes it; or --tokenizer FOLDER)")
+    faiss = stand_in_faiss()
+    import retrievers
+    import transformers
+    from transformers import AutoTokenizer
+    (c.dtype, c.device), c.work = ("fp32", "cpu") if c.dry else ("bf16", "cuda"), Path(c.out)
+    shutil.rmtree(c.work, ignore_errors=True)
+    t = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(c.tokenizer)
+    c.text = text_model(c.work / "qwen2", tok)
+    c.vl, c.vl_name = vl_model(c.work, tok)
+    encoder = sentence_encoder(c.work / "encoder", tok)
+    retrievers.default_encoder_path = lambda: str(encoder)  # stepgrpo's route reward: no MiniLM download
+    c.data = world(c.work, c.text, c.vl)
+    print(f"gpu_check: models, world and trajectories in {time.perf_counter() - t:.0f} s", flush=True)
+    if c.dry:
+        print("dry run: CPU, fp32; skipped (GPU only): the cuda check, bf16 compute, GPU memory (peaks are this "
+              "process's RSS)", flush=True)
+    rows = [run_check(name, fn) if fn else (name, "skip", 0.0, 0.0, why) for name, fn, why in checks(c)]
+    vllm = sys.modules["vllm"].__version__ if "vllm" in sys.modules else "none"
+    print(f"\ngpu_check ({'dry, CPU' if c.dry else torch.cuda.get_device_name()}; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, vllm {vllm}, {faiss})")
+    print(f"{'check':<10} {'result':<6} {'seconds':>7} {'peak GiB':>8}  note")
+    for name, result, sec, gib, note in rows:
+        print(f"{name:<10} {result:<6} {sec:>7.1f} {gib:>8.2f}  {note}")
+    n = {r: sum(row[1] == r for row in rows) for r in ("pass", "FAIL", "skip")}
+    print(f"{n['pass']} passed, {n['FAIL']} failed, {n['skip']} skipped")
+    sys.exit(1 if n["FAIL"] else 0)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Screening Step-GRPO variants on dev against the SFT-continued control, from one SFT checkpoint (START):
+#   sft-cont   more SFT from START on the next golden trajectories, about the wall clock of one Step-GRPO arm
+#              (36 steps x 4 at a constant lr 2e-5, the first stage's final lr)
+#   recipe     stepgrpo.py's defaults at the screening budget (6 steps x 8 questions x 8 samples)
+#   split      the same with the route decision's credit on its own tokens (--route_credit split) and no std
+#              division (--no-adv_std, Dr. GRPO)
+# Every arm is scored routed, greedy, on the first N dev questions; a Step-GRPO arm's checkpoint is the one its dev
+# score picked (<out>/best, the mean of F1-Recall and routing accuracy: the one criterion for every arm).
+# Run from the repo root: START=out/decision/s0/sft-kb_last/final THINK=kb_last bash runs/screen.sh (~40 min here).
+# A finished stage is skipped; an interrupted Step-GRPO arm continues from its last checkpoint.
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+DATA=data/mini
+START=${START:?START=<an SFT checkpoint>}
+THINK=${THINK:-kb_last}
+TRAJ=${TRAJ:-$DATA/traj}
+OUT=${OUT:-out/screen}
+N=${N:-100}
+start=$(date +%s)
+resume() { test -f "$1/latest" && echo --resume || true; }
+test -e $OUT/sft-cont/final || $PY sft.py --model $START --data $TRAJ --train_steps 36 --grad_accum 4 --lr 2e-5 \
+  --warmup_steps 0 --min_lr_ratio 1 --eval_every 0 --save_every 0 --keep 1 --out $OUT/sft-cont
+grpo=(--model $START --data $DATA --gold_think $THINK --train_steps 6 --batch_questions 8 --save_every 3 --keep 2
+      --eval_questions $N)
+test -e $OUT/recipe/final || $PY stepgrpo.py "${grpo[@]}" --out $OUT/recipe $(resume $OUT/recipe)
+test -e $OUT/split/final || $PY stepgrpo.py "${grpo[@]}" --route_credit split --no-adv_std --out $OUT/split \
+  $(resume $OUT/split)
+for arm in sft-cont recipe split; do
+  ckpt=$OUT/$arm/$([ $arm = sft-cont ] && echo final || echo best)
+  test -f $OUT/dev-$arm/results.json || $PY evaluate.py --model $ckpt --name $arm --methods routed --gold_think $THINK \
+    --data $DATA --split dev --n_questions $N --out $OUT/dev-$arm
+done
+echo "screen: $(( ($(date +%s) - start) / 60 )) min"

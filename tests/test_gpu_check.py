@@ -1,0 +1,58 @@
+"""runs/gpu_check.sh (`make gpu-check`): its dry mode end to end on the CPU, its refusal without CUDA, and the numpy
+stand-in it uses for faiss on machines without faiss."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+def gpu_check(tmp_path, dry):
+    env = dict(os.environ, PY=sys.executable, DRY="1" if dry else "")
+    return subprocess.run(["bash", str(ROOT / "runs" / "gpu_check.sh"), "--out", str(tmp_path / "gc")], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+
+@pytest.mark.slow
+def test_dry_mode_runs_every_check_on_the_cpu(tmp_path):
+    r = gpu_check(tmp_path, dry=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "dry run: CPU, fp32; skipped (GPU only): the cuda check" in r.stdout
+    table = r.stdout[r.stdout.index("\ngpu_check (dry, CPU;"):].strip().splitlines()
+    assert table[1].split() == ["check", "result", "seconds", "peak", "GiB", "note"]
+    results = {line.split()[0]: line.split()[1] for line in table[2:-1]}
+    vllm = "pass" if importlib.util.find_spec("vllm") else "skip"
+    assert results == {"cuda": "skip", "sft": "pass", "resume": "pass", "grpo-hf": "pass", "grpo-vllm": vllm,
+                       "lora": "pass", "visual": "pass"}
+    assert table[-1] == f"{6 - (vllm == 'skip')} passed, 0 failed, {1 + (vllm == 'skip')} skipped"
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_it_asks_for_the_dry_mode(tmp_path):
+    r = gpu_check(tmp_path, dry=False)
+    assert r.returncode == 1 and r.stderr.strip().endswith("error: torch sees no CUDA device (DRY=1 / --dry runs the "
+                                                          "check on the CPU)")
+
+def test_the_numpy_stand_in_for_faiss_searches_and_saves_like_faiss(tmp_path, monkeypatch):
+    faiss = pytest.importorskip("faiss")
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "runs" / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    rng = np.random.default_rng(0)
+    x, q = rng.standard_normal((50, 8)).astype(np.float32), rng.standard_normal((5, 8)).astype(np.float32)
+    real, ours = faiss.IndexFlatIP(8), gc.FlatIP(8)
+    real.add(x)
+    ours.add(x)
+    (ds, ids), (ds2, ids2) = real.search(q, 4), ours.search(q, 4)
+    assert np.array_equal(ids, ids2) and np.allclose(ds, ds2, atol=1e-5) and ours.ntotal == 50
+    assert gc.stand_in_faiss() == "faiss"  # the real one, where it imports
+    monkeypatch.setitem(sys.modules, "faiss", faiss)  # put back after the test
+    monkeypatch.setattr(gc, "has", lambda name: name != "faiss")  # a machine without faiss
+    assert gc.stand_in_faiss() == "numpy stand-in"
+    stand_in = sys.modules["faiss"]
+    stand_in.write_index(ours, str(tmp_path / "x.faiss"))
+    back = stand_in.read_index(str(tmp_path / "x.faiss"))
+    assert (back.ntotal, back.d) == (50, 8) and np.array_equal(back.search(q, 4)[1], ids)
