@@ -1,6 +1,6 @@
 """
 bench_trl.py: peer benchmark. One single-step GRPO setting run by this repo's own parts ("ours": engines.VLLMEngine,
-stepgrpo's loss, trainutil's FSDP2 world of one, engine.sync_weights) and by TRL's GRPOTrainer, on this machine.
+grpo.py's loss, trainutil's FSDP2 world of one, engine.sync_weights) and by TRL's GRPOTrainer, on this machine.
 Reports seconds per step of each and the ratio ours/TRL (target <= 1.0).
 
     python bench_trl.py                               # the measurement: 8 prompts x 4, 64 tokens, 3 timed steps + 1 warm-up
@@ -69,7 +69,7 @@ def workload():
 def run_ours():
     import numpy as np
     import torch
-    import stepgrpo, trainutil
+    import grpo, trainutil
     tok, qs, prompts, score = workload()
     trainutil.init_group(1)  # FSDP2 world of one, before the engine (as stepgrpo.py)
     model = trainutil.load_sharded(args.model, torch.device("cpu"), 1, bf16=False)  # fp32, as the TRL side (bf16=False)
@@ -83,15 +83,15 @@ def run_ours():
                                ["</ret>"], seed=args.seed + step)
         t1 = time.perf_counter()
         r = [score(qs[k // args.group_size], tok.decode(ids, skip_special_tokens=True)) for k, (ids, _) in enumerate(outs)]
-        adv = np.concatenate([stepgrpo.norm(r[g:g + args.group_size]) for g in range(0, N, args.group_size)])
+        adv = np.concatenate([grpo.norm(r[g:g + args.group_size]) for g in range(0, N, args.group_size)])
         seqs = [dict(ids=p + ids, mask=[0] * len(p) + [1] * len(ids), old=[0.0] * len(p) + list(lps), adv=[float(a)] * (len(p) + len(ids)))
                 for p, (ids, lps), a in zip([p for p in prompts for _ in range(args.group_size)], outs, adv)]
         t2 = time.perf_counter()
         denom = sum(len(ids) for ids, _ in outs)  # token normalisation over the whole batch
         for i in range(0, N, M):
-            ids, attn, _, sel, old, a, seq = stepgrpo.collate(seqs[i:i + M], pad, torch.device("cpu"))  # unpacked, as TRL
-            logp, _ = stepgrpo.token_logprobs(model, ids, attn, sel)
-            loss, _, _ = stepgrpo.grpo_loss(logp, old, logp.detach(), a, seq, 0.2, 0.0, "token", denom)
+            ids, attn, _, sel, old, a, seq = grpo.collate(seqs[i:i + M], pad, torch.device("cpu"))  # unpacked, as TRL
+            logp, _ = grpo.token_logprobs(model, ids, attn, sel)
+            loss, _, _ = grpo.grpo_loss(logp, old, logp.detach(), a, seq, 0.2, 0.0, "token", denom)
             loss.backward()
         trainutil.clip_grad_norm(model, 1.0)
         opt.step()

@@ -188,7 +188,7 @@ def test_sampling_gives_distinct_samples_and_policy_logprobs(tiny_index, retriev
 def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_model, vllm_engine, hf_engine):
     # sampling at temperature 0.7, both engines report each token's logprob under softmax(logits / 0.7), which is what
     # the trainer computes with --temperature 0.7, and not the untempered one
-    import stepgrpo
+    import grpo
     prompt = vllm_engine.tok.encode("Which country is Uldoria in? The answer is")
     model = hf_engine.model
     for engine in (vllm_engine, hf_engine):
@@ -197,7 +197,7 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_model, vll
         sel = torch.zeros(1, full.shape[1] - 1, dtype=torch.bool)
         sel[0, len(prompt) - 1:] = True
         with torch.no_grad():
-            tempered, plain = (stepgrpo.token_logprobs(model, full, torch.ones_like(full), sel, None, t)[0] for t in (0.7, 1.0))
+            tempered, plain = (grpo.token_logprobs(model, full, torch.ones_like(full), sel, None, t)[0] for t in (0.7, 1.0))
         assert len(ids) > 3 and torch.allclose(torch.tensor(lps), tempered, atol=1e-4)
         assert (torch.tensor(lps) - plain).abs().max() > 1e-2
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import prepare
 import reward
+import grpo
 import stepgrpo
 
 def sp(kind, step):
@@ -50,7 +51,7 @@ def test_group_advantages_normalise_each_step_against_the_same_step():
              [sp("route", 0), sp("answer", 0), sp("route", 1), sp("answer", 1), sp("route", 2), sp("final", 2)]]
     rewards = [[1.0, 1.0, 1.0, 0.2], [0.5, 0.0, 1.0, 0.2], [0.0, 1.0, 0.3, 0.0, 0.6, 0.2]]
     outcomes = [1.0, 0.0, 0.5]
-    adv = stepgrpo.group_advantages(spans, rewards, outcomes)
+    adv = grpo.group_advantages(spans, rewards, outcomes)
     n = lambda v: (np.array(v) - np.mean(v)) / (np.std(v, ddof=1) + 1e-4)
     R = n(outcomes)
     assert adv[0][0] == pytest.approx(n([1.0, 0.5, 0.0])[0] + R[0])          # route 0 across all three
@@ -58,7 +59,7 @@ def test_group_advantages_normalise_each_step_against_the_same_step():
     assert adv[2][2] == pytest.approx(n([1.0, 1.0, 0.3])[2] + R[2])          # route 1: two stops and one retrieval
     assert adv[2][3] == pytest.approx(0.0 + R[2])                            # answer 1: only sample 2 has one -> 0
     assert adv[2][4] == pytest.approx(R[2]) and adv[0][3] == pytest.approx(R[0])  # finals all equal -> only R
-    out = stepgrpo.group_advantages(spans, rewards, outcomes, mode="outcome")
+    out = grpo.group_advantages(spans, rewards, outcomes, mode="outcome")
     assert all(a == pytest.approx(R[i]) for i, s in enumerate(out) for a in s)  # plain GRPO: one value per sample
 
 def test_balance_kb_weighs_each_gold_route_class_equally():
@@ -75,19 +76,19 @@ def test_balance_kb_weighs_each_gold_route_class_equally():
     # group_advantages scales only the per-step part of the keys given, never the outcome part
     spans = [[sp("route", 0), sp("answer", 0), sp("final", 0)]] * 2
     rewards, outcomes = [[1.0, 1.0, 0.2], [0.0, 0.0, 0.2]], [1.0, 0.0]
-    plain = stepgrpo.group_advantages(spans, rewards, outcomes)
-    scaled = stepgrpo.group_advantages(spans, rewards, outcomes, scale={("route", 0): 3.0})
-    R = stepgrpo.norm(outcomes)
+    plain = grpo.group_advantages(spans, rewards, outcomes)
+    scaled = grpo.group_advantages(spans, rewards, outcomes, scale={("route", 0): 3.0})
+    R = grpo.norm(outcomes)
     for i in range(2):
         assert scaled[i][0] - R[i] == pytest.approx(3.0 * (plain[i][0] - R[i]))
         assert scaled[i][1:] == plain[i][1:]
 
 def test_identical_rewards_give_zero_advantage():
     spans = [[sp("route", 0), sp("final", 0)]] * 4
-    adv = stepgrpo.group_advantages(spans, [[0.7, 0.2]] * 4, [1.0] * 4)
+    adv = grpo.group_advantages(spans, [[0.7, 0.2]] * 4, [1.0] * 4)
     assert np.allclose(adv, 0.0)
     # exactly 0 (so main() can skip the row): the mean of 7 copies of 0.1 is not 0.1 in floating point
-    assert np.mean([0.1] * 7) != 0.1 and stepgrpo.norm([0.1] * 7).tolist() == [0.0] * 7
+    assert np.mean([0.1] * 7) != 0.1 and grpo.norm([0.1] * 7).tolist() == [0.0] * 7
 
 class BowEncoder:
     vocab = ["which", "country", "is", "x", "in", "none", "who", "founded", "y"]
@@ -162,14 +163,14 @@ def test_loss_matches_a_direct_computation():
         pg = -min(ratio * a, min(max(ratio, 1 - eps), 1 + eps) * a)
         d = (ref[i] - logp[i]).item()
         per_tok.append(pg + beta * (math.exp(d) - d - 1))
-    loss, kl, clipped = stepgrpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "token", N)
+    loss, kl, clipped = grpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "token", N)
     assert loss.item() == pytest.approx(sum(per_tok) / N, rel=1e-5)
-    loss, _, _ = stepgrpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "sequence", 3)
+    loss, _, _ = grpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "sequence", 3)
     means = [sum(per_tok[i] for i in range(N) if seq[i] == b) / n for b, n in enumerate(lens)]
     assert loss.item() == pytest.approx(sum(means) / 3, rel=1e-5)
     assert torch.all(kl >= 0) and clipped.tolist() == [float(abs(math.exp(logp[i] - old[i]) - 1) > eps) for i in range(N)]
     ent = torch.rand(N) * 2  # the entropy bonus: -coef H_t on every token
-    loss, _, _ = stepgrpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "token", N, ent, 1e-3)
+    loss, _, _ = grpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "token", N, ent, 1e-3)
     assert loss.item() == pytest.approx(sum(p - 1e-3 * h for p, h in zip(per_tok, ent.tolist())) / N, rel=1e-5)
 
 def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
@@ -181,12 +182,12 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
     try:
         model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
         rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, 0.5, 0.5, 0.5])]
-        ids, attn, pos, sel, old, adv, seq = stepgrpo.collate(rows, 0, torch.device("cpu"))
+        ids, attn, pos, sel, old, adv, seq = grpo.collate(rows, 0, torch.device("cpu"))
 
         def grad(coef, only_entropy=False):
             model.zero_grad()
-            logp, ent = stepgrpo.token_logprobs(model, ids, attn, sel, pos, entropy_grad=True)
-            loss = -ent.sum() if only_entropy else stepgrpo.grpo_loss(logp, old, logp.detach(), adv, seq, 0.2, 0.0,
+            logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos, entropy_grad=True)
+            loss = -ent.sum() if only_entropy else grpo.grpo_loss(logp, old, logp.detach(), adv, seq, 0.2, 0.0,
                                                                         "token", 3.0, ent, coef)[0]
             loss.backward()
             return model.lm_head.weight.grad.to_local().clone()
@@ -194,7 +195,7 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
         assert gh.abs().max() > 0 and torch.allclose(g1, g0 + 0.5 / 3.0 * gh, atol=1e-6)
         model.zero_grad()
         with torch.no_grad():
-            mine = stepgrpo.token_logprobs(model, ids, attn, sel, pos)[0]
+            mine = grpo.token_logprobs(model, ids, attn, sel, pos)[0]
         args = Namespace(temperature=1.0, old_logprobs="trainer", ppo_epochs=1, entropy_coef=0.0, clip_eps=0.2,
                          kl_coef=0.0, loss_norm="token", grad_clip=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -211,11 +212,11 @@ def test_only_policy_tokens_reach_the_loss(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     seqs = [dict(ids=[5, 6, 7, 8, 9], mask=[0, 0, 1, 1, 0], old=[0.0] * 5, adv=[0.0, 0.0, 2.0, 2.0, 0.0]),
             dict(ids=[5, 9, 11], mask=[0, 1, 1], old=[0.0, -0.1, -0.2], adv=[0.0, -1.0, -1.0])]
-    ids, attn, pos, sel, old, adv, seq = stepgrpo.collate(seqs, pad_id=0, device="cpu")
+    ids, attn, pos, sel, old, adv, seq = grpo.collate(seqs, pad_id=0, device="cpu")
     assert pos is None and sel.tolist() == [[False, True, True, False], [True, True, False, False]]
     assert old.tolist() == pytest.approx([0.0, 0.0, -0.1, -0.2]) and adv.tolist() == [2.0, 2.0, -1.0, -1.0]
     assert seq.tolist() == [0, 0, 1, 1]
-    logp, ent = stepgrpo.token_logprobs(model, ids, attn, sel)
+    logp, ent = grpo.token_logprobs(model, ids, attn, sel)
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=attn).logits[:, :-1].log_softmax(-1)  # [B, T-1, V]
     want = [full[0, 1, 7], full[0, 2, 8], full[1, 0, 9], full[1, 1, 11]]
@@ -232,22 +233,22 @@ def test_packed_group_scores_like_separate_rows(tiny_model_dir):
               (rand(4), [(rand(2), [-0.7, -0.8]), (rand(5), [-1.0] * 5)], [-2.0, 2.0])]
     rows = [dict(ids=p + c, mask=[0] * len(p) + [1] * len(c), old=[0.0] * len(p) + lps, adv=[a] * (len(p) + len(c)))
             for p, group, adv in groups for (c, lps), a in zip(group, adv)]
-    packed = [stepgrpo.pack_group(p, group, adv) for p, group, adv in groups]
+    packed = [grpo.pack_group(p, group, adv) for p, group, adv in groups]
     assert len(packed[0]["ids"]) == 8 + 3 * 1 + 3 + 1 + 4 and packed[0]["n_seq"] == 3
-    A, B = stepgrpo.collate(rows, 0, "cpu"), stepgrpo.collate(packed, 0, "cpu")
+    A, B = grpo.collate(rows, 0, "cpu"), grpo.collate(packed, 0, "cpu")
     assert A[2] is None and B[1].shape == (2, 1, 19, 19)
     assert B[2][0].tolist() == list(range(12)) + [8, 9] + list(range(8, 13))  # each branch continues the prompt
     assert B[2][1].tolist()[:12] == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]
     for k in (4, 5, 6):  # old, adv, seq
         assert torch.equal(A[k], B[k])
     with torch.no_grad():
-        la, ea = stepgrpo.token_logprobs(model, A[0], A[1], A[3], A[2])
-        lb, eb = stepgrpo.token_logprobs(model, B[0], B[1], B[3], B[2])
+        la, ea = grpo.token_logprobs(model, A[0], A[1], A[3], A[2])
+        lb, eb = grpo.token_logprobs(model, B[0], B[1], B[3], B[2])
     assert torch.allclose(la, lb, atol=1e-5) and torch.allclose(ea, eb, atol=1e-4)
-    wrong = stepgrpo.token_logprobs(model, B[0], torch.ones_like(B[0]), B[3])[0]  # the packed row with a plain causal mask
+    wrong = grpo.token_logprobs(model, B[0], torch.ones_like(B[0]), B[3])[0]  # the packed row with a plain causal mask
     assert not torch.allclose(la, wrong, atol=1e-3)
     for norm_mode, denom in (("token", len(la)), ("sequence", 5)):
-        loss = lambda L, seq: stepgrpo.grpo_loss(L, A[4] - 0.1, L, A[5], seq, 0.2, 0.0, norm_mode, denom)[0]
+        loss = lambda L, seq: grpo.grpo_loss(L, A[4] - 0.1, L, A[5], seq, 0.2, 0.0, norm_mode, denom)[0]
         assert loss(la, A[6]).item() == pytest.approx(loss(lb, B[6]).item(), abs=1e-6)
 
 def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
@@ -260,9 +261,9 @@ def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
     dead = dict(ids=[5, 12, 13, 14, 15], mask=[0, 0, 1, 1, 1], old=[0.0, 0.0, -4.1, -4.3, -4.6], adv=[0.0] * 5)
     def grads(rows, kl_coef, norm_mode, denom):
         model.zero_grad()
-        ids, attn, pos, sel, old, adv, seq = stepgrpo.collate(rows, 0, "cpu")
-        logp, _ = stepgrpo.token_logprobs(model, ids, attn, sel, pos)
-        stepgrpo.grpo_loss(logp, old, old - 0.3, adv, seq, 0.2, kl_coef, norm_mode, denom)[0].backward()
+        ids, attn, pos, sel, old, adv, seq = grpo.collate(rows, 0, "cpu")
+        logp, _ = grpo.token_logprobs(model, ids, attn, sel, pos)
+        grpo.grpo_loss(logp, old, old - 0.3, adv, seq, 0.2, kl_coef, norm_mode, denom)[0].backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
     for norm_mode, denom in (("token", 8), ("sequence", 3)):
         full = grads(live + [dead], 0.0, norm_mode, denom)
@@ -323,7 +324,7 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
             groups.append((prefix, outs, [(ids, v) for (ids, _), v in zip(outs, theirs)]))
 
         def updated(k, shift=0.0, model=None):
-            rows = [stepgrpo.pack_group(p, [(ids, [lp + shift for lp in lps]) for ids, lps in g[k]], [1.0, -1.0, 0.5, -0.5])
+            rows = [grpo.pack_group(p, [(ids, [lp + shift for lp in lps]) for ids, lps in g[k]], [1.0, -1.0, 0.5, -0.5])
                     for p, *g in groups]
             model = model or trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False, tree_mask=True)
             micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, cpu)
@@ -508,25 +509,25 @@ def test_split_credit_puts_the_kb_half_on_the_ret_tokens_only():
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     texts = [reward.format_route("The next fact to look up.", [("Where was Ly Normi born?", kb)]) for kb in ("text", "table")]
     group = [(tok.encode(t, add_special_tokens=False), None) for t in texts]
-    cut = [stepgrpo.ret_start(tok, ids) for ids, _ in group]
+    cut = [grpo.ret_start(tok, ids) for ids, _ in group]
     for (ids, _), k in zip(group, cut):
         assert "<ret>" not in tok.decode(ids[:k]) and "<ret>" in tok.decode(ids[:k + 1])
         assert tok.decode(ids[k:]).lstrip(">").startswith(("Text", "Table", "\nText", "\nTable"))
-    adv = stepgrpo.split_credit(tok, group, [1.2, 0.7], [0.5, 0.0], std=True, scale=1.0)
+    adv = grpo.split_credit(tok, group, [1.2, 0.7], [0.5, 0.0], std=True, scale=1.0)
     for a, (ids, _), k, sign in zip(adv, group, cut, (1, -1)):
         assert len(a) == len(ids) and a[:k] == [0.0] * k
         assert a[k:] == pytest.approx([sign * 0.25 / (0.5 ** 0.5 / 2 + 1e-4)] * (len(ids) - k))
-    assert stepgrpo.split_credit(tok, group, [1.2, 0.7], [0.5, 0.0], std=False, scale=2.0)[0][-1] == pytest.approx(0.5)
+    assert grpo.split_credit(tok, group, [1.2, 0.7], [0.5, 0.0], std=False, scale=2.0)[0][-1] == pytest.approx(0.5)
     # a completion without <ret> (malformed): all its tokens are wording
-    assert stepgrpo.ret_start(tok, tok.encode("<think>no route", add_special_tokens=False)) == len(
+    assert grpo.ret_start(tok, tok.encode("<think>no route", add_special_tokens=False)) == len(
         tok.encode("<think>no route", add_special_tokens=False))
 
 def test_choice_entropy_of_a_group_in_bits():
-    assert stepgrpo.choice_entropy([("text",)] * 8) == 0.0
-    assert stepgrpo.choice_entropy([("text",), ("table",)] * 4) == pytest.approx(1.0)
+    assert grpo.choice_entropy([("text",)] * 8) == 0.0
+    assert grpo.choice_entropy([("text",), ("table",)] * 4) == pytest.approx(1.0)
     # four equally likely outcomes, a malformed route (None) one of them: 2 bits
-    assert stepgrpo.choice_entropy([("text",), ("table",), ("stop",), None] * 2) == pytest.approx(2.0)
-    assert stepgrpo.choice_entropy([("text",)] * 3 + [("image",)]) == pytest.approx(0.811278, abs=1e-6)
+    assert grpo.choice_entropy([("text",), ("table",), ("stop",), None] * 2) == pytest.approx(2.0)
+    assert grpo.choice_entropy([("text",)] * 3 + [("image",)]) == pytest.approx(0.811278, abs=1e-6)
 
 def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, encoder):
     # an engine whose context holds about half the route prefixes plus a routing step: only those make groups (each
@@ -648,20 +649,20 @@ def test_step_bookkeeping_stays_on_the_data_device(monkeypatch):
     meta = torch.device("meta")
     with meta:
         model = TinyLM()
-    packed = stepgrpo.pack_group([5, 6, 7], [([8, 9], [-0.5, -0.7]), ([10], [-0.2])], [1.0, -1.0])
+    packed = grpo.pack_group([5, 6, 7], [([8, 9], [-0.5, -0.7]), ([10], [-0.2])], [1.0, -1.0])
     plain = dict(ids=[5, 6], mask=[0, 1], old=[0.0, -0.3], adv=[0.0, 0.5])
-    assert all(t.device == meta for t in stepgrpo.collate([packed, plain], 0, meta) if t is not None)
+    assert all(t.device == meta for t in grpo.collate([packed, plain], 0, meta) if t is not None)
     # meta tensors have no values, so a boolean selection's size is unknown: with every position a policy token it
     # is all of them, which torch may then assume
     import torch.fx.experimental._config as fx_config
     monkeypatch.setattr(fx_config, "meta_nonzero_assume_all_nonzero", True)
     rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -0.2, -0.3, -0.4], adv=[0.0, 0.5, 0.5, 0.5]),
             dict(ids=[5, 9, 9, 8], mask=[0, 1, 1, 1], old=[0.0, -0.1, -0.3, -0.2], adv=[0.0, -1.0, -1.0, -1.0])]
-    ids, attn, pos, sel, old, adv, seq = stepgrpo.collate(rows, 0, meta)
-    logp, ent = stepgrpo.token_logprobs(model, ids, attn, sel, pos)
+    ids, attn, pos, sel, old, adv, seq = grpo.collate(rows, 0, meta)
+    logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos)
     sums = {k: torch.zeros((), dtype=torch.float64, device=meta) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
     for norm_mode in ("token", "sequence"):
-        loss, kl, clipped = stepgrpo.grpo_loss(logp, old, logp.detach() - 0.1, adv, seq, 0.2, 0.1, norm_mode, 5.0)
+        loss, kl, clipped = grpo.grpo_loss(logp, old, logp.detach() - 0.1, adv, seq, 0.2, 0.1, norm_mode, 5.0)
         loss.backward(retain_graph=True)
         stepgrpo.add_stats(sums, 1.0, loss, kl, clipped, ent)
     assert all(t.device == meta for t in (logp, ent, loss, kl, clipped, *sums.values()))
@@ -684,8 +685,8 @@ def test_the_logged_loss_does_not_depend_on_the_world_size(monkeypatch):
         model, cpu = TinyLM(), torch.device("cpu")
         micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, cpu)
         ids, attn, pos, sel, old, adv, seq, pix, weight = micro[0]
-        logp, ent = stepgrpo.token_logprobs(model, ids, attn, sel, pos)
-        loss, kl, clipped = stepgrpo.grpo_loss(logp, old, logp.detach(), adv, seq, 0.2, 0.0, "token", denom)
+        logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos)
+        loss, kl, clipped = grpo.grpo_loss(logp, old, logp.detach(), adv, seq, 0.2, 0.0, "token", denom)
         sums = {k: torch.zeros((), dtype=torch.float64) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
         stepgrpo.add_stats(sums, weight, loss, kl, clipped, ent)
         return stepgrpo.log_record(1, 0, {k: [] for k in stepgrpo.STATS}, sums, 0.0, {}, rows, args)["loss"]

@@ -21,8 +21,8 @@ import engines
 import prepare
 import retrievers
 import rollout
+import grpo
 import sft
-import stepgrpo
 import trainutil
 import vision
 
@@ -112,10 +112,10 @@ def test_vllm_and_hf_agree_greedily_on_prompts_with_images(ret, visual, vis, hf,
         assert list(out.prompt_token_ids) == ids
 
 def trainer_logprobs(model, vis, ids, images, suppress=()):
-    """The trainer's logprob of every token of ids after the first (stepgrpo.token_logprobs, pixels included)."""
+    """The trainer's logprob of every token of ids after the first (grpo.token_logprobs, pixels included)."""
     T = len(ids)
     with torch.no_grad():
-        return stepgrpo.token_logprobs(model, torch.tensor([ids]), torch.ones(1, T, dtype=torch.long),
+        return grpo.token_logprobs(model, torch.tensor([ids]), torch.ones(1, T, dtype=torch.long),
                                        torch.ones(1, T - 1, dtype=torch.bool), pix=vis.pixels([images], "cpu"),
                                        suppress=suppress)[0]
 

@@ -1,0 +1,149 @@
+"""
+grpo.py: the GRPO arithmetic of stepgrpo.py, free of engines and process groups: group-relative advantages (per step
+and per trajectory, with or without the std division), the split of a routing step's credit between its wording and
+its KB tokens, the PPO-clipped token loss with its k3 KL and entropy terms, and the packing of a group's completions
+behind one shared prompt (a tree attention mask). Each formula sits next to its function; tests check them by hand.
+"""
+import math
+from collections import Counter
+
+import numpy as np
+import torch
+
+import trainutil
+
+def norm(v, eps=1e-4, std=True):
+    """(v - mean) / (std + eps) over a group, with the unbiased std as GRPO implementations; exactly 0 if all equal.
+    std False: v - mean (Dr. GRPO: small reward differences are not blown up to +-1)."""
+    v = np.asarray(v, dtype=np.float64)
+    if len(v) < 2 or v.min() == v.max():  # exactly 0, not v - mean's rounding error / eps (~1e-13)
+        return np.zeros_like(v)
+    return (v - v.mean()) / (v.std(ddof=1) + eps) if std else v - v.mean()
+
+def group_advantages(spans, rewards, outcomes, mode="step", scale=None, std=True):
+    """onpolicy, one group (the n samples of a question). spans[i]: span dicts of sample i, rewards[i]: their rewards,
+    outcomes[i]: R_i. Returns A[i][j] = c_(kind, step) norm_(kind, step)(r_ij) + norm(R_i), where norm_(kind, step)
+    runs over the samples that have a span of that kind at that step (0 if only one has it) and c = scale.get((kind,
+    step), 1) (--balance_kb); mode "outcome": A[i][j] = norm(R_i) (plain GRPO). std: as norm's (--adv_std)."""
+    R = norm(outcomes, std=std)
+    adv = [[float(R[i])] * len(s) for i, s in enumerate(spans)]
+    if mode == "outcome":
+        return adv
+    by_key = {}
+    for i, s in enumerate(spans):
+        for j, sp in enumerate(s):
+            by_key.setdefault((sp["kind"], sp["step"]), []).append((i, j))
+    for key, members in by_key.items():
+        c = (scale or {}).get(key, 1.0)
+        for (i, j), a in zip(members, norm([rewards[i][j] for i, j in members], std=std)):
+            adv[i][j] += c * float(a)
+    return adv
+
+def token_advantages(n_tokens, spans, adv):
+    """[n_tokens]: span j's advantage adv[j] on its token range, 0 on every other token."""
+    out = [0.0] * n_tokens
+    for sp, a in zip(spans, adv):
+        out[sp["start"]:sp["end"]] = [a] * (sp["end"] - sp["start"])
+    return out
+
+def token_logprobs(model, ids, attn, sel, pos=None, temperature=1.0, entropy_grad=False, pix=None, suppress=()):
+    """Logprob of each selected next token and the entropy of its prediction, both [N], where sel [B, T-1] marks the
+    positions (t predicts token t + 1) that are policy tokens: lm_head and softmax run on those alone. Both are of
+    the distribution the engine sampled from, softmax(logits / temperature) (EasyR1 divides the logits the same way),
+    without the `suppress`ed tokens (a VL policy's image tokens, which the engines never sample).
+    attn: [B, T] padding mask, or [B, 1, T, T] tree mask with position ids pos [B, T] for packed groups; pix: a VL
+    batch's image inputs. entropy_grad: keep the entropy's graph (--entropy_coef; one more [N, V] tensor)."""
+    logits = trainutil.selected_logits(model, ids, sel, attn, pos, pix).float() / temperature  # [N, V]
+    if len(suppress):
+        logits[:, suppress] = float("-inf")
+    logp = logits.log_softmax(-1)  # [N, V]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(-1)  # [N]; 0 log 0 = 0
+    return logp.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1), entropy
+
+def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom, entropy=None, entropy_coef=0.0):
+    """logp, old, ref, adv, entropy: [N] over the policy tokens of a micro-batch; seq [N]: each token's sequence index.
+      ratio = exp(logp - old)   (old: the sampling engine's logprobs, or with --old_logprobs trainer the trainer's)
+      l_t = -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) + kl_coef (exp(ref - logp) - (ref - logp) - 1)   (k3 KL)
+            - entropy_coef H_t   (an entropy bonus, EasyR1's entropy_coeff)
+    Returns the loss to backprop, already divided by the global `denom` (policy tokens for token normalisation; for
+    sequence normalisation each sequence's token mean, over the number of sequences), and the per-token kl and
+    clipped indicators."""
+    ratio = torch.exp(logp - old)
+    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3 estimator of KL(policy || ref)
+    per_tok = pg + kl_coef * kl - (entropy_coef * entropy if entropy_coef else 0.0)
+    if norm_mode == "token":
+        loss = per_tok.sum() / denom
+    else:  # each sequence's token mean, summed
+        count = per_tok.new_zeros(len(seq)).index_add_(0, seq, torch.ones_like(per_tok))  # [N] tokens of each sequence
+        loss = (per_tok / count[seq]).sum() / denom
+    clipped = ((ratio - 1).abs() > clip_eps).float()
+    return loss, kl.detach(), clipped
+
+def split_credit(tok, group, rewards, kb_part, std, scale):
+    """--route_credit split: per completion, per-token advantages. The KB half of the route reward (0.5 [KB = gold's])
+    is normalised in the group and put on the tokens from <ret> on, where the KB is written; the rest of the reward
+    (the sub-question's cosine, the format term) on the tokens before. So the decision's credit is not diluted over
+    the ~40 tokens of the step's wording, and wording noise does not reach the decision tokens."""
+    a_kb = norm(kb_part, std=std) * scale
+    a_rest = norm([r - k for r, k in zip(rewards, kb_part)], std=std) * scale
+    return [[float(a_rest[i])] * ret_start(tok, ids) + [float(a_kb[i])] * (len(ids) - ret_start(tok, ids))
+            for i, (ids, _) in enumerate(group)]
+
+def ret_start(tok, ids):
+    """The number of tokens before the first one that completes "<ret>" (len(ids) if none does)."""
+    if "<ret>" not in tok.decode(ids):
+        return len(ids)
+    lo, hi = 1, len(ids)  # a tag once decoded stays in every longer prefix: binary-search the first such prefix
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if "<ret>" in tok.decode(ids[:mid]) else (mid + 1, hi)
+    return lo - 1
+
+def choice_entropy(choices):
+    """Entropy in bits of the empirical distribution of a group's routing choices (a malformed route is one more
+    outcome): 0 when every sample made the same choice, which leaves the route decision no relative advantage."""
+    n = len(choices)
+    return float(-sum(c / n * math.log2(c / n) for c in Counter(choices).values())) if n else 0.0
+
+def pack_group(prefix, group, adv):
+    """The n completions of one prompt as one row, the prompt (but its last token) once and then, per completion, that
+    last token and the completion: a branch. seg gives each token's branch (-1: the shared prompt), pos its position
+    id (a branch continues the prompt). collate's tree mask lets a branch see the prompt and itself only, so the
+    repeated last token makes each policy token's left neighbour its true predecessor, and the row scores every
+    completion exactly as n separate rows (~3x less compute than those on CPU)."""
+    L = len(prefix) - 1
+    row = dict(ids=list(prefix[:-1]), mask=[0] * L, old=[0.0] * L, adv=[0.0] * L, seg=[-1] * L, pos=list(range(L)),
+               n_seq=len(group))
+    for i, ((ids, lps), a) in enumerate(zip(group, adv)):
+        a = [0.0, *a] if isinstance(a, list) else [float(a)] * (1 + len(ids))  # a: one value, or one a token
+        for key, vals in (("ids", [prefix[-1], *ids]), ("mask", [0] + [1] * len(ids)), ("old", [0.0, *lps]),
+                          ("adv", a), ("seg", [i] * (1 + len(ids))),
+                          ("pos", list(range(L, L + 1 + len(ids))))):
+            row[key] += vals
+    return row
+
+def collate(rows, pad_id, device):
+    """Right-pad to ids [B, T]; sel [B, T-1] marks positions whose next token is a policy token; old logprobs,
+    advantages and sequence index of those tokens (numbered from 0 in order of appearance), flattened to [N] in sel's
+    (row-major) order. attn: the padding mask [B, T] and pos None, or, if a row is packed (pack_group), a tree mask
+    [B, 1, T, T] and position ids [B, T]."""
+    T = max(len(s["ids"]) for s in rows)
+    ids = torch.tensor([s["ids"] + [pad_id] * (T - len(s["ids"])) for s in rows], device=device)
+    attn = torch.tensor([[1] * len(s["ids"]) + [0] * (T - len(s["ids"])) for s in rows], device=device)
+    sel = torch.tensor([s["mask"][1:] + [0] * (T - len(s["ids"])) for s in rows], device=device).bool()
+    pick = lambda key: torch.tensor([v for s in rows for v, m in zip(s[key][1:], s["mask"][1:]) if m], device=device).float()
+    first = np.cumsum([0] + [s.get("n_seq", 1) for s in rows])  # index of each row's first sequence
+    raw = [first[b] + max(g, 0) for b, s in enumerate(rows)
+           for g, m in zip(s.get("seg", [-1] * len(s["ids"]))[1:], s["mask"][1:]) if m]
+    dense = {k: i for i, k in enumerate(dict.fromkeys(raw))}  # numbered in order of appearance: every index < N
+    seq = torch.tensor([dense[k] for k in raw], dtype=torch.long, device=device)
+    pos = None
+    if any("seg" in s for s in rows):
+        seg = torch.tensor([s.get("seg", [-1] * len(s["ids"])) + [1 << 30] * (T - len(s["ids"])) for s in rows], device=device)
+        shared = seg == -1  # [B, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        attn = (causal & (shared[:, None, :] | (seg[:, :, None] == seg[:, None, :])))[:, None]  # [B, 1, T, T]
+        pos = torch.tensor([s.get("pos", list(range(len(s["ids"])))) + [0] * (T - len(s["ids"])) for s in rows], device=device)
+    return ids, attn, pos, sel, pick("old"), pick("adv"), seq
