@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import trainutil
+from engines import truncate
 
 def norm(v, eps=1e-4, std=True):
     """(v - mean) / (std + eps) over a group, with the unbiased std as GRPO implementations; exactly 0 if all equal.
@@ -88,18 +89,15 @@ def split_credit(tok, group, rewards, kb_part, std, scale):
     the ~40 tokens of the step's wording, and wording noise does not reach the decision tokens."""
     a_kb = norm(kb_part, std=std) * scale
     a_rest = norm([r - k for r, k in zip(rewards, kb_part)], std=std) * scale
-    return [[float(a_rest[i])] * ret_start(tok, ids) + [float(a_kb[i])] * (len(ids) - ret_start(tok, ids))
-            for i, (ids, _) in enumerate(group)]
+    cuts = [ret_start(tok, ids) for ids, _ in group]
+    return [[float(a_rest[i])] * k + [float(a_kb[i])] * (len(ids) - k) for i, ((ids, _), k) in enumerate(zip(group, cuts))]
 
 def ret_start(tok, ids):
-    """The number of tokens before the first one that completes "<ret>" (len(ids) if none does)."""
+    """The number of tokens before the first one that completes "<ret>" (len(ids) if none does): engines.truncate's
+    search for the first prefix holding a stop string."""
     if "<ret>" not in tok.decode(ids):
         return len(ids)
-    lo, hi = 1, len(ids)  # a tag once decoded stays in every longer prefix: binary-search the first such prefix
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if "<ret>" in tok.decode(ids[:mid]) else (mid + 1, hi)
-    return lo - 1
+    return len(truncate(tok, ids, ids, ["<ret>"], None)[0]) - 1
 
 def choice_entropy(choices):
     """Entropy in bits of the empirical distribution of a group's routing choices (a malformed route is one more
