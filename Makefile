@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft decision released visual lora multiquery real real-eval clean
+.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft decision released visual lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -33,13 +33,16 @@ $(DATA)/traj/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
 	$(PY) synth.py --data $(DATA) --out $(DATA)/traj --limit 400
 
 # The main job: the recipe (sft.py and stepgrpo.py defaults) at CPU budgets, end to end on the embedded mini-world:
-# mini-world -> indexes -> golden trajectories -> SFT -> Step-GRPO -> on the test split: every baseline with the
-# prompt-only model (few-shot step format) and with SFT, Step-GRPO routed; the paired interval of Step-GRPO - SFT. Each stage is a file target: re-running skips what is done.
+# mini-world -> indexes -> golden trajectories -> SFT -> Step-GRPO, and beside it SFT-continued (the SFT run resumed
+# for more steps on the next golden trajectories at its final LR, about the Step-GRPO stage's wall clock) -> the three
+# scored routed on the first EVAL_N test questions, each its final checkpoint; paired intervals of Step-GRPO - SFT and
+# Step-GRPO - SFT-continued. Each stage is a file target: re-running skips what is done. The baselines: `make baselines`.
 SFT_STEPS ?= 36
 SFT_ACCUM ?= 4
-GRPO_STEPS ?= 3
-GRPO_QUESTIONS ?= 8
-EVAL_N ?= 100
+CONT_STEPS ?= 40
+GRPO_STEPS ?= 10
+GRPO_QUESTIONS ?= 4
+EVAL_N ?= 300
 OUT := out/demo
 EVAL_FLAGS = --data $(DATA) --split test --n_questions $(EVAL_N)
 
@@ -47,18 +50,39 @@ $(OUT)/sft/final/config.json: $(DATA)/traj/train.jsonl sft.py
 	$(PY) sft.py --model $(MODEL) --data $(DATA)/traj --train_steps $(SFT_STEPS) --grad_accum $(SFT_ACCUM) \
 		--eval_every 0 --save_every 0 --keep 1 --out $(OUT)/sft
 
+# a copy of the SFT run's checkpoint (hard links) resumed in its own folder: same optimizer state, the data order goes on
+$(OUT)/sft-cont/final/config.json: $(OUT)/sft/final/config.json
+	rm -rf $(OUT)/sft-cont && mkdir -p $(OUT)/sft-cont && cp -al $(OUT)/sft/step_$(SFT_STEPS) $(OUT)/sft-cont/
+	echo step_$(SFT_STEPS) > $(OUT)/sft-cont/latest
+	$(PY) sft.py --model $(OUT)/sft/final --data $(DATA)/traj --resume --train_steps $$(( $(SFT_STEPS) + $(CONT_STEPS) )) \
+		--grad_accum $(SFT_ACCUM) --lr 2e-5 --warmup_steps 0 --min_lr_ratio 1 --eval_every 0 --save_every 0 --keep 1 \
+		--out $(OUT)/sft-cont
+
 $(OUT)/stepgrpo/final/config.json: $(OUT)/sft/final/config.json stepgrpo.py
 	$(PY) stepgrpo.py --model $(OUT)/sft/final --data $(DATA) --train_steps $(GRPO_STEPS) \
 		--batch_questions $(GRPO_QUESTIONS) --eval_questions 0 --save_every 0 --keep 1 --out $(OUT)/stepgrpo
 
-$(OUT)/eval/%/results.json: $(OUT)/stepgrpo/final/config.json
-	$(PY) evaluate.py --model $(if $(filter prompt-only,$*),$(MODEL),$(OUT)/$*/final) --name $* \
-		$(if $(filter prompt-only,$*),--few_shot 3 --protocol fallback) $(if $(filter stepgrpo,$*),--methods routed) $(EVAL_FLAGS) --out $(OUT)/eval/$*
+$(OUT)/eval/%/results.json: $(OUT)/%/final/config.json
+	$(PY) evaluate.py --model $(OUT)/$*/final --name $* --methods routed $(EVAL_FLAGS) --out $(OUT)/eval/$*
 
-demo: $(OUT)/eval/prompt-only/results.json $(OUT)/eval/sft/results.json $(OUT)/eval/stepgrpo/results.json
+demo: $(OUT)/eval/sft/results.json $(OUT)/eval/sft-cont/results.json $(OUT)/eval/stepgrpo/results.json
 	$(PY) corpus.py --check $(DATA)
 	$(PY) evaluate.py --combine $^ --data $(DATA) --split test --out $(OUT)/results
 	$(PY) evaluate.py --paired $(OUT)/eval/sft/trajectories-routed.jsonl $(OUT)/eval/stepgrpo/trajectories-routed.jsonl
+	$(PY) evaluate.py --paired $(OUT)/eval/sft-cont/trajectories-routed.jsonl $(OUT)/eval/stepgrpo/trajectories-routed.jsonl
+
+# The baselines on the main job's test questions: every method with the prompt-only model (few-shot step format) and
+# with the main job's SFT (no retrieval, single-shot RAG, IterRetGen, every KB, the oracle-KB ceiling)
+BASE := out/baselines
+$(BASE)/prompt-only/results.json: $(MODEL)/config.json $(DATA)/index/meta.json
+	$(PY) evaluate.py --model $(MODEL) --name prompt-only --few_shot 3 --protocol fallback $(EVAL_FLAGS) --out $(dir $@)
+
+$(BASE)/sft/results.json: $(OUT)/sft/final/config.json
+	$(PY) evaluate.py --model $(OUT)/sft/final --name sft --methods no_retrieval single_rag iterretgen every_kb oracle \
+		$(EVAL_FLAGS) --out $(dir $@)
+
+baselines: $(BASE)/prompt-only/results.json $(BASE)/sft/results.json
+	$(PY) evaluate.py --combine $^ --data $(DATA) --split test --out $(BASE)/results
 
 test: .venv/.stamp $(MODEL)/config.json
 	$(PY) -m pytest -q

@@ -7,8 +7,8 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py ... --resume                              # continue from <out>/latest exactly
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 stepgrpo.py ... \
         --resume auto                                            # a job that restarts itself after a rank dies
-    python stepgrpo.py ... --teacher_spans all --no-balance_kb --w_format 0 --entropy_coef 1e-3 --old_logprobs trainer
-                                                                 # R1-Router's released setting
+    python stepgrpo.py ... --teacher_spans all --no-balance_kb --w_format 0 --entropy_coef 1e-3 --old_logprobs trainer \
+        --route_credit whole --adv_std                          # R1-Router's released setting
     python stepgrpo.py ... --rollout onpolicy                    # per-step groups over whole sampled trajectories
     python stepgrpo.py ... --rollout onpolicy --reward outcome   # plain GRPO (outcome reward only), the ablation
     python stepgrpo.py ... --lora_r 16 --lr 5e-5                 # LoRA (also from an SFT-LoRA run's final checkpoint)
@@ -22,7 +22,9 @@ Outline: rewards -> rollouts to training rows -> update -> dev evaluation -> mai
 arithmetic is grpo.py.
 
 R1-Router's released setting is --rollout teacher_prefix with --teacher_spans all, no format reward (--w_format 0), no
-KL in the loss, an entropy bonus of 1e-3 and old logprobs recomputed by the trainer. This repo's extensions: --teacher_spans route, --balance_kb, --w_format, --w_hit, the on-policy
+KL in the loss, an entropy bonus of 1e-3, old logprobs recomputed by the trainer, one advantage on a whole step and
+std-divided advantages. This repo's extensions: --teacher_spans route, --balance_kb, --w_format, --w_hit, --route_credit
+split, --no-adv_std, the on-policy
 mode, the packed prompt of a group (pack_group), the dev-picked <out>/best. Formulas sit next to their functions.
 """
 import argparse
@@ -71,11 +73,12 @@ def get_args(argv=None):
     ap.add_argument("--balance_kb", action=argparse.BooleanOptionalAction, default=True,
                     help="scale route advantages by the inverse frequency of the gold route (extension)")
     ap.add_argument("--w_format", type=float, default=0.2, help="reward of a step that parses (extension; 0: R1-Router)")
-    ap.add_argument("--route_credit", default="whole", choices=["whole", "split"],
+    ap.add_argument("--route_credit", default="split", choices=["whole", "split"],
                     help="teacher_prefix: whole = one advantage on every token of a routing step (R1-Router); split = the "
-                         "KB half of the route reward on the <ret> tokens, the rest (cosine, format) on the tokens before")
-    ap.add_argument("--adv_std", action=argparse.BooleanOptionalAction, default=True,
-                    help="divide group advantages by the group's std (GRPO); --no-adv_std: r - mean only (Dr. GRPO)")
+                         "KB half of the route reward on the <ret> tokens, the rest (cosine, format) on the tokens before "
+                         "(extension)")
+    ap.add_argument("--adv_std", action=argparse.BooleanOptionalAction, default=False,
+                    help="divide group advantages by the group's std (GRPO, R1-Router); default: r - mean only (Dr. GRPO)")
     ap.add_argument("--w_hit", type=float, default=0.0, help="onpolicy: reward when the gold document is retrieved")
     ap.add_argument("--batch_questions", type=int, default=16, help="questions per step, over all ranks")
     ap.add_argument("-n", "--group_size", type=int, default=8, help="samples per golden-prefix step or per question")

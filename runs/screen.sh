@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Screening Step-GRPO variants on dev against the SFT-continued control, from one SFT checkpoint (START):
-#   sft-cont   more SFT from START on the next golden trajectories, about the wall clock of one Step-GRPO arm
-#              (36 steps x 4 at a constant lr 2e-5, the first stage's final lr)
+#   sft-cont   the SFT run of START resumed in its own folder (its optimizer state, the data order going on to the
+#              next golden trajectories) for 36 more steps x 4 at a constant lr 2e-5, the first stage's final lr:
+#              about the wall clock of one Step-GRPO arm
 #   recipe     stepgrpo.py's defaults at the screening budget (6 steps x 8 questions x 8 samples)
 #   split      the same with the route decision's credit on its own tokens (--route_credit split) and no std
 #              division (--no-adv_std, Dr. GRPO)
@@ -19,8 +20,12 @@ OUT=${OUT:-out/screen}
 N=${N:-100}
 start=$(date +%s)
 resume() { test -f "$1/latest" && echo --resume || true; }
-test -e $OUT/sft-cont/final || $PY sft.py --model $START --data $TRAJ --train_steps 36 --grad_accum 4 --lr 2e-5 \
-  --warmup_steps 0 --min_lr_ratio 1 --eval_every 0 --save_every 0 --keep 1 --out $OUT/sft-cont
+ck=$(basename "$(readlink -f $START)")  # step_N of the SFT run, which holds its trainer state
+if ! test -e $OUT/sft-cont/final; then
+  test -f $OUT/sft-cont/latest || { mkdir -p $OUT/sft-cont && cp -al "$(dirname $START)/$ck" $OUT/sft-cont/ && echo $ck > $OUT/sft-cont/latest; }
+  $PY sft.py --model $START --data $TRAJ --resume --train_steps $(( ${ck#step_} + 36 )) --grad_accum 4 --lr 2e-5 \
+    --warmup_steps 0 --min_lr_ratio 1 --eval_every 0 --save_every 0 --keep 1 --out $OUT/sft-cont
+fi
 grpo=(--model $START --data $DATA --gold_think $THINK --train_steps 6 --batch_questions 8 --save_every 3 --keep 2
       --eval_questions $N)
 test -e $OUT/recipe/final || $PY stepgrpo.py "${grpo[@]}" --out $OUT/recipe $(resume $OUT/recipe)
