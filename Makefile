@@ -50,13 +50,9 @@ $(OUT)/sft/final/config.json: $(DATA)/traj/train.jsonl sft.py
 	$(PY) sft.py --model $(MODEL) --data $(DATA)/traj --train_steps $(SFT_STEPS) --grad_accum $(SFT_ACCUM) \
 		--eval_every 0 --save_every 0 --keep 1 --out $(OUT)/sft
 
-# a copy of the SFT run's checkpoint (hard links) resumed in its own folder: same optimizer state, the data order goes on
 $(OUT)/sft-cont/final/config.json: $(OUT)/sft/final/config.json
-	rm -rf $(OUT)/sft-cont && mkdir -p $(OUT)/sft-cont && cp -al $(OUT)/sft/step_$(SFT_STEPS) $(OUT)/sft-cont/
-	echo step_$(SFT_STEPS) > $(OUT)/sft-cont/latest
-	$(PY) sft.py --model $(OUT)/sft/final --data $(DATA)/traj --resume --train_steps $$(( $(SFT_STEPS) + $(CONT_STEPS) )) \
-		--grad_accum $(SFT_ACCUM) --lr 2e-5 --warmup_steps 0 --min_lr_ratio 1 --eval_every 0 --save_every 0 --keep 1 \
-		--out $(OUT)/sft-cont
+	PY=$(PY) bash runs/sft_continue.sh $(OUT)/sft/final $(OUT)/sft-cont $(CONT_STEPS) --data $(DATA)/traj \
+		--grad_accum $(SFT_ACCUM) --eval_every 0 --save_every 0 --keep 1
 
 $(OUT)/stepgrpo/final/config.json: $(OUT)/sft/final/config.json stepgrpo.py
 	$(PY) stepgrpo.py --model $(OUT)/sft/final --data $(DATA) --train_steps $(GRPO_STEPS) \

@@ -19,12 +19,7 @@ resume() { test -f "$1/latest" && echo --resume || true; }
 for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $DATA/traj --seed $s --out $d/sft $(resume $d/sft)
-  ck=$(basename "$(readlink -f $d/sft/final)")  # step_N, with the trainer state the continued run resumes from
-  if ! test -e $d/sft-cont/final; then
-    test -f $d/sft-cont/latest || { mkdir -p $d/sft-cont && cp -al $d/sft/$ck $d/sft-cont/ && echo $ck > $d/sft-cont/latest; }
-    $PY sft.py --data $DATA/traj --seed $s --resume --train_steps $(( ${ck#step_} + CONT_STEPS )) --lr 2e-5 \
-      --warmup_steps 0 --min_lr_ratio 1 --out $d/sft-cont
-  fi
+  PY=$PY bash runs/sft_continue.sh $d/sft/final $d/sft-cont $CONT_STEPS --data $DATA/traj --seed $s
   test -e $d/grpo/final || $PY stepgrpo.py --data $DATA --model $d/sft/final --seed $s --out $d/grpo $(resume $d/grpo)
   for arm in sft sft-cont grpo; do
     test -f $d/eval-$arm/results.json || $PY evaluate.py --model $d/$arm/final --name $arm@s$s --methods routed \

@@ -205,6 +205,26 @@ def test_resume_continues_exactly(tiny_model, traj_dir, tmp_path):
     assert (state["step"], state["epoch"], state["position"]) == (6, 1, 2)
     assert (b / "latest").read_text().strip() == "step_6" and (b / "final").resolve() == (b / "step_6").resolve()
 
+@pytest.mark.slow
+def test_sft_continue_goes_on_where_the_run_stopped(tiny_model, traj_dir, tmp_path):
+    """runs/sft_continue.sh (the SFT-continued control): a 2-step SFT run at a constant LR continued for 2 more steps
+    in its own folder equals the same run trained 4 steps straight (optimizer state and data order carried, bitwise),
+    and the SFT run's own checkpoint, hard-linked into the new folder, is left as it was."""
+    args = ["--model", str(tiny_model), "--data", str(traj_dir), "--grad_accum", "4", "--save_every", "0",
+            "--eval_every", "0", *FAST, "--lr", "2e-5", "--min_lr_ratio", "1"]
+    straight, first, cont = tmp_path / "straight", tmp_path / "first", tmp_path / "cont"
+    sft.main([*args, "--train_steps", "4", "--out", str(straight)])
+    sft.main([*args, "--train_steps", "2", "--out", str(first)])
+    before = load_file(first / "step_2" / "model.safetensors")
+    r = subprocess.run(["bash", "runs/sft_continue.sh", str(first / "final"), str(cont), "2", *args[2:]], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PY": sys.executable})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert max_diff(straight / "step_4", cont / "final") == 0.0
+    assert max_diff(first / "step_2", cont / "final") > 1e-6
+    after = load_file(first / "step_2" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert [x["step"] for x in read_log(cont)] == [3, 4]  # its own log: the steps it trained
+
 VLLM_LOGPROBS = """
 import json, sys
 import engines
