@@ -2,7 +2,8 @@
 # R1-Router's released choices against this repo's recipe, at the main job's budgets and from its checkpoints
 # (run `make demo` first; docs/released.md; ~1.5 h on 2 CPU cores):
 #   1. the released reward and loss (--teacher_spans all --no-balance_kb --w_format 0 --entropy_coef 1e-3
-#      --old_logprobs trainer --route_credit whole --adv_std) against the recipe: Step-GRPO from the same SFT checkpoint, same questions and seed;
+#      --old_logprobs trainer --route_credit whole --adv_std) against the recipe: Step-GRPO from the same SFT
+#      checkpoint, same questions and seed;
 #   2. the released evaluation protocol (evaluate.py --protocol released) against greedy strict, on the recipe's checkpoint;
 #   3. the released step structure (a single-turn chat a step) against the transcript: synth -> SFT at the same
 #      compute (as many tokens a step: 7 one-chat rows against 4 transcripts) -> rollout throughput of each structure
