@@ -68,13 +68,13 @@ demo: $(OUT)/eval/sft/results.json $(OUT)/eval/sft-cont/results.json $(OUT)/eval
 	$(PY) evaluate.py --paired $(OUT)/eval/sft-cont/trajectories-routed.jsonl $(OUT)/eval/stepgrpo/trajectories-routed.jsonl
 
 # The baselines on the main job's test questions: every method with the prompt-only model (few-shot step format) and
-# with the main job's SFT (no retrieval, single-shot RAG, IterRetGen, every KB, the oracle-KB ceiling)
+# with the main job's SFT (no retrieval, single-shot RAG, IterRetGen, every KB, the oracle-KB and gold-steps ceilings)
 BASE := out/baselines
 $(BASE)/prompt-only/results.json: $(MODEL)/config.json $(DATA)/index/meta.json
 	$(PY) evaluate.py --model $(MODEL) --name prompt-only --few_shot 3 --protocol fallback $(EVAL_FLAGS) --out $(dir $@)
 
 $(BASE)/sft/results.json: $(OUT)/sft/final/config.json
-	$(PY) evaluate.py --model $(OUT)/sft/final --name sft --methods no_retrieval single_rag iterretgen every_kb oracle \
+	$(PY) evaluate.py --model $(OUT)/sft/final --name sft --methods no_retrieval single_rag iterretgen every_kb oracle gold_steps \
 		$(EVAL_FLAGS) --out $(dir $@)
 
 baselines: $(BASE)/prompt-only/results.json $(BASE)/sft/results.json

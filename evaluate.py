@@ -12,8 +12,10 @@ Methods (each on the same retrievers and model): routed (the model routes: R1-Ro
 (the question searches every KB once; all evidence in one prompt), iterretgen (IterRetGen, Shao et al. 2023: a fixed
 pipeline, --iters rounds of searching every KB with the question plus the previous round's generation, then
 answering; no step format), every_kb (the step format, but every sub-question searches every KB: routing removed),
-oracle (the model's sub-questions, the gold KB at each gold step). --few_shot K starts the step-format methods'
-prompts with K worked gold trajectories of the train split (prompting baselines; the rows are named method+Kshot).
+oracle (the model's sub-questions, the gold KB at each gold step: the routing ceiling), gold_steps (the gold
+trajectory, its intermediate answers included; the model writes only the final answer: the ceiling of the steps).
+--few_shot K starts the step-format methods' prompts with K worked gold trajectories of the train split (prompting
+baselines; the rows are named method+Kshot).
 --protocol: strict (default: greedy, one try a step, a malformed step is a format failure and scores 0), fallback
 (one try, then a malformed route stops and a malformed answer counts as its raw text: what lets a prompted model
 that cannot always write the step format be scored), released (R1-Router's released evaluation, answer_generation.py:
@@ -409,7 +411,7 @@ def write_report(results, out_dir, title="R1-Router evaluation"):
 # ----------------------------------------------------------------------------------------------------------------
 # Running the methods
 
-METHODS = ("routed", "no_retrieval", "single_rag", "iterretgen", "every_kb", "oracle")
+METHODS = ("routed", "no_retrieval", "single_rag", "iterretgen", "every_kb", "oracle", "gold_steps")
 STEP_FORMAT = ("routed", "every_kb", "oracle")  # the methods whose model writes R1-Router's step format
 
 def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, shots=None):
@@ -420,6 +422,8 @@ def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, 
     if method in ("no_retrieval", "single_rag", "iterretgen"):
         kbs = () if method == "no_retrieval" else KBS
         return rollout.answer_directly(engine, retriever, questions, kbs, settings, seed, iters if method == "iterretgen" else 1)
+    if method == "gold_steps":
+        return rollout.gold_steps(engine, retriever, questions, settings, seed)
     mode = {"routed": "model", "every_kb": "all", "oracle": "oracle"}[method]
     return rollout.rollout(engine, retriever, questions, 1, replace(settings, route_mode=mode), seed, shots=shots)
 

@@ -511,6 +511,26 @@ def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None, vis=None
     return golds, [(x, sp, x["ids"][chat_start(x, sp):sp["start"]], images_in(x["images"], chat_start(x, sp), sp["start"]))
                    for x in golds for sp in x["spans"]]
 
+def gold_steps(engine, retriever, questions, s=Settings(), seed=None):
+    """The ceiling of the steps (evaluate.py's gold_steps): each question's gold trajectory (golden_prefixes: gold
+    sub-questions and KBs, real retrieval, gold intermediate answers) up to its final answer, which the engine writes.
+    Returns the gold trajectory dicts, final_answer (and format_ok) the engine's."""
+    golds, prefixes = golden_prefixes(engine.tok, retriever, questions, s, seed, getattr(engine, "vis", None))
+    finals = [(x, ids, images) for x, sp, ids, images in prefixes if sp["kind"] == "final"]
+    for x in golds:  # a gold trajectory that did not fit the context has no final span: no answer (scored 0)
+        x["final_answer"] = None
+    for x, ids, _ in finals:
+        if not fits(engine, ids, s.answer_tokens):
+            x.update(overflow=True, error=f"final answer: {len(ids)} context + {s.answer_tokens} new tokens exceed "
+                                          f"the engine's max_len {engine.max_len}")
+    finals = [f for f in finals if not f[0]["overflow"]]
+    outs = engine.generate([ids for _, ids, _ in finals], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed,
+                           s.top_k, images=[images for *_, images in finals])
+    for (x, _, _), (ids, _) in zip(finals, outs):
+        a = reward.parse_answer(engine.tok.decode(ids, skip_special_tokens=True))
+        x.update(final_answer=a.answer if a.ok else None, format_ok=a.ok, error="" if a.ok else f"final answer: {a.error}")
+    return golds
+
 def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM_PROMPT):
     """Token ids of a chat that opens with the gold trajectories of `examples` (GoldPolicy through the real loop and
     retrieval) as earlier exchanges: the system prompt, then each example's question, steps, evidence and answer.

@@ -311,3 +311,25 @@ def test_paired_bootstrap_by_hand():
     assert same["routing_acc"] == {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1}
     with pytest.raises(ValueError, match="different questions"):
         evaluate.paired(SET, SET[1:])
+
+def test_gold_steps_ceiling_takes_only_the_final_answer_from_the_model(tiny_index):
+    """gold_steps: the gold trajectory (its KBs, evidence and intermediate answers) up to the final answer, which
+    the engine writes. The gold policy as the engine scores 100; an engine whose final answers are wrong keeps every
+    gold step (routing 100) and scores 0, so nothing but the final answer came from it."""
+    from transformers import AutoTokenizer
+
+    import corpus
+    import retrievers
+    import rollout
+    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
+    qs = corpus.load_questions(tiny_index, "dev")[:8]
+    ret = retrievers.Retriever(tiny_index, "bm25")
+    right = evaluate.score(evaluate.run_method("gold_steps", rollout.GoldPolicy(tok, qs), ret, qs, rollout.Settings()))
+    assert right["f1_recall"] == 100 and right["routing_acc"] == 100 and right["format_fail"] == 0
+    swap = {"text": "image", "table": "image", "image": "text"}  # its own steps would route wrong too
+    wrong = [dict(q, answers=["nobody at all"], steps=[dict(st, kb=swap[st["kb"]]) for st in q["steps"]]) for q in qs]
+    trajs = evaluate.run_method("gold_steps", rollout.GoldPolicy(tok, wrong), ret, qs, rollout.Settings())
+    assert [x["final_answer"] for x in trajs] == ["nobody at all"] * len(qs)
+    assert [x["steps"] for x in trajs] == [x["steps"] for x in rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)]
+    s = evaluate.score(trajs)
+    assert s["f1_recall"] == 0 and s["routing_acc"] == 100
