@@ -59,6 +59,8 @@ def get_args(argv=None):
     ap.add_argument("--weight_decay", type=float, default=0.0)
     ap.add_argument("--warmup_steps", type=int, default=2)
     ap.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine decays the LR to lr * this")
+    ap.add_argument("--decay_steps", type=int, default=0,
+                    help="the cosine ends at this step and the LR stays at lr * min_lr_ratio after it (0: the last step)")
     ap.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
     ap.add_argument("--activation_checkpointing", action="store_true")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
@@ -156,10 +158,12 @@ def loss_sum(model, ids, labels, pix=None):
     return F.cross_entropy(logits.float(), labels[:, 1:][sel], reduction="sum"), sel.sum()
 
 def lr_at(step, args, total):
-    """Linear warm-up to lr at step warmup_steps (0-based), then cosine down to lr * min_lr_ratio at the last step."""
+    """Linear warm-up to lr at step warmup_steps (0-based), then cosine down to lr * min_lr_ratio at the last step
+    (or at step decay_steps - 1, held there after it)."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / (args.warmup_steps + 1)
-    progress = min(1.0, (step - args.warmup_steps) / max(1, total - args.warmup_steps - 1))
+    end = min(args.decay_steps or total, total)
+    progress = min(1.0, (step - args.warmup_steps) / max(1, end - args.warmup_steps - 1))
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 #### checkpoints
