@@ -114,8 +114,8 @@ bench-memory: $(OUT)/sft/final/config.json
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 stepgrpo.py --model $(OUT)/sft/final --data $(DATA) \
 		--train_steps 2 --batch_questions 4 --eval_questions 0 --save_every 1 --keep 1 --out out/bench-memory
 
-# The recipe at full budget against SFT and SFT-continued, per seed, on the whole test split (README "Results"; not yet
-# timed with the SFT-continued arm: ~2.3 h a seed without it, the arm adds ~40 min of SFT and a 500-question evaluation)
+# The recipe against SFT and SFT-continued at the SFT's plateau, per seed, each arm dev-picked, on the whole test split
+# with the ceilings (README "Results"; ~2 h 15 min a seed here)
 SEEDS ?= 1 2 3
 vs-sft: $(DATA)/traj/train.jsonl
 	SEEDS="$(SEEDS)" PY=$(PY) bash runs/vs_sft.sh

@@ -1,34 +1,52 @@
 #!/usr/bin/env bash
 # The recipe against SFT and against SFT-continued, one training seed at a time (README "Results"):
-#   SFT (sft.py defaults) -> from its final checkpoint, two arms of about the same wall clock:
-#     Step-GRPO      stepgrpo.py defaults (its dev curve is logged; the arm is scored at its final checkpoint)
-#     SFT-continued  the SFT run resumed in its own folder (optimizer state, the data order going on) for CONT_STEPS
-#                    more steps at the first stage's final LR (2e-5)
-#   -> the three scored routed on the whole test split (500 questions), each at its final checkpoint (one criterion
-#   for every arm) -> paired bootstrap of Step-GRPO - SFT and Step-GRPO - SFT-continued.
-# Run from the repo root after `make setup data/mini/traj/train.jsonl`, or as `make vs-sft SEEDS="1 2 3"`.
-# Resumable: a finished stage is skipped, an interrupted training stage continues from its last checkpoint.
+#   SFT to its plateau: 216 steps x 4 rows, the cosine from 2e-4 ending at step 36, then a constant 2e-5
+#   -> from its final checkpoint, two arms of about the same wall clock, each picked on dev by one criterion (the mean
+#   of F1-Recall and routing accuracy on the first 100 dev questions; the start itself is not a candidate):
+#     Step-GRPO      stepgrpo.py's loss defaults, 6 steps x 8 questions x 8 samples, checkpoints at 3 and 6 (<out>/best)
+#     SFT-continued  the SFT run resumed in its own folder (optimizer state, the data order going on) for 36 more
+#                    steps at 2e-5, checkpoints at 228, 240 and 252
+#   -> scored once on the whole test split (500 questions, routed, greedy), SFT also with the oracle KB and the gold
+#   steps (the ceilings) -> paired bootstrap of Step-GRPO against SFT and against SFT-continued.
+# ~2 h 15 min a seed on 2 cores. Run from the repo root after `make setup data/mini/traj/train.jsonl`, or as
+# `make vs-sft SEEDS="1 2 3"`. Resumable: a finished stage is skipped, an interrupted training stage continues from
+# its last checkpoint.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-"1 2 3"}
-CONT_STEPS=${CONT_STEPS:-96}
 DATA=data/mini
 OUT=out/vs-sft
 start=$(date +%s)
 resume() { test -f "$1/latest" && echo --resume || true; }
+dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --split dev --n_questions 100 --out $2; }
+score() { $PY -c "import json, sys; r = next(iter(json.load(open(sys.argv[1])).values()))
+print((r['f1_recall'] + r['routing_acc']) / 2)" $1/results.json; }
 for s in $SEEDS; do
   d=$OUT/s$s
-  test -e $d/sft/final || $PY sft.py --data $DATA/traj --seed $s --out $d/sft $(resume $d/sft)
-  PY=$PY bash runs/sft_continue.sh $d/sft/final $d/sft-cont $CONT_STEPS --data $DATA/traj --seed $s
-  test -e $d/grpo/final || $PY stepgrpo.py --data $DATA --model $d/sft/final --seed $s --out $d/grpo $(resume $d/grpo)
-  for arm in sft sft-cont grpo; do
-    test -f $d/eval-$arm/results.json || $PY evaluate.py --model $d/$arm/final --name $arm@s$s --methods routed \
-      --data $DATA --split test --out $d/eval-$arm
+  test -e $d/sft/final || $PY sft.py --data $DATA/traj --seed $s --train_steps 216 --grad_accum 4 --decay_steps 36 \
+    --eval_every 0 --save_every 36 --keep 2 --out $d/sft $(resume $d/sft)
+  test -e $d/grpo/final || $PY stepgrpo.py --data $DATA --model $d/sft/final --seed $s --train_steps 6 \
+    --batch_questions 8 --save_every 3 --keep 2 --eval_questions 100 --out $d/grpo $(resume $d/grpo)
+  PY=$PY bash runs/sft_continue.sh $d/sft/final $d/sft-cont 36 --data $DATA/traj --grad_accum 4 --seed $s \
+    --eval_every 0 --save_every 12 --keep 3
+  if ! test -e $d/sft-cont/best; then  # the dev pick, the earliest of equal scores (as stepgrpo.py's <out>/best)
+    best= top=-1
+    for k in 228 240 252; do
+      dev $d/sft-cont/step_$k $d/dev-sft-cont-$k
+      v=$(score $d/dev-sft-cont-$k)
+      if awk -v a=$v -v b=$top 'BEGIN { exit !(a > b) }'; then best=$k top=$v; fi
+    done
+    ln -sfn step_$best $d/sft-cont/best && echo "SFT-continued dev-picked: step $best ($top)"
+  fi
+  for arm in sft:final:"routed oracle gold_steps" sft-cont:best:routed grpo:best:routed; do
+    IFS=: read name ck methods <<< "$arm"
+    test -f $d/test-$name/results.json || $PY evaluate.py --model $d/$name/$ck --name $name@s$s --methods $methods \
+      --data $DATA --split test --out $d/test-$name
   done
-  $PY evaluate.py --paired $d/eval-sft/trajectories-routed.jsonl $d/eval-grpo/trajectories-routed.jsonl
-  $PY evaluate.py --paired $d/eval-sft-cont/trajectories-routed.jsonl $d/eval-grpo/trajectories-routed.jsonl
+  $PY evaluate.py --paired $d/test-sft/trajectories-routed.jsonl $d/test-grpo/trajectories-routed.jsonl
+  $PY evaluate.py --paired $d/test-sft-cont/trajectories-routed.jsonl $d/test-grpo/trajectories-routed.jsonl
 done
 tables=()
-for s in $SEEDS; do tables+=($OUT/s$s/eval-{sft,sft-cont,grpo}/results.json); done
+for s in $SEEDS; do tables+=($OUT/s$s/test-{sft,sft-cont,grpo}/results.json); done
 $PY evaluate.py --combine "${tables[@]}" --data $DATA --split test --out $OUT/table
 echo "vs-sft: $(( ($(date +%s) - start) / 60 )) min"
