@@ -246,30 +246,37 @@ def score(trajs):
 PAIRED = {"f1_recall": lambda x: 100 * answer_scores(x)["f1_recall"], "routing_acc": lambda x: 100 * routing_accuracy(x),
           "steps": lambda x: len(reward.by_step(x["steps"])), "retrievals": lambda x: len(x["steps"])}
 
-def paired(base, new, n_boot=10000, seed=0):
-    """Paired bootstrap over questions of new - base, two methods' trajectories of the same questions (by qid): for
-    each PAIRED metric (f1_recall and routing_acc x100; routing steps and retrieval calls a question), the difference
-    of the means, the 2.5 and 97.5 percentiles of that difference over n_boot resamples of the questions (a 95%
-    interval), and the fraction of resamples where new is not above base; the same per question type in by_type."""
+def paired(pairs, n_boot=10000, seed=0):
+    """Paired bootstrap over questions of new - base. pairs: [(base, new), ...], each two methods' trajectories of the
+    same questions (by qid), one pair per training seed. For each PAIRED metric (f1_recall and routing_acc x100;
+    routing steps and retrieval calls a question): a question's difference is new - base averaged over the pairs; the
+    mean of it, the 2.5 and 97.5 percentiles of that mean over n_boot resamples of the questions (a 95% interval; one
+    resample serves every seed, so seeds stay paired by question), the fraction of resamples where new is not above
+    base, and each pair's own mean difference (per_pair); the same per question type in by_type."""
     import numpy as np
-    a, b = ({x["qid"]: x for x in first_samples(trajs)} for trajs in (base, new))
-    if a.keys() != b.keys():
-        raise ValueError(f"paired: the two sets of trajectories hold different questions ({len(a.keys() ^ b.keys())} unmatched)")
+    sets = [[{x["qid"]: x for x in first_samples(trajs)} for trajs in pair] for pair in pairs]
+    qids = sorted(sets[0][0])
+    for i, (a, b) in enumerate(sets):
+        for side in (a, b):
+            if side.keys() != set(qids):
+                raise ValueError(f"paired: pair {i + 1}'s trajectories hold other questions than pair 1's base "
+                                 f"({len(side.keys() ^ set(qids))} unmatched)")
 
-    def boot(qids):
-        idx = np.random.default_rng(seed).integers(0, len(qids), size=(n_boot, len(qids)))  # [n_boot, Q]
-        out = {"n": len(qids)}
+    def boot(qs):
+        idx = np.random.default_rng(seed).integers(0, len(qs), size=(n_boot, len(qs)))  # [n_boot, Q]
+        out = {"n": len(qs)}
         for key, fn in PAIRED.items():
-            d = np.array([fn(b[q]) - fn(a[q]) for q in qids], dtype=np.float64)  # [Q]
-            boots = d[idx].mean(1)  # [n_boot]
+            d = np.array([[fn(b[q]) - fn(a[q]) for q in qs] for a, b in sets], dtype=np.float64)  # [pairs, Q]
+            boots = d.mean(0)[idx].mean(1)  # [n_boot]
             out[key] = {"diff": float(d.mean()), "lo": float(np.percentile(boots, 2.5)),
-                        "hi": float(np.percentile(boots, 97.5)), "p_not_above": float((boots <= 0).mean())}
+                        "hi": float(np.percentile(boots, 97.5)), "p_not_above": float((boots <= 0).mean()),
+                        "per_pair": [float(x) for x in d.mean(1)]}
         return out
 
     types = defaultdict(list)
-    for q in sorted(a):
-        types[a[q].get("type") or "unknown"].append(q)
-    return dict(boot(sorted(a)), by_type={ty: boot(types[ty]) for ty in _type_order(types)})
+    for q in qids:
+        types[sets[0][0][q].get("type") or "unknown"].append(q)
+    return dict(boot(qids), by_type={ty: boot(types[ty]) for ty in _type_order(types)})
 
 # ----------------------------------------------------------------------------------------------------------------
 # reporting
@@ -508,20 +515,27 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="report folder (default out/eval/<name>-<split>)")
     ap.add_argument("--combine", nargs="+", default=None, help="merge these results.json files into one report (--out)")
-    ap.add_argument("--paired", nargs=2, default=None, metavar=("BASE", "NEW"),
-                    help="two trajectories-*.jsonl of the same questions: paired bootstrap of NEW - BASE")
+    ap.add_argument("--paired", nargs="+", default=None, metavar="BASE NEW",
+                    help="trajectories-*.jsonl of the same questions, BASE NEW [BASE NEW ...] (one pair per seed): "
+                         "paired bootstrap of NEW - BASE, averaged over the pairs")
     args = ap.parse_args()
     if args.paired:
+        if len(args.paired) % 2:
+            sys.exit(f"error: --paired takes BASE NEW pairs: {len(args.paired)} files given")
         try:
-            p = paired(*(corpus.read_jsonl(f) for f in args.paired))
+            files = [corpus.read_jsonl(f) for f in args.paired]
+            p = paired(list(zip(files[::2], files[1::2])))
         except KeyError as e:
-            sys.exit(f"error: --paired: a trajectory lacks {e}: give two trajectories-*.jsonl written by evaluate.py")
+            sys.exit(f"error: --paired: a trajectory lacks {e}: give trajectories-*.jsonl written by evaluate.py")
         except (corpus.DataError, OSError, ValueError) as e:
             sys.exit(f"error: --paired: {e}")
-        print(f"{args.paired[1]} - {args.paired[0]}, {p['n']} questions (paired bootstrap, 10000 resamples):")
+        pairs = [f"{n} - {b}" for b, n in zip(args.paired[::2], args.paired[1::2])]
+        print(f"{'; '.join(pairs)}, {p['n']} questions (paired bootstrap, 10000 resamples"
+              f"{f', averaged over {len(pairs)} pairs' if len(pairs) > 1 else ''}):")
         for k in PAIRED:
+            each = f"; per pair {', '.join(f'{x:+.2f}' for x in p[k]['per_pair'])}" if len(pairs) > 1 else ""
             print(f"  {k}: {p[k]['diff']:+.2f} (95% interval {p[k]['lo']:+.2f} .. {p[k]['hi']:+.2f}; "
-                  f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples)")
+                  f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples{each})")
         for ty, q in p["by_type"].items():
             print(f"  {ty} ({q['n']}): " + ", ".join(f"{k} {q[k]['diff']:+.2f} ({q[k]['lo']:+.2f} .. {q[k]['hi']:+.2f})"
                                                     for k in PAIRED))

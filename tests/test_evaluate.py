@@ -290,27 +290,33 @@ def test_paired_bootstrap_by_hand():
     # NEW fixes one question of seven (WRONG_ROUTE: F1-Recall 0 -> 1, routing 2/3 -> 1) and equals BASE elsewhere
     fixed = traj("b", "2hop", ["Suldor"], ["text", "table"], ["text", "table"], "Suldor")
     new = [fixed if t["qid"] == "b" else t for t in reversed(SET)]  # matched by qid, not by order
-    p = evaluate.paired(SET, new)
+    p = evaluate.paired([(SET, new)])
     assert p["n"] == 7
     assert p["f1_recall"]["diff"] == approx(100 / 7) and p["routing_acc"]["diff"] == approx(100 / 3 / 7)
     # a resample is not above BASE exactly when it leaves out question b: (6/7)^7 of the time
     for k in ("f1_recall", "routing_acc"):
         assert p[k]["lo"] == 0 and p[k]["hi"] > p[k]["diff"]
         assert p[k]["p_not_above"] == approx((6 / 7) ** 7, abs=0.02)
-    back = evaluate.paired(new, SET)
+    back = evaluate.paired([(new, SET)])
     assert back["f1_recall"]["diff"] == approx(-100 / 7) and back["f1_recall"]["p_not_above"] == 1
     assert p["by_type"]["2hop"]["n"] == 2 and p["by_type"]["2hop"]["f1_recall"]["diff"] == approx(100 / 2)
-    assert p["by_type"]["comparison"]["f1_recall"] == {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1}
+    assert p["by_type"]["comparison"]["f1_recall"] == {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1, "per_pair": [0]}
     # the same lookups in one routing step instead of two: one step fewer, as many retrieval calls, same routing
     multi = traj("g", "comparison", ["Zan Jumar"], ["text", "text"], ["text", "text"], "Jumar", step=[0, 0])
-    p = evaluate.paired(SET, [multi if t["qid"] == "g" else t for t in SET])
+    p = evaluate.paired([(SET, [multi if t["qid"] == "g" else t for t in SET])])
     assert p["steps"]["diff"] == approx(-1 / 7) and p["retrievals"]["diff"] == 0 and p["routing_acc"]["diff"] == 0
     assert p["by_type"]["comparison"]["steps"]["diff"] == -1 and score([multi])["steps"] == 1
     assert score(SET)["steps"] == score(SET)["retrievals"] == approx(9 / 7)
-    same = evaluate.paired(SET, SET)
-    assert same["routing_acc"] == {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1}
-    with pytest.raises(ValueError, match="different questions"):
-        evaluate.paired(SET, SET[1:])
+    same = evaluate.paired([(SET, SET)])
+    assert same["routing_acc"] == {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1, "per_pair": [0]}
+    with pytest.raises(ValueError, match="other questions"):
+        evaluate.paired([(SET, SET[1:])])
+    # two seeds, the fix in one of them: each question's difference is the mean over the seeds, resampled together
+    two = evaluate.paired([(SET, new), (SET, SET)])
+    assert two["f1_recall"]["per_pair"] == [approx(100 / 7), 0] and two["f1_recall"]["diff"] == approx(100 / 14)
+    assert two["f1_recall"]["lo"] == 0 and two["f1_recall"]["p_not_above"] == approx((6 / 7) ** 7, abs=0.02)
+    with pytest.raises(ValueError, match="pair 2"):
+        evaluate.paired([(SET, new), (SET[1:], SET[1:])])
 
 def test_gold_steps_ceiling_takes_only_the_final_answer_from_the_model(tiny_index):
     """gold_steps: the gold trajectory (its KBs, evidence and intermediate answers) up to the final answer, which
