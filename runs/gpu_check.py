@@ -208,7 +208,8 @@ def checks(c):
             grpo(model, W / out, steps, "--engine", engine, *extra)
             recs = records(W / out)
             assert [r["step"] for r in recs] == list(range(1, steps + 1)) and all("sync_max_diff" in r for r in recs)
-            return f"sync_max_diff {max(r['sync_max_diff'] for r in recs):.1e}, rollout {recs[-1]['rollout_s']:.1f} s"
+            return (f"sync_mean_diff {max(r['sync_mean_diff'] for r in recs):.1e}, sync_max_diff "
+                    f"{max(r['sync_max_diff'] for r in recs):.1e}, rollout {recs[-1]['rollout_s']:.1f} s")
         return check
 
     def visual():

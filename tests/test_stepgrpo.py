@@ -286,13 +286,14 @@ def test_check_sync_runs_on_the_first_step_and_stops_above_the_tolerance(tiny_mo
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         engine, peak = engines.HFEngine(tiny_model_dir), trainutil.PeakMemory()
         assert stepgrpo.sync_tol(args, engine) == 1e-3
-        assert stepgrpo.sync_tol(Namespace(**{**vars(args), "dtype": "bf16"}), engine) == 1.0
+        assert stepgrpo.sync_tol(Namespace(**{**vars(args), "dtype": "bf16"}), engine) == 0.2
         step = lambda: stepgrpo.train_step(model, None, opt, engine, None, [], args, None, None, 0, peak, seed=0)[-1]
         first, second = step(), step()
-        assert first["sync_max_diff"] < 1e-4 and "sync_max_diff" not in second
+        assert first["sync_mean_diff"] <= first["sync_max_diff"] < 1e-4 and "sync_max_diff" not in second
         args.check_sync = "every"
         monkeypatch.setattr(engine, "sync_weights", lambda weights: None)  # the engine misses the update
-        with pytest.raises(SystemExit, match="^error: after the weight sync the engine's logprobs differ .*--sync_tol 0.001"):
+        missed = "^error: after the weight sync the engine's logprobs differ .* on average \\(--sync_tol 0.001"
+        with pytest.raises(SystemExit, match=missed):
             step()
     finally:
         if own:
