@@ -19,8 +19,9 @@ OUT=out/vs-sft
 start=$(date +%s)
 resume() { test -f "$1/latest" && echo --resume || true; }
 dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --split dev --n_questions 100 --out $2; }
-score() { $PY -c "import json, sys; r = next(iter(json.load(open(sys.argv[1])).values()))
-print((r['f1_recall'] + r['routing_acc']) / 2)" $1/results.json; }
+# the step whose dev results.json ($2 ...) has the best mean of F1-Recall and routing accuracy, the earliest of equals
+pick() { $PY -c "import json, sys; r = [next(iter(json.load(open(f)).values())) for f in sys.argv[2:]]
+s = [(x['f1_recall'] + x['routing_acc']) / 2 for x in r]; i = s.index(max(s)); print(sys.argv[1].split()[i], s[i])" "$@"; }
 for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $DATA/traj --seed $s --train_steps 216 --grad_accum 4 --decay_steps 36 \
@@ -30,12 +31,8 @@ for s in $SEEDS; do
   PY=$PY bash runs/sft_continue.sh $d/sft/final $d/sft-cont 36 --data $DATA/traj --grad_accum 4 --seed $s \
     --eval_every 0 --save_every 12 --keep 3
   if ! test -e $d/sft-cont/best; then  # the dev pick, the earliest of equal scores (as stepgrpo.py's <out>/best)
-    best= top=-1
-    for k in 228 240 252; do
-      dev $d/sft-cont/step_$k $d/dev-sft-cont-$k
-      v=$(score $d/dev-sft-cont-$k)
-      if awk -v a=$v -v b=$top 'BEGIN { exit !(a > b) }'; then best=$k top=$v; fi
-    done
+    for k in 228 240 252; do dev $d/sft-cont/step_$k $d/dev-sft-cont-$k; done
+    read best top <<< "$(pick "228 240 252" $d/dev-sft-cont-{228,240,252}/results.json)"
     ln -sfn step_$best $d/sft-cont/best && echo "SFT-continued dev-picked: step $best ($top)"
   fi
   for arm in sft:final:"routed oracle gold_steps" sft-cont:best:routed grpo:best:routed; do
