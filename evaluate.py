@@ -127,6 +127,38 @@ def gold_hits(x):
             for i, s in enumerate(x.get("gold_steps") or [])]
 
 
+FAILURES = ("format", "route", "retrieval", "step_answer", "final")
+
+
+def failure(x):
+    """Where a question's answer went wrong: the first failure in trajectory order, None when its F1-Recall is 1.
+      format       the trajectory has format_ok False (a malformed step, or cut off)
+      route        decisions(x) disagree at some t, and every earlier step was right (a wrong KB, an early or late stop)
+      retrieval    step t has the gold KB but not the gold document (gold_hits)
+      step_answer  step t retrieved the gold document but its intermediate answer does not recall the gold one (a
+                   misread, or a sub-question that asked something else: a skipped hop often lands here)
+      final        every step right, the final answer wrong (a comparison, or a no-retrieval question answered wrong)
+    Needs a decomposition: a question without gold steps that is not of type "none" (data/real's r1_* splits), or with
+    a gold step without a sub-question (HotpotQA's supporting paragraphs), is "unattributed"."""
+    if answer_scores(x)["f1_recall"] >= 1:
+        return None
+    if not x["format_ok"]:
+        return "format"
+    gold = x.get("gold_steps") or []
+    if (not gold and x.get("type") != "none") or not all(s.get("sub_question") for s in gold):
+        return "unattributed"
+    hits = gold_hits(x)
+    for t, (g, p) in enumerate(decisions(x)):
+        if g != p:
+            return "route"
+        if t < len(gold):
+            if not hits[t]:
+                return "retrieval"
+            if reward.f1_recall(x["steps"][t]["answer"] or "", [gold[t]["answer"]]) < 1:
+                return "step_answer"
+    return "final"
+
+
 def confusion(trajs, step=None):
     """Gold x predicted decision counts over GOLD_LABELS x PRED_LABELS; step t: routing step t's decisions only."""
     counts = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS]
@@ -195,6 +227,8 @@ def metrics(trajs):
                               no order) counts when any step retrieved its doc_id
       policy_tokens           mean n_policy_tokens; time_generate, time_retrieve: mean seconds per question (amortised
                               over the batch; the method's wall clock is `seconds` in results.json, seconds/q the table's)
+      lost                    {cause: F1-Recall points lost to it}, one cause a question (failure(x)): the points
+                              sum with f1_recall to 100, so they say which ceiling a gain can come from
       confusion               routing confusion matrix (below), counts
       by_type                 the metrics above (without confusion) per question type
     """
@@ -218,6 +252,10 @@ def metrics(trajs):
     m["retrievals_by_kb"] = {kb: by_kb[kb] / n for kb in KBS}
     m["reask"] = 100 * _mean(any(reward.re_asks(s["sub_question"], x["steps"][:i]) for i, s in enumerate(x["steps"]))
                              for x in trajs)
+    lost = Counter()
+    for x, a in zip(trajs, answers):
+        lost[failure(x)] += 100 * (1 - a["f1_recall"]) / n
+    m["lost"] = {k: lost[k] for k in (*FAILURES, "unattributed") if k in lost}
     m["policy_tokens"] = _mean(x.get("n_policy_tokens", 0) for x in trajs)
     for k in ("generate", "retrieve"):
         m[f"time_{k}"] = _mean((x.get("timings") or {}).get(k, 0.0) for x in trajs)
@@ -306,12 +344,17 @@ def markdown(results, title):
                        *(_fmt(s["retrievals_by_kb"][kb], 2) for kb in KBS), _fmt(s.get("reask")),
                        _fmt(s["policy_tokens"], 0)]
                       for m, s in results.items()])
+    lost = _table(["method", *FAILURES, "unattributed"],  # .get: results.json written before lost existed
+                  [[m, *(_fmt((s.get("lost") or {}).get(k, 0.0)) for k in (*FAILURES, "unattributed"))]
+                   for m, s in results.items() if "lost" in s])
     types = _type_order({ty for s in results.values() for ty in s["by_type"]})
     per_type = _table(["method", *types],
                       [[m, *(_fmt(s["by_type"][ty]["f1_recall"]) if ty in s["by_type"] else "-" for ty in types)]
                        for m, s in results.items()])
     return "\n".join([f"# {title}", "", "All rates in %; answer metrics count a format failure as 0.", "", *main, "",
-                      "## Routing", "", *routing, "", "## F1-Recall by question type", "", *per_type, ""])
+                      "## Routing", "", *routing, "",
+                      "## Where F1-Recall is lost (points, the first failure of each question)", "", *lost, "",
+                      "## F1-Recall by question type", "", *per_type, ""])
 
 
 def seed_table(results):

@@ -62,6 +62,22 @@ def test_routing_accuracy_per_trajectory():
         == approx(2 / 3)
 
 
+def test_failure_is_the_first_wrong_thing_and_lost_points_sum_to_100():
+    assert [evaluate.failure(t) for t in SET] == [None, "route", None, None, "route", "format", "final"]
+    # a right KB without the gold document; the gold document but another intermediate answer; both after a right step
+    miss = traj("m", "2hop", ["y"], ["text", "table"], ["text", "table"], "z", hit=[True, False])
+    misread = traj("n", "2hop", ["y"], ["text", "table"], ["text", "table"], "z")
+    misread["steps"][1]["answer"] = "w"
+    assert evaluate.failure(miss) == "retrieval" and evaluate.failure(misread) == "step_answer"
+    misread["steps"][0]["answer"] = "x y"  # recall of the gold "x" is 1: still right
+    assert evaluate.failure(misread) == "step_answer"
+    no_decomposition = traj("o", "unknown", ["y"], [], ["text"], "z")
+    assert evaluate.failure(no_decomposition) == "unattributed"
+    lost = score(SET)["lost"]  # points: route 2 x 100 / 7, format 100 / 7, final 50 / 7 (COMPARISON's half)
+    assert lost == approx({"format": 100 / 7, "route": 200 / 7, "final": 50 / 7})
+    assert score(SET)["f1_recall"] + sum(lost.values()) == approx(100)
+
+
 def test_gold_hits_are_aligned_by_position():
     assert gold_hits(PERFECT) == [True, True]
     assert gold_hits(WRONG_ROUTE) == [True, False]
@@ -202,6 +218,8 @@ def test_markdown_tables():
     # routing macro, its first decision's and that decision's information (both checked by hand above), route exact,
     # gold hit, text/table/image, re-ask %, tokens
     assert "| r1-router | 51.8 | 83.3 | 62.6 | 42.9 | 70.0 | 1.00 | 0.29 | 0.00 | 0.0 | 60 |" in md
+    assert "| method | format | route | retrieval | step_answer | final | unattributed |" in md
+    assert "| r1-router | 14.3 | 28.6 | 0.0 | 0.0 | 7.1 | 0.0 |" in md
     assert "| method | none | 1hop | 2hop | 3hop | comparison |" in md
     assert "| r1-router | 50.0 | 0.0 | 50.0 | 100.0 | 50.0 |" in md
     assert "| direct answer | 7 |" in md
