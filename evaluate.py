@@ -127,7 +127,7 @@ def gold_hits(x):
             for i, s in enumerate(x.get("gold_steps") or [])]
 
 
-FAILURES = ("format", "route", "retrieval", "step_answer", "final")
+FAILURES = ("format", "route", "retrieval", "step_answer", "final", "unattributed")
 
 
 def failure(x):
@@ -255,7 +255,7 @@ def metrics(trajs):
     lost = Counter()
     for x, a in zip(trajs, answers):
         lost[failure(x)] += 100 * (1 - a["f1_recall"]) / n
-    m["lost"] = {k: lost[k] for k in (*FAILURES, "unattributed") if k in lost}
+    m["lost"] = {k: lost[k] for k in FAILURES if k in lost}
     m["policy_tokens"] = _mean(x.get("n_policy_tokens", 0) for x in trajs)
     for k in ("generate", "retrieve"):
         m[f"time_{k}"] = _mean((x.get("timings") or {}).get(k, 0.0) for x in trajs)
@@ -344,9 +344,8 @@ def markdown(results, title):
                        *(_fmt(s["retrievals_by_kb"][kb], 2) for kb in KBS), _fmt(s.get("reask")),
                        _fmt(s["policy_tokens"], 0)]
                       for m, s in results.items()])
-    lost = _table(["method", *FAILURES, "unattributed"],  # .get: results.json written before lost existed
-                  [[m, *(_fmt((s.get("lost") or {}).get(k, 0.0)) for k in (*FAILURES, "unattributed"))]
-                   for m, s in results.items() if "lost" in s])
+    lost = _table(["method", *FAILURES],  # only rows with "lost": --combine may read older results.json
+                  [[m, *(_fmt(s["lost"].get(k, 0.0)) for k in FAILURES)] for m, s in results.items() if "lost" in s])
     types = _type_order({ty for s in results.values() for ty in s["by_type"]})
     per_type = _table(["method", *types],
                       [[m, *(_fmt(s["by_type"][ty]["f1_recall"]) if ty in s["by_type"] else "-" for ty in types)]
