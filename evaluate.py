@@ -524,6 +524,7 @@ if __name__ == "__main__":
 
     import retrievers
     import rollout
+    import transcript
     from corpus import write_jsonl
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -607,8 +608,10 @@ if __name__ == "__main__":
         why = "LoRA adapters of an unfinished run: evaluate its final or best checkpoint (merged weights)" \
             if (Path(args.model) / "adapter").is_dir() else "run `python prepare.py` for the default"
         sys.exit(f"error: {args.model}: not a model folder ({why})")
-    engine = engines.make_engine(args.backend, args.model, seed=args.seed)
     rollout.check_multi_query(args)
+    if err := transcript.check_format(args.model, args):
+        sys.exit(f"error: {err}")
+    engine = engines.make_engine(args.backend, args.model, seed=args.seed)
     settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
                                 max_active=args.max_active, structure=args.structure, max_pairs=args.max_pairs,
                                 max_rets=args.max_rets, gold_think=args.gold_think)

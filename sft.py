@@ -124,16 +124,18 @@ def load_rows(path, max_len, vocab_size, vl=False):
 
 def check_tokenizer(data, tok, print0):
     """Trajectories are token ids: refuse those synth.py wrote with another tokenizer (<data>/meta.json), which would
-    train on garbage. A folder without meta.json (older synth.py, written by hand) passes with a warning."""
+    train on garbage. A folder without meta.json (older synth.py, written by hand) passes with a warning. Returns the
+    trajectories' transcript.format_meta (None if unknown), which every checkpoint records."""
     path = Path(data) / transcript.META
     if not path.is_file():
         print0(f"warning: {path} not found: cannot check that the trajectories hold {tok.name_or_path}'s token ids")
-        return
+        return None
     theirs, mine = json.loads(path.read_text()), transcript.tokenizer_meta(tok)
     if theirs.get("vocab_sha256") != mine["vocab_sha256"]:
         raise corpus.DataError(f"{data}: trajectories tokenised by {theirs.get('tokenizer')} (vocab "
                                f"{theirs.get('vocab_sha256')}) but the policy's tokenizer is {mine['tokenizer']} (vocab "
                                f"{mine['vocab_sha256']}); run synth.py --model with the policy")
+    return theirs.get("format")
 
 def collate(rows, pad_id, device):
     """rows [(ids, mask, ...)] -> ids [B, T] right-padded, labels [B, T] (= ids where mask is 1, else -100)."""
@@ -168,10 +170,11 @@ def lr_at(step, args, total):
 
 #### checkpoints
 
-def save_checkpoint(model, opt, tok, args, step, steps_per_epoch, rank):  # tok: tokenizer or VL processor
+def save_checkpoint(model, opt, tok, args, step, steps_per_epoch, rank, fmt):  # tok: tokenizer or VL processor
     state = dict(epoch=step // steps_per_epoch, position=step % steps_per_epoch, args=vars(args),
                  global_batch=args.batch_size * args.grad_accum * dist.get_world_size())
-    trainutil.save_checkpoint(model, opt, tok, args.out, step, state, rank, args.keep, merged=step >= args.train_steps)
+    trainutil.save_checkpoint(model, opt, tok, args.out, step, state, rank, args.keep, merged=step >= args.train_steps,
+                              fmt=fmt)
 
 #### evaluation
 
@@ -232,7 +235,7 @@ def main(argv=None):
         config = AutoConfig.from_pretrained(weights)
         vl, vocab = hasattr(config, "vision_config"), config.get_text_config().vocab_size
         tok = AutoTokenizer.from_pretrained(weights)
-        check_tokenizer(args.data, tok, print0)
+        fmt = check_tokenizer(args.data, tok, print0)
         train = [r for sp in args.train_splits for r in load_rows(Path(args.data) / f"{sp}.jsonl", args.max_len, vocab, vl)]
         dev = load_rows(Path(args.data) / f"{args.dev_split}.jsonl", args.max_len, vocab, vl) if args.eval_every else []
     except (corpus.DataError, OSError, ValueError) as e:
@@ -293,10 +296,10 @@ def main(argv=None):
             record(dict(step=step, eval_loss=ev))
             print0(f"\nstep {step}: dev loss {ev:.4f}")
         if (args.save_every and step % args.save_every == 0) or step == total:
-            save_checkpoint(model, opt, vis.proc if vis else tok, args, step, steps_per_epoch, rank)
+            save_checkpoint(model, opt, vis.proc if vis else tok, args, step, steps_per_epoch, rank, fmt)
             saved_at = step
     if saved_at != step:  # resumed a finished run, or total == 0
-        save_checkpoint(model, opt, vis.proc if vis else tok, args, step, steps_per_epoch, rank)
+        save_checkpoint(model, opt, vis.proc if vis else tok, args, step, steps_per_epoch, rank, fmt)
     if rank == 0:
         trainutil.link_step(out, step, "final")
         bar.close()

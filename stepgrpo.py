@@ -47,6 +47,7 @@ import engines
 import reward
 import rollout
 import trainutil
+import transcript
 import vision
 from grpo import (choice_entropy, collate, group_advantages, grpo_loss, norm, pack_group, split_credit,
                   token_advantages, token_logprobs)
@@ -164,6 +165,8 @@ def check_args(args, world):
     if args.group_size < 2:
         sys.exit(f"error: -n {args.group_size}: a group needs at least 2 samples to have a relative advantage")
     rollout.check_multi_query(args)
+    if err := transcript.check_format(args.model, args):
+        sys.exit(f"error: {err}")
 
 def check_questions(questions, args):
     """One-line errors for training questions Step-GRPO cannot use."""
@@ -614,7 +617,8 @@ def main(argv=None):
             with peak("checkpoint"):
                 trainutil.save_checkpoint(model, opt, files, out, step, dict(args=vars(args), dev=dev_hist), rank, args.keep,
                                           protect=f"step_{best}" if best else None,
-                                          merged=step == args.train_steps or best == step)  # LoRA: final and best
+                                          merged=step == args.train_steps or best == step,  # LoRA: final and best
+                                          fmt=transcript.format_meta(args))
             if rank == 0 and best:
                 trainutil.link_step(out, best, "best")
     peaks = highest(peaks, gather_peaks(peak.gib, world))  # the last checkpoint's, which no record holds

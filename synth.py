@@ -145,10 +145,11 @@ def to_r1router(x, system_route=rollout.SYSTEM_PROMPT, system_answer=rollout.DIR
 def slim(x):
     return {k: v for k, v in x.items() if k != "logprobs"}  # SFT needs ids + mask; sampling logprobs are RL's business
 
-def write_trajectories(out, split, trajs, tok):
-    """<out>/<split>.jsonl, and <out>/meta.json naming the tokenizer of their ids (sft.py refuses another's)."""
+def write_trajectories(out, split, trajs, tok, fmt):
+    """<out>/<split>.jsonl, and <out>/meta.json naming the tokenizer of their ids (sft.py refuses another's) and their
+    format (transcript.format_meta: sft.py passes it on to its checkpoints)."""
     corpus.write_jsonl(Path(out) / f"{split}.jsonl", [slim(x) for x in trajs])
-    corpus.write_atomic(Path(out) / transcript.META, json.dumps(transcript.tokenizer_meta(tok)) + "\n")
+    corpus.write_atomic(Path(out) / transcript.META, json.dumps(dict(transcript.tokenizer_meta(tok), format=fmt)) + "\n")
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,7 +198,7 @@ if __name__ == "__main__":
             qs, ret = read_r1router(args.r1router)
             trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, max_pairs=args.max_pairs, think=args.gold_think), ret, qs,
                                     s=gold_settings)
-            write_trajectories(args.out, "train", trajs, tok)
+            write_trajectories(args.out, "train", trajs, tok, transcript.format_meta(args))
             print(f"imported {len(trajs)} R1-Router trajectories ({sum(x['format_ok'] for x in trajs)} well-formed) -> {args.out}/train.jsonl")
             sys.exit(0)
         import retrievers
@@ -213,7 +214,7 @@ if __name__ == "__main__":
             else:
                 trajs, counts = teacher_trajectories(engine, ret, qs, args.n, settings, args.seed)
                 report = "teacher filters: " + ", ".join(f"{k} {v}" for k, v in counts.items())
-            write_trajectories(args.out, split, trajs, tok)
+            write_trajectories(args.out, split, trajs, tok, transcript.format_meta(args))
             hits = [g["doc_id"] in s["retrieved"] for x in trajs for g, s in zip(x["gold_steps"], x["steps"])]
             print(f"{split}: {len(trajs)} trajectories ({report}); gold doc retrieved at {sum(hits) / max(1, len(hits)):.1%} "
                   f"of steps; {sum(sum(x['mask']) for x in trajs) / max(1, len(trajs)):.0f} policy tokens of "

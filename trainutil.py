@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import corpus
+import transcript
 from engines import auto_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -294,7 +295,7 @@ def zero_vision_term(model, dummy):
     parts = [v for x in out.values() for v in (x if isinstance(x, (list, tuple)) else [x])]  # Qwen: a tensor an image
     return 0.0 * sum(v.float().sum() for v in parts)
 
-def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=None, merged=True):
+def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=None, merged=True, fmt=None):
     """step_<N>/ (every rank takes part): the HF folder of the policy's full weights (gathered to rank 0's host memory;
     what transformers and vLLM load), trainer/ the sharded trainable weights and optimizer state
     (torch.distributed.checkpoint: each rank writes its own shards, so no rank holds the whole optimizer state),
@@ -302,7 +303,8 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
     adapters in peft's format, and its merged weights only if `merged` (they are as large as a full checkpoint).
     All of it goes to .step_<N>.tmp, renamed when whole; then `latest` names it, and all but the newest `keep` step
     folders and `protect` (e.g. the best one's) are removed. tok saves the tokenizer files beside the weights (a VL
-    model's processor: tokenizer, chat template and image processor)."""
+    model's processor: tokenizer, chat template and image processor); fmt, the transcript.format_meta the policy
+    was trained on, goes to transcript.FORMAT (None: unknown, nothing written)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     out, lora = Path(out), hasattr(model, "peft_config")
@@ -326,6 +328,8 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
         export_hf(model, tmp, rank)
     if rank == 0:
         tok.save_pretrained(tmp)
+        if fmt:
+            (tmp / transcript.FORMAT).write_text(json.dumps(fmt) + "\n")
         rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
                    cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
         torch.save(dict(step=step, rng=rng, **state), tmp / "trainer_state.pt")

@@ -7,6 +7,7 @@ renders golden ones through the same code, so training and evaluation never drif
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import reward
 from vision import Img, images_in
@@ -19,6 +20,26 @@ def tokenizer_meta(tok):
     so sft.py compares the hash with its policy's."""
     vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False)
     return dict(tokenizer=str(tok.name_or_path), vocab_sha256=hashlib.sha256(vocab.encode()).hexdigest()[:16])
+
+FORMAT = "transcript.json"  # in a checkpoint (sft.py, stepgrpo.py): the format_meta its policy was trained on
+FORMAT_FLAGS = ("gold_think", "structure", "max_pairs", "max_rets")
+
+def format_meta(args):
+    """The flags that shape a trajectory's text. synth.py writes them into META, sft.py and stepgrpo.py into each
+    checkpoint (FORMAT), and check_format compares: a policy run with another format than it was trained on (golden
+    prefixes that name the KB first for a kb_last router, one chat per step for a growing one) scores and trains
+    without an error, on prompts it has never seen."""
+    return {k: getattr(args, k) for k in FORMAT_FLAGS}
+
+def check_format(model, args):
+    """None, or a one-line error naming each flag of args that differs from what the policy in folder `model` was
+    trained on (its FORMAT; a folder without one, the prompt-only model say, passes)."""
+    path = Path(model) / FORMAT
+    if not path.is_file():
+        return None
+    theirs, mine = json.loads(path.read_text()), format_meta(args)
+    diff = [f"--{k} {mine[k]} (trained: {theirs[k]})" for k in FORMAT_FLAGS if k in theirs and theirs[k] != mine[k]]
+    return diff and f"{model} was trained on another transcript format: {', '.join(diff)}; pass the trained values"
 
 class ChatFormat:
     """The string pieces of the tokenizer's chat template, found by rendering sentinel messages, so any

@@ -32,12 +32,13 @@ def test_trajectories_of_another_tokenizer_are_refused(tiny_model_dir, tmp_path,
     other.name_or_path = "models/another"
     rows = [dict(ids=[1, 2, 3], mask=[0, 1, 1], logprobs=[0.0] * 3)]
     mine, theirs, bare = tmp_path / "mine", tmp_path / "theirs", tmp_path / "bare"
-    synth.write_trajectories(mine, "train", rows, tok)
-    synth.write_trajectories(theirs, "train", rows, other)
+    fmt = dict(gold_think="kb_last", structure="transcript", max_pairs=1, max_rets=1)
+    synth.write_trajectories(mine, "train", rows, tok, fmt)
+    synth.write_trajectories(theirs, "train", rows, other, fmt)
     meta = json.loads((mine / "meta.json").read_text())
     assert meta["tokenizer"] == str(tiny_model_dir) and len(meta["vocab_sha256"]) == 16
     assert json.loads((mine / "train.jsonl").read_text()) == dict(ids=[1, 2, 3], mask=[0, 1, 1])
-    sft.check_tokenizer(mine, tok, print)  # the same vocabulary passes
+    assert sft.check_tokenizer(mine, tok, print) == fmt  # the same vocabulary passes; the format goes on
     with pytest.raises(sft.corpus.DataError, match="models/another"):
         sft.check_tokenizer(theirs, tok, print)
     # sft.py exits with one line naming both, before any training (one row: else "fewer than one global batch")

@@ -39,3 +39,12 @@ def test_synth_sft_stepgrpo_evaluate_end_to_end(tmp_path, tiny_model_dir, tiny_i
     out = cli("evaluate.py", "--paired", tmp_path / "eval" / "sft" / "trajectories-routed.jsonl",
               tmp_path / "eval" / "grpo" / "trajectories-routed.jsonl")
     assert "F1-Recall" in out or "f1_recall" in out
+    # each checkpoint records the transcript format it was trained on; another one is refused in one line
+    for name in ("sft", "grpo"):
+        assert json.loads((tmp_path / name / "final" / "transcript.json").read_text())["gold_think"] == "kb_last"
+    r = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--model", str(tmp_path / "sft" / "final"),
+                        "--data", str(tiny_index), "--gold_think", "kb_first", "--structure", "released",
+                        "--out", str(tmp_path / "eval" / "x")], capture_output=True, text=True, cwd=ROOT)
+    last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback
+    assert r.returncode != 0 and last.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    assert "--gold_think kb_first (trained: kb_last), --structure released (trained: transcript)" in last

@@ -592,6 +592,14 @@ def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
         r = subprocess.run([sys.executable, "stepgrpo.py", "--data", str(tmp_path), *extra], capture_output=True, text=True)
         last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback
         assert r.returncode != 0 and last.startswith("error: ") and flag in last, r.stderr
+    # a policy trained on kb_first transcripts, given kb_last golden prefixes (the default)
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "transcript.json").write_text(json.dumps(dict(gold_think="kb_first", structure="transcript")))
+    r = subprocess.run([sys.executable, "stepgrpo.py", "--model", str(tmp_path / "sft"), "--data", str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and r.stderr.strip() == (f"error: {tmp_path / 'sft'} was trained on another transcript "
+                                                      "format: --gold_think kb_last (trained: kb_first); pass the "
+                                                      "trained values"), r.stderr
 
 @pytest.mark.slow
 def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_dir, tiny_index):
