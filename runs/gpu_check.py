@@ -145,6 +145,7 @@ def world(out, text, vl):
     import retrievers
     import rollout
     import synth
+    import transcript
     import vision
     from transformers import AutoTokenizer
     data = out / "world"
@@ -157,7 +158,8 @@ def world(out, text, vl):
     for folder, t, v, splits in (("traj", tok, None, ("train", "dev")), ("vltraj", vis.tok, vis, ("visual_train", "visual_dev"))):
         for split, name in zip(splits, ("train", "dev")):
             qs = corpus.load_questions(data, split)[:16]
-            synth.write_trajectories(out / folder, name, rollout.rollout(rollout.GoldPolicy(t, qs, v), ret, qs), t)
+            synth.write_trajectories(out / folder, name, rollout.rollout(rollout.GoldPolicy(t, qs, v), ret, qs), t,
+                                     transcript.format_meta(rollout.Settings()))  # the defaults, as every check runs
     return data
 
 #### the checks
