@@ -39,7 +39,9 @@ def check_format(model, args):
         return None
     theirs, mine = json.loads(path.read_text()), format_meta(args)
     diff = [f"--{k} {mine[k]} (trained: {theirs[k]})" for k in FORMAT_FLAGS if k in theirs and theirs[k] != mine[k]]
-    return diff and f"{model} was trained on another transcript format: {', '.join(diff)}; pass the trained values"
+    if not diff:
+        return None
+    return f"{model} was trained on another transcript format: {', '.join(diff)}; pass the trained values"
 
 class ChatFormat:
     """The string pieces of the tokenizer's chat template, found by rendering sentinel messages, so any
