@@ -115,10 +115,11 @@ bench-memory: $(OUT)/sft/final/config.json
 		--train_steps 2 --batch_questions 4 --eval_questions 0 --save_every 1 --keep 1 --out out/bench-memory
 
 # The recipe against SFT and SFT-continued at the SFT's plateau, per seed, each arm dev-picked, on the whole test split
-# with the ceilings (README "Results"; ~2 h 15 min a seed here)
+# with the ceilings (README "Results"; ~2 h 15 min a seed here); ARM=wide: the 48-question arms (runs/vs_sft.sh)
 SEEDS ?= 1 2 3
+ARM ?= plateau
 vs-sft: $(DATA)/traj/train.jsonl
-	SEEDS="$(SEEDS)" PY=$(PY) bash runs/vs_sft.sh
+	SEEDS="$(SEEDS)" ARM=$(ARM) PY=$(PY) bash runs/vs_sft.sh
 
 # Does the SFT router read the question? The golden <think> naming the KB first (kb_first) against naming none, the KB
 # chosen at <ret> after the sub-question (kb_last): SFT seeds 0 and 1 at the main job's budgets, scored on 200 dev

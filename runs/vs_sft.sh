@@ -2,23 +2,37 @@
 # The recipe against SFT and against SFT-continued, one training seed at a time (README "Results"):
 #   SFT to its plateau: 216 steps x 4 rows, the cosine from 2e-4 ending at step 36, then a constant 2e-5
 #   -> from its final checkpoint, two arms of about the same wall clock, each picked on dev by one criterion (the mean
-#   of F1-Recall and routing accuracy on the first 100 dev questions; the start itself is not a candidate):
-#     Step-GRPO      stepgrpo.py's loss defaults, 6 steps x 8 questions x 8 samples, checkpoints at 3 and 6 (<out>/best)
-#     SFT-continued  the SFT run resumed in its own folder (optimizer state, the data order going on) for 36 more
-#                    steps at 2e-5, checkpoints at 228, 240 and 252
+#   of F1-Recall and routing accuracy on the first DEV_N dev questions; the start itself is not a candidate):
+#     ARM=plateau (the default)
+#       Step-GRPO      stepgrpo.py's loss defaults, 6 steps x 8 questions x 8 samples, checkpoints at 3 and 6
+#       SFT-continued  the SFT run resumed in its own folder (optimizer state, the data order going on) for 36 more
+#                      steps at 2e-5, checkpoints at 228, 240 and 252; DEV_N 100
+#     ARM=wide
+#       Step-GRPO      every step kind trained (--teacher_spans all), 6 steps x 48 questions x 8 samples at 2e-5,
+#                      checkpoints at 2, 4 and 6
+#       SFT-continued  180 more steps (the Step-GRPO stage's ~45 min), checkpoints at 240, 300, 360 and 396; DEV_N 200
 #   -> scored once on the whole test split (500 questions, routed, greedy), SFT also with the oracle KB and the gold
 #   steps (the ceilings) -> paired bootstrap of Step-GRPO against SFT and against SFT-continued.
-# ~2 h 15 min a seed on 2 cores. Run from the repo root after `make setup data/mini/traj/train.jsonl`, or as
-# `make vs-sft SEEDS="1 2 3"`. Resumable: a finished stage is skipped, an interrupted training stage continues from
-# its last checkpoint.
+# A seed: ~2 h 15 min (plateau) on 2 cores; the wide arms add ~2 h 30 min to a seed whose SFT and its test are done. Run from the repo
+# root after `make setup data/mini/traj/train.jsonl`, or as `make vs-sft SEEDS="1 2 3" [ARM=wide]`. Resumable: a
+# finished stage is skipped, an interrupted training stage continues from its last checkpoint.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-"1 2 3"}
+ARM=${ARM:-plateau}
 DATA=data/mini
 OUT=out/vs-sft
+case $ARM in  # G: Step-GRPO's flags; MORE, EVERY: SFT-continued's extra steps and checkpoint interval; X: folder suffix
+  plateau) G="--batch_questions 8 --save_every 3 --keep 2"; MORE=36; EVERY=12; DEV_N=100; X= ;;
+  wide) G="--teacher_spans all --batch_questions 48 --lr 2e-5 --save_every 2 --keep 3"; MORE=180; EVERY=60; DEV_N=200
+        X=-wide ;;
+  *) echo "error: ARM=$ARM: expected plateau or wide" >&2; exit 2 ;;
+esac
+CANDS=$(seq $(( (216 / EVERY + 1) * EVERY )) $EVERY $(( 216 + MORE )) | tr '\n' ' ')  # SFT-continued's checkpoints
+CANDS="$CANDS$( (( (216 + MORE) % EVERY )) && echo $(( 216 + MORE )) || true)"
 start=$(date +%s)
 resume() { test -f "$1/latest" && echo --resume || true; }
-dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --split dev --n_questions 100 --out $2; }
+dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --split dev --n_questions $DEV_N --out $2; }
 # the step whose dev results.json ($2 ...) has the best mean of F1-Recall and routing accuracy, the earliest of equals
 pick() { $PY -c "import json, sys; r = [next(iter(json.load(open(f)).values())) for f in sys.argv[2:]]
 s = [(x['f1_recall'] + x['routing_acc']) / 2 for x in r]; i = s.index(max(s)); print(sys.argv[1].split()[i], s[i])" "$@"; }
@@ -26,24 +40,25 @@ for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $DATA/traj --seed $s --train_steps 216 --grad_accum 4 --decay_steps 36 \
     --eval_every 0 --save_every 36 --keep 2 --out $d/sft $(resume $d/sft)
-  test -e $d/grpo/final || $PY stepgrpo.py --data $DATA --model $d/sft/final --seed $s --train_steps 6 \
-    --batch_questions 8 --save_every 3 --keep 2 --eval_questions 100 --out $d/grpo $(resume $d/grpo)
-  PY=$PY bash runs/sft_continue.sh $d/sft/final $d/sft-cont 36 --data $DATA/traj --grad_accum 4 --seed $s \
-    --eval_every 0 --save_every 12 --keep 3
-  if ! test -e $d/sft-cont/best; then  # the dev pick, the earliest of equal scores (as stepgrpo.py's <out>/best)
-    for k in 228 240 252; do dev $d/sft-cont/step_$k $d/dev-sft-cont-$k; done
-    read best top <<< "$(pick "228 240 252" $d/dev-sft-cont-{228,240,252}/results.json)"
-    ln -sfn step_$best $d/sft-cont/best && echo "SFT-continued dev-picked: step $best ($top)"
+  test -e $d/grpo$X/final || $PY stepgrpo.py --data $DATA --model $d/sft/final --seed $s --train_steps 6 $G \
+    --eval_questions $DEV_N --out $d/grpo$X $(resume $d/grpo$X)
+  PY=$PY bash runs/sft_continue.sh $d/sft/final $d/sft-cont$X $MORE --data $DATA/traj --grad_accum 4 --seed $s \
+    --eval_every 0 --save_every $EVERY --keep $(wc -w <<< "$CANDS")
+  if ! test -e $d/sft-cont$X/best; then  # the dev pick, the earliest of equal scores (as stepgrpo.py's <out>/best)
+    files=()
+    for k in $CANDS; do dev $d/sft-cont$X/step_$k $d/dev-sft-cont$X-$k; files+=($d/dev-sft-cont$X-$k/results.json); done
+    read best top <<< "$(pick "$CANDS" "${files[@]}")"
+    ln -sfn step_$best $d/sft-cont$X/best && echo "SFT-continued dev-picked: step $best ($top)"
   fi
-  for arm in sft:final:"routed oracle gold_steps" sft-cont:best:routed grpo:best:routed; do
+  for arm in sft:final:"routed oracle gold_steps" sft-cont$X:best:routed grpo$X:best:routed; do
     IFS=: read name ck methods <<< "$arm"
     test -f $d/test-$name/results.json || $PY evaluate.py --model $d/$name/$ck --name $name@s$s --methods $methods \
       --data $DATA --split test --out $d/test-$name
   done
-  $PY evaluate.py --paired $d/test-sft/trajectories-routed.jsonl $d/test-grpo/trajectories-routed.jsonl
-  $PY evaluate.py --paired $d/test-sft-cont/trajectories-routed.jsonl $d/test-grpo/trajectories-routed.jsonl
+  $PY evaluate.py --paired $d/test-sft/trajectories-routed.jsonl $d/test-grpo$X/trajectories-routed.jsonl
+  $PY evaluate.py --paired $d/test-sft-cont$X/trajectories-routed.jsonl $d/test-grpo$X/trajectories-routed.jsonl
 done
 tables=()
-for s in $SEEDS; do tables+=($OUT/s$s/test-{sft,sft-cont,grpo}/results.json); done
-$PY evaluate.py --combine "${tables[@]}" --data $DATA --split test --out $OUT/table
-echo "vs-sft: $(( ($(date +%s) - start) / 60 )) min"
+for s in $SEEDS; do tables+=($OUT/s$s/test-{sft,sft-cont$X,grpo$X}/results.json); done
+$PY evaluate.py --combine "${tables[@]}" --data $DATA --split test --out $OUT/table$X
+echo "vs-sft ($ARM): $(( ($(date +%s) - start) / 60 )) min"
