@@ -13,23 +13,24 @@
 #       SFT-continued  180 more steps (the Step-GRPO stage's ~45 min), checkpoints at 240, 300, 360 and 396; DEV_N 200
 #   -> scored once on the whole test split (500 questions, routed, greedy), SFT also with the oracle KB and the gold
 #   steps (the ceilings) -> paired bootstrap of Step-GRPO against SFT and against SFT-continued.
-# A seed: ~2 h 15 min (plateau) on 2 cores; the wide arms add ~2 h 30 min to a seed whose SFT and its test are done. Run from the repo
-# root after `make setup data/mini/traj/train.jsonl`, or as `make vs-sft SEEDS="1 2 3" [ARM=wide]`. Resumable: a
-# finished stage is skipped, an interrupted training stage continues from its last checkpoint.
+# A seed: ~2 h 15 min (plateau) on 2 cores; the wide arms add ~2 h 30 min to a seed whose SFT and its test are
+# done. Run from the repo root after `make setup data/mini/traj/train.jsonl`, or as
+# `make vs-sft SEEDS="1 2 3" [ARM=wide]`. Resumable: a finished stage is skipped, an interrupted training stage
+# continues from its last checkpoint.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-"1 2 3"}
 ARM=${ARM:-plateau}
 DATA=data/mini
 OUT=out/vs-sft
-case $ARM in  # G: Step-GRPO's flags; MORE, EVERY: SFT-continued's extra steps and checkpoint interval; X: folder suffix
-  plateau) G="--batch_questions 8 --save_every 3 --keep 2"; MORE=36; EVERY=12; DEV_N=100; X= ;;
-  wide) G="--teacher_spans all --batch_questions 48 --lr 2e-5 --save_every 2 --keep 3"; MORE=180; EVERY=60; DEV_N=200
-        X=-wide ;;
+# G: Step-GRPO's flags; MORE, EVERY, CANDS: SFT-continued's extra steps, checkpoint interval and the checkpoints that
+# gives (multiples of EVERY and the last); X: the arms' folder suffix
+case $ARM in
+  plateau) G="--batch_questions 8 --save_every 3 --keep 2"; MORE=36; EVERY=12; CANDS="228 240 252"; DEV_N=100; X= ;;
+  wide) G="--teacher_spans all --batch_questions 48 --lr 2e-5 --save_every 2 --keep 3"; MORE=180; EVERY=60
+        CANDS="240 300 360 396"; DEV_N=200; X=-wide ;;
   *) echo "error: ARM=$ARM: expected plateau or wide" >&2; exit 2 ;;
 esac
-CANDS=$(seq $(( (216 / EVERY + 1) * EVERY )) $EVERY $(( 216 + MORE )) | tr '\n' ' ')  # SFT-continued's checkpoints
-CANDS="$CANDS$( (( (216 + MORE) % EVERY )) && echo $(( 216 + MORE )) || true)"
 start=$(date +%s)
 resume() { test -f "$1/latest" && echo --resume || true; }
 dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --split dev --n_questions $DEV_N --out $2; }
