@@ -21,13 +21,16 @@ def norm(v, eps=1e-4, std=True):
         return np.zeros_like(v)
     return (v - v.mean()) / (v.std(ddof=1) + eps) if std else v - v.mean()
 
-def group_advantages(spans, rewards, outcomes, mode="step", scale=None, std=True):
+def group_advantages(spans, rewards, outcomes, mode="step", scale=None, std=True, outcome_on="all"):
     """onpolicy, one group (the n samples of a question). spans[i]: span dicts of sample i, rewards[i]: their rewards,
     outcomes[i]: R_i. Returns A[i][j] = c_(kind, step) norm_(kind, step)(r_ij) + norm(R_i), where norm_(kind, step)
     runs over the samples that have a span of that kind at that step (0 if only one has it) and c = scale.get((kind,
-    step), 1) (--balance_kb); mode "outcome": A[i][j] = norm(R_i) (plain GRPO). std: as norm's (--adv_std)."""
+    step), 1) (--balance_kb); mode "outcome": A[i][j] = norm(R_i) (plain GRPO). std: as norm's (--adv_std).
+    outcome_on "final" (--outcome_on): norm(R_i) on the final-answer span alone, so a routing step's credit is its own
+    step reward and a failed episode does not push down every decision it made on the way."""
     R = norm(outcomes, std=std)
-    adv = [[float(R[i])] * len(s) for i, s in enumerate(spans)]
+    final = lambda sp: outcome_on == "all" or sp["kind"] == "final"
+    adv = [[float(R[i]) if final(sp) else 0.0 for sp in s] for i, s in enumerate(spans)]
     if mode == "outcome":
         return adv
     by_key = {}

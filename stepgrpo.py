@@ -10,6 +10,7 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py ... --teacher_spans all --no-balance_kb --w_format 0 --entropy_coef 1e-3 --old_logprobs trainer \
         --route_credit whole --adv_std                          # R1-Router's released setting
     python stepgrpo.py ... --rollout onpolicy                    # per-step groups over whole sampled trajectories
+    python stepgrpo.py ... --rollout onpolicy --outcome_on final # the outcome's credit on the final answer alone
     python stepgrpo.py ... --rollout onpolicy --reward outcome   # plain GRPO (outcome reward only), the ablation
     python stepgrpo.py ... --lora_r 16 --lr 5e-5                 # LoRA (also from an SFT-LoRA run's final checkpoint)
     python stepgrpo.py ... --lora_r 16 --lr 5e-5 --quant nf4     # QLoRA: nf4 base (bitsandbytes)
@@ -24,8 +25,7 @@ arithmetic is grpo.py.
 R1-Router's released setting is --rollout teacher_prefix with --teacher_spans all, no format reward (--w_format 0), no
 KL in the loss, an entropy bonus of 1e-3, old logprobs recomputed by the trainer, one advantage on a whole step and
 std-divided advantages. This repo's extensions: --teacher_spans route, --balance_kb, --w_format, --w_hit, --route_credit
-split, --no-adv_std, the on-policy
-mode, the packed prompt of a group (pack_group), the dev-picked <out>/best. Formulas sit next to their functions.
+split, --no-adv_std, the on-policy mode (--outcome_on), the packed prompt of a group (pack_group), the dev-picked <out>/best. Formulas sit next to their functions.
 """
 import argparse
 import json
@@ -80,6 +80,9 @@ def get_args(argv=None):
                          "(extension)")
     ap.add_argument("--adv_std", action=argparse.BooleanOptionalAction, default=False,
                     help="divide group advantages by the group's std (GRPO, R1-Router); default: r - mean only (Dr. GRPO)")
+    ap.add_argument("--outcome_on", default="all", choices=["all", "final"],
+                    help="onpolicy, --reward step: the spans the outcome advantage lands on: all (every step) or final "
+                         "(the final answer only; each step keeps its own step reward alone)")
     ap.add_argument("--w_hit", type=float, default=0.0, help="onpolicy: reward when the gold document is retrieved")
     ap.add_argument("--batch_questions", type=int, default=16, help="questions per step, over all ranks")
     ap.add_argument("-n", "--group_size", type=int, default=8, help="samples per golden-prefix step or per question")
@@ -254,7 +257,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
         scale = w.route_scale and {("route", t): w.route_scale[gold_route(group[0]["gold_steps"], t)]
                                    for t in range(args.max_steps)}
         adv = group_advantages([x["spans"] for x in group], [r for r, _ in scored], [o for _, o in scored],
-                               args.reward, scale, args.adv_std)
+                               args.reward, scale, args.adv_std, args.outcome_on)
         for x, (r, o), a in zip(group, scored, adv):
             adv_tok = token_advantages(len(x["ids"]), x["spans"], a)
             rows += [dict(ids=x["ids"][c:d], mask=x["mask"][c:d], old=x["logprobs"][c:d], adv=adv_tok[c:d],

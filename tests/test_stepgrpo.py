@@ -61,6 +61,12 @@ def test_group_advantages_normalise_each_step_against_the_same_step():
     assert adv[2][4] == pytest.approx(R[2]) and adv[0][3] == pytest.approx(R[0])  # finals all equal -> only R
     out = grpo.group_advantages(spans, rewards, outcomes, mode="outcome")
     assert all(a == pytest.approx(R[i]) for i, s in enumerate(out) for a in s)  # plain GRPO: one value per sample
+    # --outcome_on final: the same step parts, the outcome part on the final answer alone
+    fin = grpo.group_advantages(spans, rewards, outcomes, outcome_on="final")
+    for i, s in enumerate(spans):
+        for j, span in enumerate(s):
+            assert fin[i][j] == pytest.approx(adv[i][j] - (0.0 if span["kind"] == "final" else R[i]))
+    assert fin[2][3] == 0.0 and fin[0][3] == pytest.approx(R[0])  # a lone answer step: no credit at all
 
 def test_balance_kb_weighs_each_gold_route_class_equally():
     # 3 questions, max 3 steps: [text, text] -> text, text, stop; [table] -> table, stop; [t, t, image] (3 steps: no stop)
