@@ -485,7 +485,7 @@ def teacher_setup(tiny_index, spans="route"):
     ret = retrievers.Retriever(tiny_index, "bm25")
     args = Namespace(max_steps=3, topk=3, temperature=1.0, group_size=2, teacher_spans=spans, structure="transcript",
                      max_pairs=1, max_rets=1, gold_think="kb_last",
-                     route_credit="whole", adv_std=True)
+                     route_credit="whole", adv_std=True, outcome_on="all")
     return tok, qs, ret, args, rollout.golden_prefixes(tok, ret, qs)[1]
 
 def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
