@@ -25,7 +25,8 @@ arithmetic is grpo.py.
 R1-Router's released setting is --rollout teacher_prefix with --teacher_spans all, no format reward (--w_format 0), no
 KL in the loss, an entropy bonus of 1e-3, old logprobs recomputed by the trainer, one advantage on a whole step and
 std-divided advantages. This repo's extensions: --teacher_spans route, --balance_kb, --w_format, --w_hit, --route_credit
-split, --no-adv_std, the on-policy mode (--outcome_on), the packed prompt of a group (pack_group), the dev-picked <out>/best. Formulas sit next to their functions.
+split, --no-adv_std, the on-policy mode (--outcome_on), the packed prompt of a group (pack_group), the dev-picked
+<out>/best. Formulas sit next to their functions.
 """
 import argparse
 import json

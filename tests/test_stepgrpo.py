@@ -483,9 +483,10 @@ def teacher_setup(tiny_index, spans="route"):
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     qs = corpus.load_questions(tiny_index, "train")[:6]
     ret = retrievers.Retriever(tiny_index, "bm25")
-    args = Namespace(max_steps=3, topk=3, temperature=1.0, group_size=2, teacher_spans=spans, structure="transcript",
-                     max_pairs=1, max_rets=1, gold_think="kb_last",
-                     route_credit="whole", adv_std=True, outcome_on="all")
+    # stepgrpo's own defaults (3 steps, top 3, T 1, one pair and one retriever a step, kb_last, transcript), so a new
+    # flag reaches these tests without a hand-kept copy of the argument list
+    args = stepgrpo.get_args(["--model", "m", "--data", "d", "-n", "2", "--teacher_spans", spans,
+                              "--route_credit", "whole", "--adv_std"])
     return tok, qs, ret, args, rollout.golden_prefixes(tok, ret, qs)[1]
 
 def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
