@@ -411,9 +411,15 @@ def reference(model, ref):
     (ref None) the policy with its adapters disabled, i.e. the base it started from (no second copy of the weights)."""
     if ref is not None:
         yield ref
-    else:
-        with model.disable_adapter():
-            yield model
+        return
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with model.disable_adapter():
+        # peft's disable also sets the adapters' requires_grad off, and FSDP2 picks each unit's gradient dtypes from
+        # requires_grad at the model's first forward, which can be this one: under bf16 the adapters' gradients would
+        # then stay bf16 and fail against their fp32 shards. The forward only reads the disable flag.
+        for p in trainable:
+            p.requires_grad_(True)
+        yield model
 
 class PeakMemory:
     """`with peak("update"):` records the phase's peak memory in GiB, in self.gib[phase]: on CUDA the peak of

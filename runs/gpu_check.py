@@ -93,7 +93,8 @@ def qwen_vl(out, tok):
     """A tiny random Qwen2.5-VL (2 vision blocks on 56 x 56 pictures: 4 tokens an image), the tokenizer plus Qwen's
     image tokens, and a chat template writing an image part as Qwen's <|vision_start|><|image_pad|><|vision_end|>."""
     import prepare
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
     tok = type(tok).from_pretrained(tok.name_or_path)
     names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tok.add_special_tokens({"additional_special_tokens": names})
@@ -108,10 +109,11 @@ def qwen_vl(out, tok):
                            vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True, **ids)
     torch.manual_seed(0)
     Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(out)
-    pictures = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2,
-                                     temporal_patch_size=2)
+    size = dict(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2)
     template = prepare.VL_TEMPLATE.replace("'<image>'", "'<|vision_start|><|image_pad|><|vision_end|>'")
-    Qwen2_5_VLProcessor(image_processor=pictures, tokenizer=tok, chat_template=template).save_pretrained(out)
+    # transformers 5.x's processor requires a video processor, unused here (no video questions)
+    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**size), tokenizer=tok,
+                        video_processor=Qwen2VLVideoProcessor(**size), chat_template=template).save_pretrained(out)
     return out
 
 def vl_model(work, tok):
@@ -227,17 +229,18 @@ def checks(c):
             ("visual", visual, None)]
 
 class Peak:
-    """`with Peak() as p:` p.gib, the peak memory in GiB while inside, sampled every 10 ms by a thread: the GPU's
-    memory in use (all of it, vLLM's pool too: the scripts reset torch's own peak counter) or this process's RSS."""
+    """`with Peak() as p:` p.gib, the peak memory in GiB while inside above what was in use on entering, sampled every
+    10 ms by a thread: the GPU's memory in use (all of it, vLLM's pool too: the scripts reset torch's own peak
+    counter; other tenants' share of the device is the entry baseline) or this process's RSS."""
     def __enter__(self):
         import psutil
         proc = psutil.Process()
         used = (lambda: (lambda f, t: t - f)(*torch.cuda.mem_get_info())) if torch.cuda.is_available() \
             else (lambda: proc.memory_info().rss)
-        self.gib, self.done = 0.0, threading.Event()
+        self.gib, self.done, base = 0.0, threading.Event(), used()
         def sample():
             while not self.done.is_set():
-                self.gib = max(self.gib, used() / 2**30)
+                self.gib = max(self.gib, (used() - base) / 2**30)
                 self.done.wait(0.01)
         self.thread = threading.Thread(target=sample, daemon=True)
         self.thread.start()

@@ -1,6 +1,7 @@
 """GPU tests: skipped without CUDA; on a GPU machine with requirements-gpu.txt installed, `make test-gpu` runs them (the
 2-GPU ones need 2 GPUs). They check what the CPU suite cannot: each rank's vLLM engine on its own device, sleep mode,
 the bf16 weight sync, NCCL equality of 1 and 2 ranks, Step-GRPO steps and sharded resume on GPUs, faiss on GPU."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import prepare
 import vision
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +28,7 @@ def torchrun(script, args, nproc):
     return r
 
 def test_faiss_on_gpu_returns_what_cpu_faiss_returns():
-    import faiss
+    faiss = pytest.importorskip("faiss")
     import retrievers
     if not hasattr(faiss, "StandardGpuResources"):
         pytest.skip("faiss-gpu not installed (requirements-gpu.txt installs faiss-cpu)")
@@ -40,7 +42,7 @@ def test_faiss_on_gpu_returns_what_cpu_faiss_returns():
 
 def test_ivfpq_index_loads_onto_the_gpu_and_searches_like_cpu(tmp_path):
     # `build --index ivfpq` on a GPU machine: load_dense memory-maps the file, then to_gpu copies it over with its nprobe
-    import faiss
+    faiss = pytest.importorskip("faiss")
     import bench_index
     import retrievers
     if not hasattr(faiss, "StandardGpuResources"):
@@ -55,6 +57,7 @@ def test_ivfpq_index_loads_onto_the_gpu_and_searches_like_cpu(tmp_path):
     (dc, ic), (dg, ig) = index.search(queries, 10), gpu.search(queries, 10)
     assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ic, ig)]) > 0.95 and np.allclose(dc, dg, atol=1e-2)
 
+@needs_vllm
 def test_engine_sleeps_and_follows_a_bf16_sync(tiny_model_dir):
     # sleep gives the KV cache's memory back; after a sync the engine scores like the new weights at bf16 tolerance
     from transformers import AutoModelForCausalLM
@@ -91,6 +94,7 @@ engine.close()
 """
 
 @two_gpus
+@needs_vllm
 def test_each_rank_engine_is_on_its_own_gpu(tmp_path, tiny_model_dir, monkeypatch):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
@@ -143,6 +147,7 @@ def test_two_gpu_resume_from_a_sharded_checkpoint(tmp_path, tiny_model_dir, tiny
     a, b = (load_file(d / "final" / "model.safetensors") for d in (straight, resumed))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
+@needs_vllm
 def test_vl_engine_on_gpu_sleeps_syncs_and_trains(tmp_path, tiny_model_dir, tiny_index):
     # the VL path on CUDA: a bf16 VL engine with images asleep and woken around a sync, scoring a prompt with pictures
     # like the new weights (vision tower included) at bf16 tolerance; then VL Step-GRPO on 2 GPUs with --check_sync

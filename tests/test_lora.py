@@ -81,6 +81,22 @@ def test_only_the_adapters_get_gradients_and_the_merge_is_the_adapted_model(tiny
         base.load_state_dict(merged, strict=False)
         assert torch.allclose(model(ids).logits, base(ids).logits, atol=1e-4)  # W + (alpha / r) B A
 
+def test_a_bf16_lora_step_whose_first_forward_is_the_reference_gets_fp32_gradients(tiny_model_dir, traj_dir, group):
+    """Step-GRPO with --kl_coef under bf16: the first forward of the step is the reference's, adapters off. FSDP2 picks
+    each unit's gradient dtypes at the first forward from requires_grad, which peft's disable turns off: the adapters'
+    bf16 gradients then failed against their fp32 shards at backward (found on a GPU)."""
+    rows = sft.load_rows(traj_dir / "train.jsonl", 256, 10**9)[:2]
+    ids, labels = sft.collate(rows, 0, torch.device("cpu"))
+    model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=True, lora=trainutil.Lora(4))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad(), trainutil.reference(model, None) as ref:
+        ref(ids)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trained
+    s, n = sft.loss_sum(model, ids, labels)
+    (s / n).backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == trained
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+
 def test_the_merge_on_the_meta_device_makes_no_tensor_elsewhere(tiny_model_dir):
     """policy_params of a model whose weights are on a non-CPU device (meta): a stray CPU tensor in the merge fails."""
     from transformers import AutoConfig, AutoModelForCausalLM
