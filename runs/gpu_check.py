@@ -9,11 +9,13 @@ scripts' main() in this process:
     resume     SFT 1 step, then --resume to 2: the weights equal the straight run's
     grpo-hf    Step-GRPO 2 steps, --engine hf, the engine checked against the trainer after every sync
     grpo-vllm  the same with the vLLM engine (skipped where vllm does not import)
+    onpolicy   Step-GRPO 1 step over the policy's own trajectories (--rollout onpolicy, --engine hf)
     lora       Step-GRPO 1 step with LoRA adapters (the merged weights synced and checked)
+    qlora      the same on an nf4 base (skipped where bitsandbytes does not import)
     visual     the VL policy: SFT 2 steps on visual questions, then Step-GRPO 1 step (--engine hf)
 and prints one table: each check's result, seconds and peak memory. --dry: the same on the CPU in fp32 (the cuda
 check and bf16 skipped, with a line saying so); tests/test_gpu_check.py runs it. Needs torch, transformers, peft,
-bm25s, pillow, psutil and matplotlib; vllm and faiss are optional (a numpy flat index stands in for faiss's), and
+bm25s, pillow, psutil and matplotlib; vllm, bitsandbytes and faiss are optional (a numpy flat index stands in for faiss's), and
 Qwen2.5-VL's processor needs torchvision (without it the visual check takes prepare.py's Idefics3 policy).
 """
 import argparse
@@ -225,7 +227,10 @@ def checks(c):
             ("resume", resume, None),
             ("grpo-hf", step_grpo(sft_final, "hf", "grpo-hf", 2), None),
             ("grpo-vllm", step_grpo(sft_final, "vllm", "grpo-vllm", 2) if has("vllm") else None, "vllm is not installed"),
+            ("onpolicy", step_grpo(sft_final, "hf", "onpolicy", 1, "--rollout", "onpolicy"), None),
             ("lora", step_grpo(sft_final, "hf", "lora", 1, "--lora_r", 4, "--lora_alpha", 8), None),
+            ("qlora", step_grpo(sft_final, "hf", "qlora", 1, "--lora_r", 4, "--lora_alpha", 8, "--quant", "nf4")
+             if has("bitsandbytes") else None, "bitsandbytes is not installed"),
             ("visual", visual, None)]
 
 class Peak:

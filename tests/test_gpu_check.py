@@ -25,10 +25,11 @@ def test_dry_mode_runs_every_check_on_the_cpu(tmp_path):
     table = r.stdout[r.stdout.index("\ngpu_check (dry, CPU;"):].strip().splitlines()
     assert table[1].split() == ["check", "result", "seconds", "peak", "GiB", "note"]
     results = {line.split()[0]: line.split()[1] for line in table[2:-1]}
-    vllm = "pass" if importlib.util.find_spec("vllm") else "skip"
+    vllm, bnb = ("pass" if importlib.util.find_spec(m) else "skip" for m in ("vllm", "bitsandbytes"))
     assert results == {"cuda": "skip", "sft": "pass", "resume": "pass", "grpo-hf": "pass", "grpo-vllm": vllm,
-                       "lora": "pass", "visual": "pass"}
-    assert table[-1] == f"{6 - (vllm == 'skip')} passed, 0 failed, {1 + (vllm == 'skip')} skipped"
+                       "onpolicy": "pass", "lora": "pass", "qlora": bnb, "visual": "pass"}
+    skips = (vllm, bnb).count("skip")
+    assert table[-1] == f"{8 - skips} passed, 0 failed, {1 + skips} skipped"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_without_cuda_it_asks_for_the_dry_mode(tmp_path):
