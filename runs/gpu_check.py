@@ -15,8 +15,8 @@ scripts' main() in this process:
     visual     the VL policy: SFT 2 steps on visual questions, then Step-GRPO 1 step (--engine hf)
 and prints one table: each check's result, seconds and peak memory. --dry: the same on the CPU in fp32 (the cuda
 check and bf16 skipped, with a line saying so); tests/test_gpu_check.py runs it. Needs torch, transformers, peft,
-bm25s, pillow, psutil and matplotlib; vllm, bitsandbytes and faiss are optional (a numpy flat index stands in for faiss's), and
-Qwen2.5-VL's processor needs torchvision (without it the visual check takes prepare.py's Idefics3 policy).
+bm25s, pillow, psutil and matplotlib; vllm, bitsandbytes and faiss are optional (a numpy flat index stands in for
+faiss's), and Qwen2.5-VL's processor needs torchvision (without it the visual check takes prepare.py's Idefics3 policy).
 """
 import argparse
 import gc
