@@ -115,7 +115,8 @@ bench-memory: $(OUT)/sft/final/config.json
 		--train_steps 2 --batch_questions 4 --eval_questions 0 --save_every 1 --keep 1 --out out/bench-memory
 
 # The recipe against SFT and SFT-continued at the SFT's plateau, per seed, each arm dev-picked, on the whole test split
-# with the ceilings (README "Results"; ~2 h 15 min a seed here); ARM=wide: the 48-question arms (runs/vs_sft.sh)
+# with the ceilings (README "Results"; ~2 h 15 min a seed here); ARM=wide: the 48-question arms; ARM=wide2: those again
+# from ARM=wide's SFT-continued pick (runs/vs_sft.sh)
 SEEDS ?= 1 2 3
 ARM ?= plateau
 vs-sft: $(DATA)/traj/train.jsonl
