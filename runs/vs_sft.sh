@@ -11,7 +11,7 @@
 #       Step-GRPO      every step kind trained (--teacher_spans all), 6 steps x 48 questions x 8 samples at 2e-5,
 #                      checkpoints at 2, 4 and 6
 #       SFT-continued  180 more steps (the Step-GRPO stage's ~45 min), checkpoints at 240, 300, 360 and 396; DEV_N 200
-#     ARM=wide2        the wide arms again, from ARM=wide's SFT-continued pick instead of the SFT (run first if missing):
+#     ARM=wide2        the wide arms again from ARM=wide's SFT-continued pick, not the SFT (run first if missing):
 #                      checkpoints at 2, 4, 6 and, from 396, at 420, 480, 540 and 576
 #   -> scored once on the whole test split (500 questions, routed, greedy), SFT also with the oracle KB and the gold
 #   steps (the ceilings) -> paired bootstrap of Step-GRPO against its start and against SFT-continued.
@@ -28,14 +28,13 @@ OUT=out/vs-sft
 # G: Step-GRPO's flags; MORE, EVERY: SFT-continued's extra steps and checkpoint interval; X: the arms' folder suffix;
 # START, BASE: the arms' start and the test folder of its row, under the seed's folder
 wide="--teacher_spans all --batch_questions 48 --lr 2e-5 --save_every 2 --keep 3"
+START=sft/final BASE=test-sft
 case $ARM in
   plateau) G="--batch_questions 8 --save_every 3 --keep 2"; MORE=36; EVERY=12; DEV_N=100; X= ;;
   wide) G=$wide; MORE=180; EVERY=60; DEV_N=200; X=-wide ;;
-  wide2) G=$wide; MORE=180; EVERY=60; DEV_N=200; X=-wide2 ;;
+  wide2) G=$wide; MORE=180; EVERY=60; DEV_N=200; X=-wide2; START=sft-cont-wide/best BASE=test-sft-cont-wide ;;
   *) echo "error: ARM=$ARM: expected plateau, wide or wide2" >&2; exit 2 ;;
 esac
-START=sft/final BASE=test-sft
-test $ARM = wide2 && START=sft-cont-wide/best BASE=test-sft-cont-wide
 start=$(date +%s)
 resume() { test -f "$1/latest" && echo --resume || true; }
 dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --split dev --n_questions $DEV_N --out $2; }
@@ -59,11 +58,11 @@ for s in $SEEDS; do
     read best top <<< "$(pick "$CANDS" "${files[@]}")"
     ln -sfn step_$best $d/sft-cont$X/best && echo "SFT-continued dev-picked: step $best ($top)"
   fi
-  arms="sft-cont$X:best:routed grpo$X:best:routed"
-  test $ARM = wide2 || arms="sft:final:routed,oracle,gold_steps $arms"
-  for arm in $arms; do
+  arms=(sft-cont$X:best:routed grpo$X:best:routed)
+  test $ARM = wide2 || arms=("sft:final:routed oracle gold_steps" "${arms[@]}")
+  for arm in "${arms[@]}"; do
     IFS=: read name ck methods <<< "$arm"
-    test -f $d/test-$name/results.json || $PY evaluate.py --model $d/$name/$ck --name $name@s$s --methods ${methods//,/ } \
+    test -f $d/test-$name/results.json || $PY evaluate.py --model $d/$name/$ck --name $name@s$s --methods $methods \
       --data $DATA --split test --out $d/test-$name
   done
   $PY evaluate.py --paired $d/$BASE/trajectories-routed.jsonl $d/test-grpo$X/trajectories-routed.jsonl
