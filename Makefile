@@ -32,6 +32,11 @@ $(DATA)/index/meta.json: retrievers.py $(DATA)/world.json
 $(DATA)/traj/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
 	$(PY) synth.py --data $(DATA) --out $(DATA)/traj --limit 400
 
+# every training question's golden trajectory (4,000): what SFT-continued trains on in the recipe, the questions
+# Step-GRPO draws from
+$(DATA)/traj-all/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
+	$(PY) synth.py --data $(DATA) --out $(DATA)/traj-all --splits train
+
 # The main job: the recipe (sft.py and stepgrpo.py defaults) at CPU budgets, end to end on the embedded mini-world:
 # mini-world -> indexes -> golden trajectories -> SFT -> Step-GRPO, and beside it SFT-continued (the SFT run resumed
 # for more steps on the next golden trajectories at its final LR, about the Step-GRPO stage's wall clock) -> the three
@@ -115,11 +120,11 @@ bench-memory: $(OUT)/sft/final/config.json
 		--train_steps 2 --batch_questions 4 --eval_questions 0 --save_every 1 --keep 1 --out out/bench-memory
 
 # The recipe against SFT and SFT-continued at the SFT's plateau, per seed, each arm dev-picked, on the whole test split
-# with the ceilings (README "Results"; ~2 h 15 min a seed here); ARM=wide: the 48-question arms; ARM=wide2: those again
-# from ARM=wide's SFT-continued pick (runs/vs_sft.sh)
+# with the ceilings (README "Results"; ~2 h 15 min a seed here); ARM=wide: the 48-question arms; ARM=wide2: those
+# from the SFT continued to 396 steps (runs/vs_sft.sh)
 SEEDS ?= 1 2 3
 ARM ?= plateau
-vs-sft: $(DATA)/traj/train.jsonl
+vs-sft: $(DATA)/traj/train.jsonl $(DATA)/traj-all/train.jsonl
 	SEEDS="$(SEEDS)" ARM=$(ARM) PY=$(PY) bash runs/vs_sft.sh
 
 # Does the SFT router read the question? The golden <think> naming the KB first (kb_first) against naming none, the KB
