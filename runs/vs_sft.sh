@@ -48,7 +48,7 @@ for s in $SEEDS; do
   test -e $d/sft/final || $PY sft.py --data $DATA/traj --seed $s --train_steps 216 --grad_accum 4 --decay_steps 36 \
     --eval_every 0 --save_every 36 --keep 2 --out $d/sft $(resume $d/sft)
   test $ARM != wide2 || PY=$PY bash runs/sft_continue.sh $d/sft/final $d/sft396 180 --data $DATA/traj --grad_accum 4 \
-    --seed $s --eval_every 0 --save_every 0
+    --seed $s --eval_every 0 --save_every 36 --keep 1
   test -e $d/grpo$X/final || $PY stepgrpo.py --data $DATA --model $d/$START --seed $s --train_steps 6 $G \
     --eval_questions $DEV_N --out $d/grpo$X $(resume $d/grpo$X)
   k0=$(basename "$(readlink -f $d/$START)"); k0=${k0#step_}  # SFT-continued's candidates: every checkpoint it saves
