@@ -424,8 +424,6 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     micro, denom, timing["skipped"] = micro_batches(rows, args, pad_id, device, vis)
     with peak("update"):
         sums, grad_norm = update(model, ref, opt, micro, denom, args, vis.special_ids if vis else ())
-    del micro
-    trainutil.trim_host_memory()  # the update's freed activations, else held by the C heap into the next rollout
     timing["update_s"] = time.perf_counter() - t
     t = time.perf_counter()
     with peak("sync"):

@@ -455,16 +455,6 @@ class PeakMemory:
             self.thread.join()
             self.gib[self.phase] = self.peak / 2**30
 
-def trim_host_memory():
-    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; a no-op without glibc). A CPU update frees
-    its activations, but glibc keeps the pages, so resident memory climbed with every Step-GRPO step (7 -> 16 GiB
-    over six 48 x 8 steps); one call after an update took it from 14.7 to 8.7 GiB (docs/LOG.md, 2026-11-26)."""
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
 def progress(rank, total, initial, desc):
     """A tqdm bar on rank 0 (None elsewhere)."""
     if rank != 0:

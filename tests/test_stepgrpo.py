@@ -18,7 +18,6 @@ import prepare
 import reward
 import grpo
 import stepgrpo
-import trainutil
 
 def sp(kind, step):
     return dict(kind=kind, step=step, start=0, end=1)
@@ -305,24 +304,6 @@ def test_check_sync_runs_on_the_first_step_and_stops_above_the_tolerance(tiny_mo
     finally:
         if own:
             torch.distributed.destroy_process_group()
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
-def test_trim_host_memory_returns_the_freed_heap_pages():
-    import ctypes
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
-    rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    size = 64 << 10  # below glibc's mmap threshold: the blocks come from the heap, as a CPU update's small tensors do
-    blocks = [libc.malloc(size) for _ in range(4096)]  # 256 MiB
-    for b in blocks:
-        ctypes.memset(b, 1, size)
-    for b in blocks[:-1]:
-        libc.free(b)  # the last block pins the heap's top, so free() alone returns nothing to the OS
-    before = rss()
-    trainutil.trim_host_memory()
-    released = before - rss()
-    libc.free(blocks[-1])
-    assert released > 200 << 20, f"{released >> 20} MiB released"
 
 @pytest.mark.slow
 def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_by_vllm(tiny_model_dir, tiny_index):
