@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft decision released visual lora multiquery real real-eval clean
+.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher decision released visual lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -126,6 +126,13 @@ SEEDS ?= 1 2 3
 ARM ?= plateau
 vs-sft: $(DATA)/traj/train.jsonl $(DATA)/traj-all/train.jsonl
 	SEEDS="$(SEEDS)" ARM=$(ARM) PY=$(PY) bash runs/vs_sft.sh
+
+# The teacher condition (runs/teacher.sh, README "Results"): R1-Router's data procedure (a teacher's sampled
+# trajectories, kept on the final answer alone), then SFT, SFT-continued and Step-GRPO with R1-Router's step rewards
+# and with label rewards, each dev-picked, scored greedy and sampled (--protocol released). DEV_ONLY=1: the dev screen.
+TEACHER_SEEDS ?= 0 1
+teacher: $(DATA)/index/meta.json $(MODEL)/config.json
+	SEEDS="$(TEACHER_SEEDS)" PY=$(PY) bash runs/teacher.sh
 
 # Does the SFT router read the question? The golden <think> naming the KB first (kb_first) against naming none, the KB
 # chosen at <ret> after the sub-question (kb_last): SFT seeds 0 and 1 at the main job's budgets, scored on 200 dev

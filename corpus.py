@@ -19,6 +19,7 @@ so routing is learnable from *what* a sub-question asks, while every entity type
 Run:
     python corpus.py --world mini --out data/mini                 # ~4k documents, 5k + 900 visual questions, seconds
     python corpus.py --world mini --out data/big --n_people 5000 --n_train 20000
+    python corpus.py --world mini --out data/mini-no3hop --holdout 3hop   # no 3-hop chains in train and dev
     python corpus.py --check data/mini                            # validate every file, report path:line errors
 
 The public benchmarks (HotpotQA, 2WikiMultihopQA, MuSiQue, WikiTableQuestions, TabFact, ...) come into the same layout
@@ -43,6 +44,10 @@ KBS = ("text", "table", "image")
 class DataError(ValueError):
     pass
 
+def json_error(e):
+    """A JSONDecodeError in words: 'Expecting value at column 14' ('Unterminated string starting at column 23')."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
 def iter_jsonl(path):
     """(lineno, row) for each non-blank line."""
     path = Path(path)
@@ -53,9 +58,9 @@ def iter_jsonl(path):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # with the newline, a cut-off line's error is "line 2, column 1"
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{path}:{lineno}: not valid JSON ({json_error(e)})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             yield lineno, row
@@ -121,11 +126,14 @@ def _load(path, kind):
     return rows
 
 def load_kb(data_dir, kb):
-    """Documents of one KB, validated. Image rows get an absolute `path`."""
-    rows = _load(Path(data_dir) / "kb" / f"{kb}.jsonl", kb)
+    """Documents of one KB, validated. Image rows get an absolute `path` to an existing file."""
+    path = Path(data_dir) / "kb" / f"{kb}.jsonl"
+    rows = _load(path, kb)
     if kb == "image":
-        for r in rows:
+        for i, r in enumerate(rows, 1):
             r["path"] = str(Path(data_dir) / "kb" / r["path"])
+            if not Path(r["path"]).is_file():
+                raise DataError(f"{path}: row {i} (id {r['id']!r}): image file not found: {r['path']}")
     return rows
 
 def load_questions(data_dir, split):
@@ -530,19 +538,29 @@ def no_retrieval_question(rng):
     shape, n = rng.choice([("triangle", 3), ("square", 4), ("pentagon", 5), ("hexagon", 6), ("octagon", 8)])
     return dict(question=f"How many sides does a {shape} have?", answers=[str(n)], type="none", steps=[])
 
-def make_questions(w, n, rng):
+def make_questions(w, n, rng, seen=None, skip=(), first_id=0):
+    """n questions of the mix, none of whose text is in `seen` (updated) or whose type is in `skip`."""
     mix = [("none", 0.1), (1, 0.3), (2, 0.3), (3, 0.15), ("comparison", 0.15)]
-    out, seen = [], set()
+    out, seen = [], set() if seen is None else seen
     while len(out) < n:
         kind = rng.choices([m for m, _ in mix], weights=[p for _, p in mix])[0]
         q = (no_retrieval_question(rng) if kind == "none" else comparison_question(w, rng) if kind == "comparison"
              else chain_question(w, kind, rng))
-        if q is None or q["question"] in seen:
+        if q is None or q["question"] in seen or q["type"] in skip:
             continue
         seen.add(q["question"])
         q["pattern"] = ">".join(s["kb"] for s in q["steps"]) or "none"
-        out.append(dict(id=f"q{len(out)}", **q))
+        out.append(dict(id=f"q{first_id + len(out)}", **q))
     return out
+
+def hold_out(w, qs, n_train, n_dev, held, rng):
+    """--holdout: the question types `held` left out of train and dev (a shape the policy never trains on), each
+    dropped question replaced by a new one of another type; the test split stays the default world's, question for
+    question, so its held-out rows and the rest compare with every default-world result."""
+    keep = [q for q in qs[:n_train + n_dev] if q["type"] not in held]
+    more = make_questions(w, n_train + n_dev - len(keep), rng, {q["question"] for q in qs}, held, first_id=len(qs))
+    both = keep + more
+    return both[:n_train], both[n_train:]
 
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -553,6 +571,8 @@ def generate_mini(args):
     rng = random.Random(args.seed + 1)
     qs = make_questions(w, args.n_train + args.n_dev + args.n_test, rng)
     splits = {"train": qs[:args.n_train], "dev": qs[args.n_train:args.n_train + args.n_dev], "test": qs[args.n_train + args.n_dev:]}
+    if args.holdout:
+        splits["train"], splits["dev"] = hold_out(w, qs, args.n_train, args.n_dev, set(args.holdout), rng)
     ents = {"portrait": w["people"], "flag": w["countries"], "logo": w["orgs"]}
     pictures = {}  # (kind, entity index) -> its image-KB picture, in KB order
     for doc in tqdm(kbs["image"], desc="drawing images", disable=args.quiet):
@@ -619,6 +639,8 @@ if __name__ == "__main__":
     ap.add_argument("--n_visual_train", type=int, default=600, help="questions about a picture (questions/visual_*.jsonl)")
     ap.add_argument("--n_visual_dev", type=int, default=100)
     ap.add_argument("--n_visual_test", type=int, default=200)
+    ap.add_argument("--holdout", nargs="+", default=[], choices=["1hop", "2hop", "3hop", "comparison", "none"],
+                    help="question types left out of train and dev (a held-out shape; test unchanged: hold_out)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
     try:

@@ -17,6 +17,7 @@ import torch
 from vision import VisionIO
 
 MAX_LEN = 4096  # tokens of a request (prompt + new) that the engines take in training by default
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines drown the scripts' own; set it to see them
 
 def truncate(tok, ids, logprobs, stop, eos):
     """Cut after the first EOS, then after the first token that completes a stop string (HF pads finished rows)."""

@@ -440,6 +440,15 @@ def _slug(name):
     return re.sub(r"[^\w.-]+", "_", name).strip("_") or "method"
 
 
+def run_name(model):
+    """A model's row name: its folder, or for a checkpoint of a run (final, best, latest, step_N) the run's folder,
+    with the checkpoint unless it is the final one: out/sft/final -> sft, out/stepgrpo/best -> stepgrpo-best."""
+    p = Path(model)
+    if p.name in ("final", "best", "latest") or re.fullmatch(r"step_\d+", p.name):
+        return p.parent.name + ("" if p.name == "final" else f"-{p.name}")
+    return p.name
+
+
 def write_report(results, out_dir, title="R1-Router evaluation"):
     """Write results.json, table.md, metrics.png and routing_confusion_<method>.png (for each method that made at
     least one retrieval) into out_dir, each atomically; return the markdown."""
@@ -463,9 +472,9 @@ def write_report(results, out_dir, title="R1-Router evaluation"):
 METHODS = ("routed", "no_retrieval", "single_rag", "iterretgen", "every_kb", "oracle", "gold_steps")
 STEP_FORMAT = ("routed", "every_kb", "oracle")  # the methods whose model writes R1-Router's step format
 
-def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, shots=None):
+def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, shots=None, bar=None):
     """One method's trajectories. iters: IterRetGen's iterations; shots: few-shot conversation (few_shot_prefix) the
-    step-format methods start from."""
+    step-format methods start from; bar: a tqdm bar the step-format methods advance a trajectory at a time."""
     import rollout
     from dataclasses import replace
     if method in ("no_retrieval", "single_rag", "iterretgen"):
@@ -474,7 +483,7 @@ def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, 
     if method == "gold_steps":
         return rollout.gold_steps(engine, retriever, questions, settings, seed)
     mode = {"routed": "model", "every_kb": "all", "oracle": "oracle"}[method]
-    return rollout.rollout(engine, retriever, questions, 1, replace(settings, route_mode=mode), seed, shots=shots)
+    return rollout.rollout(engine, retriever, questions, 1, replace(settings, route_mode=mode), seed, shots=shots, bar=bar)
 
 def few_shot_examples(questions, k):
     """k questions (of a training split) for few-shot prompts: in order, each one whose gold steps use a KB the
@@ -596,9 +605,12 @@ if __name__ == "__main__":
         sys.exit(0)
     if not args.methods and not args.probe:
         sys.exit("error: nothing to do: give --methods and/or --probe N")
-    name = args.name or Path(args.model).name
+    name = args.name or run_name(args.model)
     split = "+".join(args.split)
     out = Path(args.out or f"out/eval/{name}-{split}")
+    if (out / "results.json").is_file() and not any(k.startswith(f"{name}/") for k in json.loads((out / "results.json").read_text())):
+        print(f"note: {out} holds another model's report ({', '.join(json.loads((out / 'results.json').read_text()))}); "
+              f"it is replaced (--out names another folder)")
     try:
         qs = [q for sp in args.split for q in corpus.load_questions(args.data, sp)[:args.n_questions or None]]
         ret = retrievers.make_retriever(args.retriever, args.data)
@@ -628,9 +640,12 @@ if __name__ == "__main__":
         print(f"--few_shot {args.few_shot}: {len(examples)} train questions as worked examples ({len(shots)} tokens)")
     results = {}
     from tqdm import tqdm
-    for method in tqdm(args.methods, desc=f"evaluating {name} on {len(qs)} {split} questions"):
+    for method in args.methods:
         t = time.perf_counter()
-        trajs = run_method(method, engine, ret, qs, settings, args.seed, args.iters, shots)
+        bar = tqdm(total=len(qs), desc=f"{name} {method} ({split})", unit="question")
+        trajs = run_method(method, engine, ret, qs, settings, args.seed, args.iters, shots, bar)
+        bar.update(len(qs) - bar.n)
+        bar.close()
         label = method + (f"+{args.few_shot}shot" if shots and method in STEP_FORMAT else "") + \
             (f"+{args.protocol}" if args.protocol != "strict" and method in STEP_FORMAT else "")
         results[f"{name}/{label}"] = dict(score(trajs), seconds=round(time.perf_counter() - t, 1))
@@ -645,4 +660,4 @@ if __name__ == "__main__":
               + ", ".join(f"{g} {v:.1f}%" for g, v in p["by_gold"].items() if v is not None) + f"  ({out}/route_probe.json)")
     if results:
         print_table(write_report(results, out, title=f"{name} on {args.data} {split} ({len(qs)} questions)"))
-        print(f"report written to {out}/ (results.json, table.md, metrics.png, routing_confusion_*.png)")
+        print(f"report written to {out}/ ({', '.join(sorted(f.name for f in out.iterdir() if f.suffix in ('.json', '.md', '.png')))})")

@@ -49,7 +49,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from corpus import KBS, DataError, check_row, iter_jsonl, linearise
+from corpus import KBS, DataError, check_row, iter_jsonl, json_error, linearise
 
 MAX_ROWS = 30  # longer tables keep their first 30 rows
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp")  # a visual question's picture is <image_id> + one of these
@@ -81,7 +81,7 @@ def read_json(path):
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({json_error(e)})") from None
 
 def rows_of(path):
     """(where, row) of a JSON list of objects or of a JSONL file, whichever `path` holds."""

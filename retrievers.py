@@ -448,8 +448,12 @@ def decode_image(data, where):
     except (ValueError, OSError, Image.DecompressionBombError) as e:  # binascii.Error is a ValueError
         raise ValueError(f"{where}: not a base64-encoded image ({e})") from None
 
+METHODS = ("dense", "bm25", "hybrid")
+
 def make_retriever(spec, data_dir):
     """--retriever: "dense" | "bm25" | "hybrid" over data_dir's indexes, or the URL of a running `retrievers.py serve`."""
+    if not spec.startswith("http") and spec not in METHODS:
+        raise DataError(f"--retriever {spec}: expected one of {', '.join(METHODS)} or the http:// URL of retrievers.py serve")
     return RemoteRetriever(spec) if spec.startswith("http") else Retriever(data_dir, spec)
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -590,9 +594,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["build", "serve", "bench", "search"])
     ap.add_argument("--data", default="data/mini", help="data folder written by corpus.py")
-    ap.add_argument("--methods", nargs="+", default=["dense", "bm25"], choices=["dense", "bm25", "hybrid"],
+    ap.add_argument("--methods", nargs="+", default=["dense", "bm25"], choices=METHODS,
                     help="build: which indexes; bench: which methods to measure")
-    ap.add_argument("--method", default="dense", choices=["dense", "bm25", "hybrid"], help="serve/search: ranking")
+    ap.add_argument("--method", default="dense", choices=METHODS, help="serve/search: ranking")
     ap.add_argument("--image_encoder", default=None, help="build: an HF CLIP folder to index the pixels with (default: embedded)")
     ap.add_argument("--index", default="flat", choices=INDEXES,
                     help="build: the dense index; hnsw and ivfpq are approximate, for large KBs (KBs < %d docs stay flat "
@@ -625,6 +629,8 @@ if __name__ == "__main__":
         elif args.command == "serve":
             import uvicorn
             r = Retriever(args.data, args.method, search_depth=args.search_depth)
+            print(f"serving {args.data} ({args.method}) on http://{args.host}:{args.port}/retrieve (POST; Ctrl-C stops)",
+                  flush=True)
             uvicorn.run(make_app(r), host=args.host, port=args.port, log_level="warning")
         else:
             report = bench(args)

@@ -464,6 +464,41 @@ def re_asks(sub_question: str | None, earlier_steps) -> bool:
 
 
 # -----------------------------------------------------------------------------
+# label rewards (this repo's alternative): a step scored by what a real multi-hop dataset labels, the supporting
+# documents (HotpotQA, 2WikiMQA, MuSiQue) and per-hop answers (MuSiQue's decomposition), not by the teacher's step.
+# A hop is a gold step {doc_id, kb, answer}; `found` is the doc ids the trajectory has retrieved before this step.
+
+
+def open_hops(gold_steps: list[dict], found) -> list[dict]:
+    """The gold hops whose supporting document is not among `found`, in gold order."""
+    return [g for g in gold_steps if g["doc_id"] not in found]
+
+
+def label_route_reward(stop: bool, retrieved, gold_steps: list[dict], found) -> float:
+    """[the routing step makes progress]: a search whose evidence (`retrieved` doc ids) holds a supporting document
+    not found before, or a stop once every supporting document is found. The KB is checked through the evidence
+    (a document lives in one KB), the sub-question through what it retrieves, whatever its wording."""
+    todo = open_hops(gold_steps, found)
+    if stop:
+        return float(not todo)
+    return float(any(g["doc_id"] in retrieved for g in todo))
+
+
+def label_answer_golds(retrieved, gold_steps: list[dict], found) -> list[str]:
+    """The answers of the hops whose supporting document this step's evidence newly holds: what its intermediate
+    answer is scored against (answer_reward takes the best). []: the step found no new supporting document, and the
+    labels say nothing of its answer."""
+    return [g["answer"] for g in open_hops(gold_steps, found) if g["doc_id"] in retrieved]
+
+
+def next_hop_kb(gold_steps: list[dict], found) -> str:
+    """The KB of the first hop whose document is not found yet, or "stop": the route the labels call right at a
+    prefix (the teacher's step index need not be the gold hop's, after a re-ask or a skipped hop)."""
+    todo = open_hops(gold_steps, found)
+    return todo[0]["kb"] if todo else "stop"
+
+
+# -----------------------------------------------------------------------------
 # steps as data: flat lookups, each with the routing step it belongs to
 
 

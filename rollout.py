@@ -326,8 +326,8 @@ def fits(engine, ids, max_tokens):
 class StepLoop:
     """The step loop of one rollout() call: what happens when a request finishes (on_route, on_answer, on_final),
     the batched search between steps, and the event loop that keeps the engine busy (run)."""
-    def __init__(self, engine, retriever, s, chat):
-        self.engine, self.retriever, self.s, self.chat = engine, retriever, s, chat
+    def __init__(self, engine, retriever, s, chat, bar=None):
+        self.engine, self.retriever, self.s, self.chat, self.bar = engine, retriever, s, chat, bar
 
     def fail(self, x, what):
         x.update(format_ok=False, error=what, phase="done")
@@ -466,6 +466,8 @@ class StepLoop:
                 handlers[trajs[i]["phase"]](trajs[i], ids, lps)
                 ready += [i] if trajs[i]["phase"] != "done" else list(itertools.islice(waiting, 1))
             t_gen += time.perf_counter() - t
+            if self.bar is not None:  # a tqdm bar counting finished trajectories
+                self.bar.update(sum(x["phase"] == "done" for x in trajs) - self.bar.n)
         for x in trajs:
             tr = x.pop("tr")
             x.pop("phase")
@@ -478,9 +480,10 @@ class StepLoop:
             trajs[0]["timings"]["batch_wall"] = time.perf_counter() - t0
         return trajs
 
-def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_prompt=SYSTEM_PROMPT, shots=None):
+def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_prompt=SYSTEM_PROMPT, shots=None, bar=None):
     """questions: rows of corpus.load_questions. Returns len(questions) * n trajectory dicts (question-major).
-    shots: token ids of worked examples every transcript starts with (few_shot_prefix; prompting baselines)."""
+    shots: token ids of worked examples every transcript starts with (few_shot_prefix; prompting baselines); bar: a
+    tqdm bar, advanced as trajectories finish."""
     if s.structure == "released" and shots:
         raise ValueError("few-shot examples are built for the transcript structure only")
     if s.structure == "released" and (s.max_pairs > 1 or s.max_rets > 1):
@@ -497,19 +500,23 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
             trajs.append(dict(x, tr=chat.start(x)))
     if seed is not None:  # engines sample with torch's default generator (see VLLMEngine.generate)
         torch.manual_seed(seed)
-    return StepLoop(engine, retriever, s, chat).run(trajs)
+    return StepLoop(engine, retriever, s, chat, bar).run(trajs)
 
 DIRECT_PROMPT = ("Answer the question. {evidence}Write <think>reasoning</think><answer>the short final answer</answer>.")
 
 def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None, vis=None):
     """The gold trajectory of each question (GoldPolicy through the real loop and retrieval, whatever its lengths),
-    and every point where the policy would write a span of it: [(trajectory, span, prompt ids up to that span, the
-    images in them)]. Step-GRPO's teacher_prefix groups and evaluate.py's route probe start from these."""
+    and span_prefixes of them. Step-GRPO's teacher_prefix groups and evaluate.py's route probe start from these."""
     golds = rollout(GoldPolicy(tok, questions, vis, s.max_pairs, s.gold_think), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
                                                                                         route_mode="model"), seed)
+    return golds, span_prefixes(golds)
+
+def span_prefixes(trajs):
+    """Every point where the policy writes a span of trajectories `trajs` (gold or a teacher's): [(trajectory, span,
+    prompt ids up to that span, the images in them)]."""
     chat_start = lambda x, sp: max(a for a, _ in x["segments"] if a <= sp["start"])  # released: the step's own chat
-    return golds, [(x, sp, x["ids"][chat_start(x, sp):sp["start"]], images_in(x["images"], chat_start(x, sp), sp["start"]))
-                   for x in golds for sp in x["spans"]]
+    return [(x, sp, x["ids"][chat_start(x, sp):sp["start"]], images_in(x["images"], chat_start(x, sp), sp["start"]))
+            for x in trajs for sp in x["spans"]]
 
 def gold_steps(engine, retriever, questions, s=Settings(), seed=None):
     """The ceiling of the steps (evaluate.py's gold_steps): each question's gold trajectory (golden_prefixes: gold
@@ -595,10 +602,14 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
                      images=tr.images, n_policy_tokens=x["n_policy_tokens"] + len(ids))
             queries[i] = f"{questions[i]['question']} {plain}".strip()  # IterRetGen's next query: question + generation
     return trajs
-def show(x):
+def show(x, tok):
     print(f"\n=== {x['qid']} sample {x['sample']} [{x['type']}]: {x['question']}   gold: {x['answers']}")
     for st in x["steps"]:  # one line per lookup; a multi-query step's lookups share its number
         print(f"  step {st['step'] + 1}: [{st['kb']}] {st['sub_question']!r} -> retrieved {st['retrieved']} -> {st['answer']!r}")
+    if not x["format_ok"] and x["spans"]:  # what the model wrote where the step format broke
+        sp = x["spans"][-1]
+        text = tok.decode(x["ids"][sp["start"]:sp["end"]], skip_special_tokens=True)
+        print(f"  wrote ({sp['kind']} step {sp['step'] + 1}): {text[:300]!r}{' ...' if len(text) > 300 else ''}")
     print(f"  final: {x['final_answer']!r}  format_ok={x['format_ok']} {x['error']}  "
           f"({x['n_policy_tokens']} policy tokens of {len(x['ids'])}, F1-Recall {reward.f1_recall(x['final_answer'] or '', x['answers']):.2f})")
 
@@ -638,7 +649,10 @@ if __name__ == "__main__":
     trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
     dt = time.perf_counter() - t
     for x in trajs:
-        show(x)
+        show(x, engine.tok)
+    if not any(x["format_ok"] for x in trajs):
+        print("\nno trajectory kept the step format: a model never trained on it needs worked examples (evaluate.py "
+              "--few_shot 3 --protocol fallback) or SFT on golden trajectories (sft.py)")
     print(f"\n{len(trajs)} trajectories in {dt:.1f}s: {sum(x['n_policy_tokens'] for x in trajs) / dt:.0f} policy tokens/s")
     if args.out:
         corpus.write_jsonl(args.out, trajs)

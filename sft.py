@@ -122,21 +122,6 @@ def load_rows(path, max_len, vocab_size, vl=False):
         raise corpus.DataError(f"{path}: no rows")
     return rows
 
-def check_tokenizer(data, tok, print0):
-    """Trajectories are token ids: refuse those synth.py wrote with another tokenizer (<data>/meta.json), which would
-    train on garbage. A folder without meta.json (older synth.py, written by hand) passes with a warning. Returns the
-    trajectories' transcript.format_meta (None if unknown), which every checkpoint records."""
-    path = Path(data) / transcript.META
-    if not path.is_file():
-        print0(f"warning: {path} not found: cannot check that the trajectories hold {tok.name_or_path}'s token ids")
-        return None
-    theirs, mine = json.loads(path.read_text()), transcript.tokenizer_meta(tok)
-    if theirs.get("vocab_sha256") != mine["vocab_sha256"]:
-        raise corpus.DataError(f"{data}: trajectories tokenised by {theirs.get('tokenizer')} (vocab "
-                               f"{theirs.get('vocab_sha256')}) but the policy's tokenizer is {mine['tokenizer']} (vocab "
-                               f"{mine['vocab_sha256']}); run synth.py --model with the policy")
-    return theirs.get("format")
-
 def collate(rows, pad_id, device):
     """rows [(ids, mask, ...)] -> ids [B, T] right-padded, labels [B, T] (= ids where mask is 1, else -100)."""
     T = max(len(r[0]) for r in rows)
@@ -235,7 +220,7 @@ def main(argv=None):
         config = AutoConfig.from_pretrained(weights)
         vl, vocab = hasattr(config, "vision_config"), config.get_text_config().vocab_size
         tok = AutoTokenizer.from_pretrained(weights)
-        fmt = check_tokenizer(args.data, tok, print0)
+        fmt = transcript.check_tokenizer(args.data, tok, print0)
         train = [r for sp in args.train_splits for r in load_rows(Path(args.data) / f"{sp}.jsonl", args.max_len, vocab, vl)]
         dev = load_rows(Path(args.data) / f"{args.dev_split}.jsonl", args.max_len, vocab, vl) if args.eval_every else []
     except (corpus.DataError, OSError, ValueError) as e:

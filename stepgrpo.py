@@ -71,6 +71,16 @@ def get_args(argv=None):
                          "n whole trajectories of one question (extension)")
     ap.add_argument("--teacher_spans", default="route", choices=["route", "all"],
                     help="teacher_prefix: route = the routing steps only (extension); all = answers too (R1-Router)")
+    ap.add_argument("--prefixes", default="gold",
+                    help="teacher_prefix: gold = each question's golden trajectory (GoldPolicy, real retrieval); or a "
+                         "synth.py folder (its train.jsonl, e.g. a teacher's: synth.py --teacher): the groups start from "
+                         "its trajectories, and only its questions are trained on")
+    ap.add_argument("--step_reward", default="teacher", choices=["teacher", "labels"],
+                    help="teacher_prefix: what a step is scored against: teacher = the prefix trajectory's own step "
+                         "(R1-Router: the teacher's sub-question, KB and answer); labels = what a multi-hop dataset "
+                         "labels: a search that retrieves a supporting document not found before, a stop once all are "
+                         "found, an intermediate answer against the answers of the hops its evidence newly holds "
+                         "(extension)")
     ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (onpolicy only)")
     ap.add_argument("--balance_kb", action=argparse.BooleanOptionalAction, default=True,
                     help="scale route advantages by the inverse frequency of the gold route (extension)")
@@ -162,6 +172,8 @@ def check_args(args, world):
         if int(os.environ.get("RANK", 0)) == 0:
             print("note: --quant int8 uses --old_logprobs trainer (LLM.int8 quantises activations: the engine's bf16 "
                   "logprobs are not the trainer's)", flush=True)
+    if args.rollout == "onpolicy" and (args.prefixes != "gold" or args.step_reward != "teacher"):
+        sys.exit("error: --prefixes and --step_reward are teacher_prefix flags (--rollout onpolicy writes its own steps)")
     if args.rollout == "teacher_prefix" and args.reward == "outcome":
         sys.exit("error: --reward outcome needs --rollout onpolicy (a teacher_prefix group holds one step, no outcome)")
     if args.batch_questions % world:
@@ -241,6 +253,19 @@ def span_rewards(x, encode, w):
         out.append(r)
     return out, (reward.f1_recall(x["final_answer"] or "", x["answers"]) if x["format_ok"] else 0.0)
 
+def load_prefixes(folder, tok, print0):
+    """--prefixes <folder>: qid -> the trajectory of <folder>/train.jsonl (synth.py's rows: ids in the policy's
+    tokenizer, spans, steps with what they retrieved, gold_steps), checked like sft.py's data."""
+    transcript.check_tokenizer(folder, tok, print0)
+    path = Path(folder) / "train.jsonl"
+    store = {}
+    for i, x in enumerate(corpus.read_jsonl(path), 1):
+        if not all(k in x for k in ("qid", "ids", "spans", "segments", "images", "steps", "gold_steps", "answers")):
+            raise corpus.DataError(f"{path}: row {i}: not a synth.py trajectory (needs qid, ids, spans, segments, "
+                                   "images, steps, gold_steps, answers)")
+        store[x["qid"]] = x
+    return store
+
 #### rollouts -> training rows
 
 STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "format_ok", "overflow", "retrievals",
@@ -278,14 +303,73 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
             stats["tokens"].append(x["n_policy_tokens"])
     return rows, stats
 
-def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
-    """R1-Router's groups: the golden trajectory (rollout.GoldPolicy, real retrieval) up to each step is a prompt, the
-    n completions of that one step a group, A = norm(r) within it (times the --balance_kb factor of the gold route
-    on routing steps). r: reward.score_route for a routing step against the gold step there; w_format [parses] +
-    answer_reward for an answer step (the gold intermediate answer) or the final answer (the gold answers)."""
+def found_before(x, t):
+    """The doc ids trajectory x retrieved at its routing steps before step t."""
+    return {d for st in x["steps"] if st["step"] < t for d in st["retrieved"]}
+
+def label_search(retriever, todo, parsed, args):
+    """--step_reward labels: the evidence each sampled search would get, one batched search per KB: [per group: [per
+    sample: set of doc ids]] (empty for a stop or a malformed route). A visual question's image goes with the first
+    image-KB search of a trajectory, as in the step loop."""
+    hits = [[set() for _ in group] for group in parsed]
+    for kb in ("text", "table", "image"):
+        asks = [(k, i, q, x["image"] if kb == "image" and not any(st["kb"] == "image" for st in x["steps"]
+                                                                   if st["step"] < sp["step"]) else None)
+                for k, ((x, sp, _, _), group) in enumerate(zip(todo, parsed)) for i, p in enumerate(group)
+                if p.ok and not p.stop for q, kbs in p.pairs if kb in kbs]
+        if asks:
+            images = [im for *_, im in asks]
+            docs = retriever.search([q for _, _, q, _ in asks], kb, args.topk, **({"images": images} if any(images) else {}))
+            for (k, i, _, _), ds in zip(asks, docs):
+                hits[k][i] |= {d["id"] for d in ds}
+    return hits
+
+def score_group(kind, x, sp, texts, hits, args, encode, w, stats):
+    """The rewards of one group's completions `texts` of span sp of prefix trajectory x, and (routing steps) each
+    one's KB choice and the KB half of its reward (route_credit split), and the class of the route it is judged
+    against (--balance_kb). --step_reward teacher: against the prefix trajectory's own step (R1-Router: the
+    teacher's; for gold prefixes the gold's); labels: reward.label_* against the gold hops, given what the prefix
+    found before this step; the final answer against the gold answers either way."""
+    t, labels = sp["step"], args.step_reward == "labels"
+    mine = reward.by_step(x["steps"])
+    target = mine[t] if t < len(mine) else []  # []: the prefix trajectory stops here
+    found = found_before(x, t)
+    right = ({g["kb"] for g in reward.open_hops(x["gold_steps"], found)} or {"stop"}) if labels else None
+    cls = reward.next_hop_kb(x["gold_steps"], found) if labels else gold_route(x["steps"], t)
+    rs, choices, kb_part = [], [], []
+    for i, text in enumerate(texts):
+        if kind == "route":
+            p = reward.parse_route(text, args.max_pairs, args.max_rets)
+            kbs = (("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))) if p.ok else None
+            ok_kb = bool(set(kbs) & right) if labels and p.ok else kbs == route_kbs(x["steps"], t)
+            r = (w.format + reward.label_route_reward(p.stop, hits[i], x["gold_steps"], found)) * p.ok if labels \
+                else reward.score_route(p, target, encode, w.format)
+            stats["route_r"].append(r)
+            choices.append(kbs)
+            kb_part.append(0.5 * float(ok_kb))  # route_reward's KB half (route_credit split, teacher rewards)
+            if p.ok:
+                stats["kb_acc"].append(float(ok_kb))
+            stats["reask"] += [float(reward.re_asks(q, [e for e in x["steps"] if e["step"] < t])) for q, _ in p.pairs]
+        else:
+            p = reward.parse_answer(text)
+            golds = x["answers"] if sp["kind"] == "final" else \
+                reward.label_answer_golds(found_before(x, t + 1) - found, x["gold_steps"], found) if labels \
+                else [reward.group_answer(target)]
+            r = w.format * p.ok + (reward.answer_reward(p.answer, golds) if p.ok and golds else 0.0)
+            stats["answer_r" if sp["kind"] == "answer" else "outcome"].append(r)
+        stats["format_ok"].append(float(p.ok))
+        rs.append(r)
+    return rs, choices, kb_part, cls
+
+def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=None):
+    """R1-Router's groups: a question's trajectory up to each step is a prompt, the n completions of that one step a
+    group, A = norm(r) within it (times the --balance_kb factor of the route it is judged against on routing steps).
+    The trajectory is the golden one (rollout.GoldPolicy, real retrieval), or with --prefixes <folder> the one stored
+    there for the question (`store`: qid -> trajectory, e.g. a teacher's, synth.py --teacher). r: score_group."""
     t0 = time.perf_counter()  # the gold policy writes its steps at no cost: this is retrieval time
     s = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS)
-    _, prompts = rollout.golden_prefixes(engine.tok, retriever, qs, s, vis=getattr(engine, "vis", None))
+    prompts = rollout.span_prefixes([store[q["id"]] for q in qs]) if store is not None else \
+        rollout.golden_prefixes(engine.tok, retriever, qs, s, vis=getattr(engine, "vis", None))[1]
     stats = {k: [] for k in STATS}
     stats["retrieve_s"] = time.perf_counter() - t0  # no "retrievals": a prefix's retrievals are the gold's, not the policy's
     rows = []  # one packed row per group
@@ -294,41 +378,26 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed):
         todo = [t for t in prompts if (t[1]["kind"] == "route") == (kind == "route")]
         fit = [rollout.fits(engine, prefix, max_tok) for _, _, prefix, _ in todo]
         stats["overflow"] += [float(not f) for f in fit]
-        todo = [t for t, f in zip(todo, fit) if f]  # a golden prefix with no room for the step: no group
+        todo = [t for t, f in zip(todo, fit) if f]  # a prefix with no room for the step: no group
         outs = engine.generate([prefix for _, _, prefix, _ in todo for _ in range(args.group_size)],
                                max_tok, args.temperature, 1.0, stop, seed,
                                images=[images for *_, images in todo for _ in range(args.group_size)])
-        for k, (x, sp, prefix, images) in enumerate(todo):
-            group, t = outs[k * args.group_size:(k + 1) * args.group_size], sp["step"]
-            gold = reward.by_step(x["gold_steps"])
-            g = gold[t] if t < len(gold) else []  # []: the gold stops here
-            earlier = [e for e in x["steps"] if e["step"] < t]
-            rs, choices, kb_part = [], [], []
-            for ids, _ in group:
-                text = engine.tok.decode(ids, skip_special_tokens=True)
-                if kind == "route":
-                    p = reward.parse_route(text, args.max_pairs, args.max_rets)
-                    r = reward.score_route(p, g, encode, w.format)
-                    stats["route_r"].append(r)
-                    kbs = (("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))) if p.ok else None
-                    choices.append(kbs)
-                    kb_part.append(0.5 * float(kbs == route_kbs(x["gold_steps"], t)))  # route_reward's KB half
-                    if p.ok:
-                        stats["kb_acc"].append(float(kbs == route_kbs(x["gold_steps"], t)))
-                    stats["reask"] += [float(reward.re_asks(q, earlier)) for q, _ in p.pairs]
-                else:
-                    p = reward.parse_answer(text)
-                    golds = [reward.group_answer(g)] if sp["kind"] == "answer" else x["answers"]
-                    r = w.format * p.ok + (reward.answer_reward(p.answer, golds) if p.ok else 0.0)
-                    stats["answer_r" if sp["kind"] == "answer" else "outcome"].append(r)
-                stats["format_ok"].append(float(p.ok))
-                stats["tokens"].append(len(ids))
-                rs.append(r)
+        groups = [outs[k * args.group_size:(k + 1) * args.group_size] for k in range(len(todo))]
+        texts = [[engine.tok.decode(ids, skip_special_tokens=True) for ids, _ in g] for g in groups]
+        hits = [[set()] * args.group_size for _ in todo]
+        if kind == "route" and args.step_reward == "labels":
+            t1 = time.perf_counter()
+            hits = label_search(retriever, todo, [[reward.parse_route(tx, args.max_pairs, args.max_rets) for tx in g]
+                                                  for g in texts], args)
+            stats["retrieve_s"] += time.perf_counter() - t1
+        for (x, sp, prefix, images), group, txt, hit in zip(todo, groups, texts, hits):
+            rs, choices, kb_part, cls = score_group(kind, x, sp, txt, hit, args, encode, w, stats)
+            stats["tokens"] += [len(ids) for ids, _ in group]
             if kind == "route":  # the decision as a distribution: how spread the group's KB choices are
                 stats["kb_entropy"].append(choice_entropy(choices))
                 stats["kb_mixed"].append(float(len(set(choices)) > 1))
-            scale = w.route_scale[gold_route(x["gold_steps"], t)] if w.route_scale and kind == "route" else 1.0
-            if kind == "route" and args.route_credit == "split":  # [per completion: per-token advantages]
+            scale = w.route_scale.get(cls, 1.0) if w.route_scale and kind == "route" else 1.0
+            if kind == "route" and args.route_credit == "split" and args.step_reward == "teacher":  # [per completion: per-token advantages]
                 adv = split_credit(engine.tok, group, rs, kb_part, args.adv_std, scale)
             else:
                 adv = norm(rs, std=args.adv_std) * scale
@@ -408,15 +477,15 @@ def update(model, ref, opt, micro, denom, args, suppress=()):
         opt.zero_grad(set_to_none=True)
     return sums, grad_norm
 
-def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id, peak, seed):
+def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id, peak, seed, store=None):
     """One step on this rank's questions `mine`: rollouts and rewards, the update, the new weights into the engine.
     Returns the rows, the rollout stats, the update's sums and grad norm, and the phases' seconds (+ --check_sync)."""
     device = next(model.parameters()).device
     check = args.check_sync == "every" or (args.check_sync == "first" and "sync" not in peak.gib)  # gib: phases run so far
-    make_batch = onpolicy_batch if args.rollout == "onpolicy" else teacher_prefix_batch
     t = time.perf_counter()
     with peak("rollout"):
-        rows, stats = make_batch(engine, retriever, mine, args, encode, w, seed)
+        rows, stats = onpolicy_batch(engine, retriever, mine, args, encode, w, seed) if args.rollout == "onpolicy" \
+            else teacher_prefix_batch(engine, retriever, mine, args, encode, w, seed, store)
     timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"))
     engine.sleep()  # GPU: the engine's memory goes to the update until the sync wakes it
     t = time.perf_counter()
@@ -563,13 +632,17 @@ def main(argv=None):
         questions = [q for sp in args.split for q in corpus.load_questions(args.data, sp)]
         dev_qs = corpus.load_questions(args.data, "dev")[:args.eval_questions] if args.eval_questions else []
         ret = retrievers.make_retriever(args.retriever, args.data)
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(weights)
+        store = load_prefixes(args.prefixes, tok, print0) if args.prefixes != "gold" else None
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
+    if store is not None:  # a teacher's trajectories: only the questions it kept are trained on
+        questions = [q for q in questions if q["id"] in store]
+        print0(f"--prefixes {args.prefixes}: {len(questions)} of its {len(store)} trajectories' questions are in --split")
     check_questions(questions, args)
     own_group = trainutil.init_group(world, args.timeout, device)
     encoder = retrievers.Encoder()  # all-MiniLM-L6-v2, for the sub-question cosine
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(weights)
     vis = vision.VisionIO.load(weights)
     files = vis.proc if vis else tok  # saved beside the weights: a VL model's processor, else the tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -601,7 +674,8 @@ def main(argv=None):
         perm = torch.randperm(len(questions), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
         mine = [questions[i] for i in perm[pos * args.batch_questions:(pos + 1) * args.batch_questions][rank::world]]
         rows, stats, sums, grad_norm, timing = train_step(model, ref, opt, engine, ret, mine, args, encoder.encode, w,
-                                                          pad_id, peak, seed=args.seed + 7919 * step + 104729 * rank)
+                                                          pad_id, peak, seed=args.seed + 7919 * step + 104729 * rank,
+                                                          store=store)
         step += 1
         rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, args)
         rec["memory_gib"] = gather_peaks(peak.gib, world)  # per phase since the last record, one value a rank
@@ -636,23 +710,28 @@ def main(argv=None):
     if own_group and dist.is_initialized():
         dist.destroy_process_group()
 
+PANELS = dict(outcome="outcome reward", route_r="route-step reward", kb_acc="KB choice = gold's",
+              kb_entropy="KB choice entropy in a group (bits)", kb_mixed="groups with mixed KB choices",
+              answer_r="answer-step reward", format_ok="well-formed steps / trajectories", entropy="entropy",
+              kl="KL to reference (k3)", retrievals="retrieval calls / trajectory", tokens="policy tokens / sample",
+              dev_f1_recall="dev F1-Recall (greedy)", dev_routing_acc="dev routing accuracy (greedy)",
+              dev_routing_macro="dev balanced routing accuracy", dev_routing_macro0="dev balanced accuracy, 1st route",
+              dev_route_info0="dev I(gold; chosen) / H(gold), 1st route, %")
+
+def curve_series(recs):
+    """[(title, [(step, value)])]: every number log.jsonl records but step and epoch, the titled ones (PANELS) first."""
+    keys = list(PANELS) + [k for k in dict.fromkeys(k for r in recs for k in r) if k not in PANELS and k not in
+                           ("step", "epoch") and any(isinstance(r.get(k), (int, float)) for r in recs)]
+    series = [(PANELS.get(k, k), [(r["step"], r[k]) for r in recs if isinstance(r.get(k), (int, float))]) for k in keys]
+    return [(title, pts) for title, pts in series if pts]
+
 def plot_curves(out):
-    """<out>/curves.png: one panel per logged quantity that has data, against whole-number steps."""
+    """<out>/curves.png: one panel per curve_series, against whole-number steps."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
-    recs = [json.loads(l) for l in open(Path(out) / "log.jsonl")]
-    panels = [("outcome", "outcome reward"), ("route_r", "route-step reward"), ("kb_acc", "KB choice = gold's"),
-              ("kb_entropy", "KB choice entropy in a group (bits)"), ("kb_mixed", "groups with mixed KB choices"),
-              ("answer_r", "answer-step reward"), ("format_ok", "well-formed steps / trajectories"), ("entropy", "entropy"),
-              ("kl", "KL to reference (k3)"), ("retrievals", "retrieval calls / trajectory"),
-              ("tokens", "policy tokens / sample"), ("dev_f1_recall", "dev F1-Recall (greedy)"),
-              ("dev_routing_acc", "dev routing accuracy (greedy)"), ("dev_routing_macro", "dev balanced routing accuracy"),
-              ("dev_routing_macro0", "dev balanced accuracy, 1st route"),
-              ("dev_route_info0", "dev I(gold; chosen) / H(gold), 1st route, %")]
-    series = [(title, [(r["step"], r[k]) for r in recs if r.get(k) is not None]) for k, title in panels]
-    series = [(title, pts) for title, pts in series if pts]
+    series = curve_series([json.loads(l) for l in open(Path(out) / "log.jsonl")])
     cols = 3
     fig, axes = plt.subplots(math.ceil(len(series) / cols), cols, figsize=(14, 3.3 * math.ceil(len(series) / cols)), squeeze=False)
     for ax in axes.flat[len(series):]:

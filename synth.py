@@ -5,13 +5,17 @@ Three sources, one output format (one JSONL row per question: the rollout.py tra
   gold     the question's gold decomposition written as policy turns by rollout.GoldPolicy, through the real step
            loop: the evidence is what retrieval really returns for each gold sub-question (not the gold doc pasted in)
   teacher  the paper's procedure: sample n trajectories per question from a teacher model (rollout.py, with
-           retrieval) and keep the first that passes every filter; prints how many survive each filter
+           retrieval, top-k 20, a step that does not parse tried twice) and keep the first that passes the filter
+           (--filter paper: the final answer's token recall is 1); prints how many survive each filter
+Every mode writes <out>/<split>.errors.json: the step mistakes of what it wrote against the world's gold hops (wrong
+KB, extra steps, re-asks, steps without a new supporting document, wrong intermediate answers, missed hops).
   r1router R1-Router's released step-unrolled rows ({images, steps[{step_type, problem, system, answer}]}): their
            sub-questions, retrievers, passages and answers, replayed into our format
 
     python synth.py --data data/mini --out data/mini/traj                               # gold, train + dev splits
     python synth.py --data data/mini --out data/mini/traj_k2 --max_pairs 2              # comparisons as one multi-query step
-    python synth.py --data data/mini --out data/mini/traj_teacher --teacher out/sft/final -n 4
+    python synth.py --data data/mini --out data/mini/traj-teacher --teacher out/teacher/final -n 4 --splits train \
+        --offset 48 --limit 1000                  # R1-Router's procedure: a teacher's samples, its final-answer filter
     python synth.py --r1router /path/to/data/r1router/stepgrpo_valid_119.jsonl --out data/r1router/traj
     python synth.py --export_r1router data/mini/traj/train.jsonl --out data/mini/r1router_train.jsonl
 """
@@ -19,6 +23,7 @@ import argparse
 import json
 import re
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,30 +37,34 @@ import vision
 
 #### teacher-mode filters
 
-def rejection(x, max_steps):
-    """Why a sampled trajectory is not a usable golden one (None = keep). Checked in order, as reported."""
+def rejection(x, max_steps, filt="paper"):
+    """Why a sampled trajectory is not a usable golden one (None = keep). Checked in order, as reported. paper:
+    R1-Router's data_filter.py, which checks the final answer only (its teacher re-asked a step that did not parse,
+    here route_tries / answer_tries); strict: also no re-asked sub-question, no missing intermediate answer, and a
+    trajectory that ends early must have stopped (this repo's stricter filter)."""
     if not x["format_ok"]:
         return "format"  # a step did not parse (the parser also demands exactly one retriever per step)
     if x.get("overflow"):
         return "context"  # the next step did not fit the engine's context
-    asked = [q.lower() for st in reward.by_step(x["steps"]) for q, _ in reward.pairs_of(st)]
-    if any(s["answer"] is None for s in x["steps"]) or len(set(asked)) < len(asked):
-        return "steps"  # an intermediate answer missing, or the same sub-question asked twice
-    stopped = any(sp["kind"] == "route" and sp["step"] == len(reward.by_step(x["steps"])) for sp in x["spans"])
-    if not stopped and len(x["steps"]) < max_steps:
-        return "stopping"  # ended without writing <ret>None</ret> before running out of steps
+    if filt == "strict":
+        asked = [q.lower() for st in reward.by_step(x["steps"]) for q, _ in reward.pairs_of(st)]
+        if any(s["answer"] is None for s in x["steps"]) or len(set(asked)) < len(asked):
+            return "steps"  # an intermediate answer missing, or the same sub-question asked twice
+        stopped = any(sp["kind"] == "route" and sp["step"] == len(reward.by_step(x["steps"])) for sp in x["spans"])
+        if not stopped and len(x["steps"]) < max_steps:
+            return "stopping"  # ended without writing <ret>None</ret> before running out of steps
     if reward.f1_recall(x["final_answer"] or "", x["answers"]) < 1.0:
         return "answer"  # the paper keeps only final answers whose token recall is 1
     return None
 
 FILTERS = ("format", "context", "steps", "stopping", "answer")
 
-def teacher_trajectories(engine, retriever, questions, n, settings, seed=0):
+def teacher_trajectories(engine, retriever, questions, n, settings, seed=0, filt="paper"):
     trajs = rollout.rollout(engine, retriever, questions, n=n, s=settings, seed=seed)
     kept, counts = [], dict(sampled=len(trajs), **{f: 0 for f in FILTERS})
     for i, q in enumerate(questions):
         group = trajs[i * n:(i + 1) * n]
-        reasons = [rejection(x, settings.max_steps) for x in group]
+        reasons = [rejection(x, settings.max_steps, filt) for x in group]
         for r in reasons:
             if r:
                 counts[r] += 1
@@ -64,7 +73,51 @@ def teacher_trajectories(engine, retriever, questions, n, settings, seed=0):
             kept.append(good[0])
     counts["kept_trajectories"] = counts["sampled"] - sum(counts[f] for f in FILTERS)
     counts["kept_questions"] = len(kept)
-    return kept, counts
+    return kept, trajs, counts
+
+#### the step mistakes of a trajectory, against the world's gold hops (what a real dataset labels)
+
+def step_errors(x):
+    """Counts of one trajectory's step mistakes, each step judged as the label rewards judge it (reward.label_*):
+      steps        routing steps that searched
+      wrong_kb     a search in none of the KBs of the hops whose supporting documents are not found yet
+      extra        a search after every supporting document was found
+      reask        a search repeating an earlier sub-question
+      no_progress  a search whose evidence holds no new supporting document (wrong KB, a re-ask, an extra step, a
+                   sub-question that retrieves the wrong document, or a retrieval miss: gold trajectories have some)
+      checkable    searches that found a new supporting document, whose answer the hop's answer checks
+      wrong_answer of those, an intermediate answer whose F1-Recall against the hop's answer is below 1
+      missed_hop   1 if the trajectory ended with a supporting document never found (a skipped hop)"""
+    gold, found, e = x["gold_steps"], set(), Counter()
+    for st in reward.by_step(x["steps"]):
+        retrieved, kbs = {d for s in st for d in s["retrieved"]}, {s["kb"] for s in st}
+        earlier = [s for s in x["steps"] if s["step"] < st[0]["step"]]
+        todo = {g["kb"] for g in reward.open_hops(gold, found)}
+        e["steps"] += 1
+        e["extra"] += not todo
+        e["wrong_kb"] += bool(todo) and not todo & kbs
+        e["reask"] += any(reward.re_asks(q, earlier) for q, _ in reward.pairs_of(st))
+        e["no_progress"] += not reward.label_route_reward(False, retrieved, gold, found)
+        golds = reward.label_answer_golds(retrieved, gold, found)
+        if golds:
+            e["checkable"] += 1
+            e["wrong_answer"] += reward.f1_recall(st[0]["answer"] or "", golds) < 1.0
+        found |= retrieved
+    e["missed_hop"] = int(bool(reward.open_hops(gold, found)))
+    return e
+
+def error_report(trajs):
+    """The step mistakes of a set of trajectories (step_errors): per-step rates, the share of trajectories with a
+    missed hop, and the share with any mistake (the teacher's trajectory error rate)."""
+    es = [step_errors(x) for x in trajs]
+    tot = sum(es, Counter())
+    rate = lambda k, d: round(tot[k] / max(1, tot[d]), 4)
+    any_error = sum(any(e[k] for k in ("wrong_kb", "extra", "reask", "no_progress", "wrong_answer", "missed_hop"))
+                    for e in es)
+    return dict(trajectories=len(es), steps=tot["steps"], wrong_kb=rate("wrong_kb", "steps"),
+                extra=rate("extra", "steps"), reask=rate("reask", "steps"), no_progress=rate("no_progress", "steps"),
+                wrong_answer=rate("wrong_answer", "checkable"), missed_hop=round(tot["missed_hop"] / max(1, len(es)), 4),
+                any_error=round(any_error / max(1, len(es)), 4))
 
 #### R1-Router's released step-unrolled format
 
@@ -161,6 +214,14 @@ if __name__ == "__main__":
     ap.add_argument("--teacher", default=None, help="teacher mode: HF folder of the teacher model")
     ap.add_argument("-n", type=int, default=4, help="teacher mode: samples per question")
     ap.add_argument("--temperature", type=float, default=1.0, help="teacher mode: sampling temperature")
+    ap.add_argument("--top_k", type=int, default=20, help="teacher mode: sampling top-k (R1-Router's teacher: 20; 0: off)")
+    ap.add_argument("--tries", type=int, default=2,
+                    help="teacher mode: attempts at a step that does not parse (R1-Router's teacher: 2) before the "
+                         "trajectory is a format failure")
+    ap.add_argument("--filter", default="paper", choices=["paper", "strict"],
+                    help="teacher mode: paper = keep a trajectory whose final answer's token recall is 1 (R1-Router's "
+                         "data_filter.py; intermediate steps unchecked); strict = also no re-ask, every intermediate "
+                         "answer written, and an early end must be a stop (rejection)")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"], help="teacher mode: generation backend")
     ap.add_argument("--r1router", default=None, help="import R1-Router's released step-unrolled JSONL")
     ap.add_argument("--export_r1router", default=None, help="convert one of our trajectory files to R1-Router's format")
@@ -176,6 +237,8 @@ if __name__ == "__main__":
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N questions of each split (0 = all)")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="skip the first N questions of each split (before --limit): e.g. those a teacher was trained on")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     try:
@@ -206,15 +269,22 @@ if __name__ == "__main__":
         engine = engines.make_engine(args.backend, args.teacher, seed=args.seed) if args.teacher else None
         for split in args.splits:
             qs = corpus.load_questions(args.data, split)
-            qs = qs[:args.limit] if args.limit else qs
+            qs = qs[args.offset:args.offset + args.limit] if args.limit else qs[args.offset:]
             if engine is None:
                 trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs, args.gold_think), ret, qs,
                                         s=gold_settings)
                 report = f"{sum(x['format_ok'] for x in trajs)} of {len(trajs)} well-formed"
+                errors = dict(kept=error_report(trajs))
             else:
-                trajs, counts = teacher_trajectories(engine, ret, qs, args.n, settings, args.seed)
+                teach = replace(settings, top_k=args.top_k, route_tries=args.tries, answer_tries=args.tries)
+                trajs, sampled, counts = teacher_trajectories(engine, ret, qs, args.n, teach, args.seed, args.filter)
                 report = "teacher filters: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+                errors = dict(filters=counts, kept=error_report(trajs),
+                              sampled=error_report([x for x in sampled if x["format_ok"] and not x["overflow"]]))
             write_trajectories(args.out, split, trajs, tok, transcript.format_meta(args))
+            corpus.write_atomic(Path(args.out) / f"{split}.errors.json", json.dumps(errors, indent=1) + "\n")
+            print(f"{split}: step mistakes against the world's gold (synth.step_errors), " + "; ".join(
+                f"{k}: " + ", ".join(f"{m} {v}" for m, v in e.items()) for k, e in errors.items() if k != "filters"))
             hits = [g["doc_id"] in s["retrieved"] for x in trajs for g, s in zip(x["gold_steps"], x["steps"])]
             print(f"{split}: {len(trajs)} trajectories ({report}); gold doc retrieved at {sum(hits) / max(1, len(hits)):.1%} "
                   f"of steps; {sum(sum(x['mask']) for x in trajs) / max(1, len(trajs)):.0f} policy tokens of "

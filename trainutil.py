@@ -84,6 +84,9 @@ def resolve_start(model, out, resume, lora=False):
     run's, whose base is --model (the checkpoint's trainer state holds the adapters). Exits on bad input."""
     out, start = Path(out), Path(model)
     resuming = resume == "yes" or (resume == "auto" and (out / "latest").is_file())
+    if resume is None and ((out / "latest").is_file() or (out / "log.jsonl").is_file() or any(out.glob("step_*"))):
+        sys.exit(f"error: {out} holds a run already: pass --resume to continue it, or remove the folder (or choose "
+                 f"another --out) to start over")
     if resuming:
         if not (out / "latest").is_file():
             sys.exit(f"error: --resume: no checkpoint in {out} ({out / 'latest'} not found)")
@@ -95,7 +98,7 @@ def resolve_start(model, out, resume, lora=False):
                      f"{'0' if not lora else 'set'}; resume with the run's own flags")
     weights = Path(model) if resuming and lora else start
     if not weights.exists():  # the scripts run offline (HF_HUB_OFFLINE): a Hub name (org/name) is not a folder
-        hub = len(weights.parts) == 2 and not weights.is_absolute()
+        hub = len(weights.parts) == 2 and not weights.is_absolute() and not Path(weights.parts[0]).is_dir()
         sys.exit(f"error: {weights}: not a model folder (no such folder" + (
             f"; a Hub model must be downloaded first: hf download {weights} --local-dir models/{weights.name}, then "
             f"--model models/{weights.name}" if hub else "") + ")")
@@ -482,7 +485,8 @@ class Log:
         self.f = open(out / "log.jsonl", "a")
         if mode != "disabled":
             import wandb
-            self.run = wandb.init(project=project, mode=mode, config=config, dir=str(out))
+            self.run = wandb.init(project=project, mode=mode, config=config, dir=str(out),
+                                  settings=wandb.Settings(quiet=True))  # no 25-line run summary at the end
 
     def __call__(self, record):
         if self.f:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import reward
+from corpus import DataError
 from vision import Img, images_in
 
 META = "meta.json"  # beside a folder of trajectories (synth.py): tokenizer_meta of the tokenizer that wrote their ids
@@ -30,6 +31,21 @@ def format_meta(args):
     prefixes that name the KB first for a kb_last router, one chat per step for a growing one) scores and trains
     without an error, on prompts it has never seen."""
     return {k: getattr(args, k) for k in FORMAT_FLAGS}
+
+def check_tokenizer(data, tok, print0):
+    """Trajectories are token ids: refuse those synth.py wrote with another tokenizer (<data>/meta.json), which would
+    train on garbage. A folder without meta.json (older synth.py, written by hand) passes with a warning. Returns the
+    trajectories' transcript.format_meta (None if unknown), which every checkpoint records."""
+    path = Path(data) / META
+    if not path.is_file():
+        print0(f"warning: {path} not found: cannot check that the trajectories hold {tok.name_or_path}'s token ids")
+        return None
+    theirs, mine = json.loads(path.read_text()), tokenizer_meta(tok)
+    if theirs.get("vocab_sha256") != mine["vocab_sha256"]:
+        raise DataError(f"{data}: trajectories tokenised by {theirs.get('tokenizer')} (vocab "
+                               f"{theirs.get('vocab_sha256')}) but the policy's tokenizer is {mine['tokenizer']} (vocab "
+                               f"{mine['vocab_sha256']}); run synth.py --model with the policy")
+    return theirs.get("format")
 
 def check_format(model, args):
     """None, or a one-line error naming each flag of args that differs from what the policy in folder `model` was

@@ -46,6 +46,22 @@ def test_visual_questions_leave_the_kbs_and_text_questions_unchanged(tmp_path, t
         assert (plain / "questions" / f"{split}.jsonl").read_bytes() == (tiny_world / "questions" / f"{split}.jsonl").read_bytes()
     assert all(corpus.load_questions(plain, s) == [] for s in VISUAL_SPLITS)
 
+def test_a_held_out_shape_leaves_train_and_dev_and_keeps_test(tmp_path, tiny_world):
+    out = tmp_path / "no3hop"
+    corpus.generate_mini(tiny_world_args(out, holdout=["3hop"]))
+    assert tree_digest(out / "kb") == tree_digest(tiny_world / "kb")
+    assert (out / "questions" / "test.jsonl").read_bytes() == (tiny_world / "questions" / "test.jsonl").read_bytes()
+    test = corpus.load_questions(out, "test")
+    assert any(q["type"] == "3hop" for q in test)
+    train, dev = corpus.load_questions(out, "train"), corpus.load_questions(out, "dev")
+    assert (len(train), len(dev)) == (120, 40) and not any(q["type"] == "3hop" for q in train + dev)
+    texts = [q["question"] for q in train + dev + test]
+    ids = [q["id"] for q in train + dev + test]
+    assert len(set(texts)) == len(texts) and len(set(ids)) == len(ids)  # no question twice, none shared with test
+    # the kept questions are the default world's, in order; the new ones fill the places of the dropped
+    default = [q for q in corpus.load_questions(tiny_world, "train") if q["type"] != "3hop"]
+    assert train[:len(default)] == default
+
 def test_files_follow_the_schema(tiny_world):
     counts = corpus.check(tiny_world)
     assert counts["train"] == 120 and counts["dev"] == 40 and counts["test"] == 40
@@ -121,6 +137,18 @@ def test_a_missing_question_image_is_one_line_naming_file_row_and_path(tmp_path,
     r = subprocess.run([sys.executable, str(ROOT / "corpus.py"), "--check", str(broken)], capture_output=True, text=True)
     assert r.returncode != 0 and r.stderr.count("\n") == 1 and "image file not found" in r.stderr
 
+def test_a_missing_kb_image_fails_check_and_build_in_one_line(tmp_path, tiny_world):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_world, broken, ignore=shutil.ignore_patterns("index"))
+    doc = corpus.read_jsonl(broken / "kb" / "image.jsonl")[4]
+    (broken / "kb" / doc["path"]).unlink()
+    error = rf"image\.jsonl: row 5 \(id '{doc['id']}'\): image file not found: .*{doc['path']}$"
+    with pytest.raises(corpus.DataError, match=error):
+        corpus.check(broken)
+    for cmd in (["corpus.py", "--check"], ["retrievers.py", "build", "--methods", "bm25", "--data"]):
+        r = subprocess.run([sys.executable, str(ROOT / cmd[0]), *cmd[1:], str(broken)], capture_output=True, text=True)
+        assert r.returncode != 0 and r.stderr.strip().count("\n") == 0 and "image file not found" in r.stderr, r.stderr
+
 def test_image_kb_holds_real_pngs_that_show_the_answer(tiny_world):
     rgb = corpus.RGB
     for d in corpus.load_kb(tiny_world, "image"):
@@ -146,7 +174,10 @@ def test_regenerating_replaces_atomically(tmp_path):
 def test_bad_files_get_path_and_line(tmp_path, tiny_world):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "title": "t", "text": "x"}\n{"id": "b", "title": \n')
-    with pytest.raises(corpus.DataError, match=r"bad\.jsonl:2: not valid JSON"):
+    with pytest.raises(corpus.DataError, match=r"bad\.jsonl:2: not valid JSON \(Expecting value at column 22\)"):
+        corpus.read_jsonl(bad)  # the column where the line is cut off, not column 1 of the line after it
+    bad.write_text('{"id": "a", "title": "cut off\n')
+    with pytest.raises(corpus.DataError, match=r"bad\.jsonl:1: not valid JSON \(Unterminated string starting at column 22\)$"):
         corpus.read_jsonl(bad)
     bad.write_text('[1, 2]\n')
     with pytest.raises(corpus.DataError, match=r"bad\.jsonl:1: expected a JSON object"):

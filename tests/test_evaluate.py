@@ -244,6 +244,12 @@ def test_method_names_become_safe_file_names(tmp_path):
     assert (tmp_path / "routing_confusion_Qwen_3B_sft.png").is_file()
 
 
+def test_rows_are_named_after_the_run_not_the_checkpoint():
+    # two runs' final checkpoints must not share a row name or a report folder
+    assert evaluate.run_name("out/sft/final") == "sft" and evaluate.run_name("out/stepgrpo/final") == "stepgrpo"
+    assert evaluate.run_name("out/stepgrpo/best") == "stepgrpo-best" and evaluate.run_name("out/sft/step_12") == "sft-step_12"
+    assert evaluate.run_name("models/SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
+
 def test_write_is_atomic(tmp_path, monkeypatch):
     res = results()
     write_report(res, tmp_path, title="first")

@@ -16,6 +16,7 @@ import sft
 import stepgrpo
 import synth
 import trainutil
+import transcript
 import vision
 
 def one_line_exit(fn, *a):
@@ -38,16 +39,16 @@ def test_trajectories_of_another_tokenizer_are_refused(tiny_model_dir, tmp_path,
     meta = json.loads((mine / "meta.json").read_text())
     assert meta["tokenizer"] == str(tiny_model_dir) and len(meta["vocab_sha256"]) == 16
     assert json.loads((mine / "train.jsonl").read_text()) == dict(ids=[1, 2, 3], mask=[0, 1, 1])
-    assert sft.check_tokenizer(mine, tok, print) == fmt  # the same vocabulary passes; the format goes on
+    assert transcript.check_tokenizer(mine, tok, print) == fmt  # the same vocabulary passes; the format goes on
     with pytest.raises(sft.corpus.DataError, match="models/another"):
-        sft.check_tokenizer(theirs, tok, print)
+        transcript.check_tokenizer(theirs, tok, print)
     # sft.py exits with one line naming both, before any training (one row: else "fewer than one global batch")
     msg = one_line_exit(sft.main, ["--model", str(tiny_model_dir), "--data", str(theirs), "--out", str(tmp_path / "o"),
                                    "--eval_every", "0", "--wandb_mode", "disabled"])
     assert "models/another" in msg and str(tiny_model_dir) in msg
     # a folder without meta.json (hand-written, older synth.py) passes with one warning line
     bare.mkdir()
-    sft.check_tokenizer(bare, tok, print)
+    transcript.check_tokenizer(bare, tok, print)
     out = capsys.readouterr().out
     assert out.startswith("warning: ") and out.count("\n") == 1
 
@@ -129,3 +130,15 @@ def test_a_hub_model_name_says_to_download_it_first(tmp_path, monkeypatch):
     assert "hf download Qwen/Qwen2.5-VL-7B-Instruct --local-dir models/Qwen2.5-VL-7B-Instruct" in msg
     msg = one_line_exit(trainutil.resolve_start, str(tmp_path / "a" / "b" / "nope"), tmp_path / "out", None)
     assert msg.endswith("nope: not a model folder (no such folder)")
+    (tmp_path / "models").mkdir()  # a mistyped local folder is not a Hub name
+    assert one_line_exit(trainutil.resolve_start, "models/nope", tmp_path / "out", None).endswith(
+        "models/nope: not a model folder (no such folder)")
+
+def test_a_run_folder_is_not_overwritten_without_resume(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    out.mkdir()
+    assert trainutil.resolve_start(str(tiny_model_dir), out, None)[2] is False  # an empty folder: a new run
+    (out / "log.jsonl").write_text("{}\n")
+    msg = one_line_exit(trainutil.resolve_start, str(tiny_model_dir), out, None)
+    assert "holds a run already: pass --resume" in msg
+    assert trainutil.resolve_start(str(tiny_model_dir), out, "auto")[2] is False  # a restarted job with no checkpoint

@@ -177,6 +177,8 @@ def test_missing_or_stale_index_is_reported(tmp_path, tiny_index):
         retrievers.Retriever(stale, "bm25")
     with pytest.raises(ValueError, match="unknown kb 'video'"):
         retrievers.Retriever(tiny_index, "bm25").search(["q"], "video", 3)
+    with pytest.raises(corpus.DataError, match="--retriever weird: expected one of dense, bm25, hybrid or the http"):
+        retrievers.make_retriever("weird", tiny_index)
 
 def free_port():
     with socket.socket() as s:
@@ -208,6 +210,7 @@ def server(tiny_index):
     yield base
     proc.terminate()
     proc.wait(10)
+    assert f"on http://127.0.0.1:{port}/retrieve".encode() in proc.stdout.read()  # it says where it listens
 
 def test_server_speaks_search_r1_protocol(server, tiny_index, encoder):
     queries = [s["sub_question"] for q in corpus.load_questions(tiny_index, "dev") for s in q["steps"] if s["kb"] == "table"][:4]

@@ -3,6 +3,7 @@
 The policy is a tiny random Llama built here with the SmolLM2 tokenizer (head_dim 32: vLLM's CPU attention rejects 16);
 GoldPolicy (the gold decomposition written through the real loop and real retrieval) is the known-good policy."""
 import copy
+import io
 
 import pytest
 import torch
@@ -149,6 +150,29 @@ def test_max_steps_forces_the_final_answer(tiny_index, retriever, hf_engine):
     for x in trajs:
         assert len(x["steps"]) == 2 and x["format_ok"] and x["spans"][-1]["kind"] == "final"
         assert rollout.LAST_STEP_NOTE in hf_engine.tok.decode(x["ids"])
+
+def test_the_progress_bar_counts_finished_trajectories(tiny_index, retriever, hf_engine):
+    from tqdm import tqdm
+    qs = corpus.load_questions(tiny_index, "dev")[:5]
+    seen = []
+
+    class Bar(tqdm):  # records the count after every update: it rises question by question, not once at the end
+        def update(self, n=1):
+            super().update(n)
+            seen.append(self.n)
+    with Bar(total=2 * len(qs), file=io.StringIO()) as bar:
+        rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs), retriever, qs, 2, rollout.Settings(max_active=3), bar=bar)
+    assert bar.n == 2 * len(qs) and seen == sorted(seen) and len(set(seen)) > 2
+
+def test_show_prints_what_the_model_wrote_where_the_format_broke(tiny_index, retriever, hf_engine, capsys):
+    class Rambler(rollout.GoldPolicy):  # writes prose instead of the routing step
+        def step_text(self, q, n_routes, n_answers, phase, stopped):
+            return "I think the answer is Paris." if phase == "route" else super().step_text(q, n_routes, n_answers, phase, stopped)
+    qs = corpus.load_questions(tiny_index, "dev")[:1]
+    x = rollout.rollout(Rambler(hf_engine.tok, qs), retriever, qs)[0]
+    assert not x["format_ok"]
+    rollout.show(x, hf_engine.tok)
+    assert "wrote (route step 1): 'I think the answer is Paris.'" in capsys.readouterr().out
 
 def test_oracle_and_all_kb_modes(tiny_index, retriever, hf_engine):
     qs = [q for q in corpus.load_questions(tiny_index, "train") if len(q["steps"]) == 1][:4]

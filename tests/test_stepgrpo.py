@@ -739,3 +739,59 @@ def test_both_rollout_modes_score_gold_multi_query_steps_in_full(tiny_index, enc
     assert st["outcome"] == [1.0] * 12 and st["format_ok"] == [1.0] * 12 and st["kb_acc"] == [1.0] * 2 * (3 * 2 + 3 * 3)
     assert st["retrievals"] == [2] * 12 and st["route_r"] == pytest.approx([1.2] * 2 * (3 * 2 + 3 * 3))
     assert len(rows) == 12 and all(a == 0.0 for r in rows for a in r["adv"])  # the same trajectory twice: no advantage
+
+def test_teacher_written_prefixes_score_against_the_teacher_or_the_labels(tiny_index, encoder):
+    # a teacher that sends every first sub-question to a wrong KB writes the stored trajectories; GoldPolicy as the
+    # engine writes the gold step at each of their prefixes. --step_reward teacher (R1-Router) scores that gold step
+    # against the teacher's, so the right KB loses its half; labels score it by the supporting document it retrieves
+    import rollout
+
+    class WrongFirstKB(rollout.GoldPolicy):
+        def step_text(self, q, n_routes, n_answers, phase, stopped):
+            if phase == "route" and n_routes == 0 and q["steps"]:
+                g = q["steps"][0]
+                kb = "table" if g["kb"] == "text" else "text"
+                return reward.format_route(self.NEXT, [(g["sub_question"], kb)])
+            return super().step_text(q, n_routes, n_answers, phase, stopped)
+    tok, qs, ret, args, _ = teacher_setup(tiny_index)
+    teacher = rollout.rollout(WrongFirstKB(tok, qs), ret, qs, 1, rollout.Settings(route_tokens=1024, answer_tokens=1024))
+    store = {x["qid"]: x for x in teacher}
+    routes = [(x, sp) for x, sp, _, _ in rollout.span_prefixes(teacher) if sp["kind"] == "route"]
+    first = [sp["step"] == 0 and bool(x["gold_steps"]) for x, sp in routes for _ in range(2)]
+    assert any(first) and not all(first)
+    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(),
+                                       seed=0, store=store)[1]
+    # the teacher's own later steps are the gold's: full reward there; the first step: format + cosine 1, wrong KB
+    assert st["route_r"] == pytest.approx([0.7 if f else 1.2 for f in first])
+    assert st["kb_acc"] == [0.0 if f else 1.0 for f in first]
+    args.step_reward = "labels"
+    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(),
+                                       seed=0, store=store)[1]
+    want = []
+    for x, sp in routes:
+        found, gold = stepgrpo.found_before(x, sp["step"]), reward.by_step(x["gold_steps"])
+        if sp["step"] < len(gold):  # the engine searches the gold step: progress iff that finds an open hop's document
+            g = gold[sp["step"]][0]
+            hits = {d["id"] for d in ret.search([g["sub_question"]], g["kb"], args.topk)[0]}
+            want += [0.2 + any(h["doc_id"] in hits for h in reward.open_hops(x["gold_steps"], found))] * 2
+        else:  # the engine stops: right iff the teacher's prefix found every supporting document
+            want += [0.2 + (not reward.open_hops(x["gold_steps"], found))] * 2
+    assert st["route_r"] == pytest.approx(want)
+    assert max(r for r, f in zip(st["route_r"], first) if f) == pytest.approx(1.2)  # the right KB is rewarded now
+    assert [a for a, f in zip(st["kb_acc"], first) if f] == [1.0] * sum(first)
+
+def test_prefixes_folder_must_hold_synth_trajectories(tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
+    (tmp_path / "train.jsonl").write_text(json.dumps({"qid": "q1", "ids": [1]}) + "\n")
+    with pytest.raises(stepgrpo.corpus.DataError, match=r"train.jsonl: row 1: not a synth.py trajectory"):
+        stepgrpo.load_prefixes(tmp_path, tok, print)
+
+def test_curves_plot_every_logged_number(tmp_path):
+    recs = [dict(step=0, dev_f1_recall=10.0), dict(step=1, epoch=0, loss=0.5, grad_norm=1.2, clip_frac=0.01, update_s=3.0,
+                                                 route_r=0.9, memory_gib={"update": [1.0]}, note="text")]
+    series = dict(stepgrpo.curve_series(recs))
+    assert set(series) == {"dev F1-Recall (greedy)", "route-step reward", "loss", "grad_norm", "clip_frac", "update_s"}
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    stepgrpo.plot_curves(tmp_path)
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"

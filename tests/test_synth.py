@@ -20,26 +20,57 @@ def traj(steps, final, answers=("Suldor",), stop=True, ok=True):
     return dict(format_ok=ok, steps=[dict(sub_question=q, kb="text", retrieved=[], answer=a, step=i) for i, (q, a) in enumerate(steps)],
                 final_answer=final, answers=list(answers), spans=spans)
 
-@pytest.mark.parametrize("x, why", [
-    (traj([("Which country is X in?", "Uldoria"), ("On which continent is Uldoria?", "Suldor")], "Suldor"), None),
-    (traj([("q1", "a")], "the continent of Suldor"), None),          # recall 1: extra words are allowed
-    (traj([("q1", "a")], "Suldor", ok=False), "format"),
-    (traj([("q1", None)], "Suldor"), "steps"),
-    (traj([("Who?", "a"), ("who?", "a")], "Suldor"), "steps"),        # the same sub-question twice
-    (traj([("q1", "a")], "Suldor", stop=False), "stopping"),           # final forced before max_steps, no <ret>None</ret>
-    (traj([("q1", "a"), ("q2", "b"), ("q3", "c")], "Suldor", stop=False), None),  # forced after max_steps: fine
-    (traj([("q1", "a")], "Mireth"), "answer"),
+@pytest.mark.parametrize("x, strict, paper", [
+    (traj([("Which country is X in?", "Uldoria"), ("On which continent is Uldoria?", "Suldor")], "Suldor"), None, None),
+    (traj([("q1", "a")], "the continent of Suldor"), None, None),          # recall 1: extra words are allowed
+    (traj([("q1", "a")], "Suldor", ok=False), "format", "format"),
+    (traj([("q1", None)], "Suldor"), "steps", None),
+    (traj([("Who?", "a"), ("who?", "a")], "Suldor"), "steps", None),       # the same sub-question twice: the paper keeps it
+    (traj([("q1", "a")], "Suldor", stop=False), "stopping", None),         # final forced before max_steps, no <ret>None</ret>
+    (traj([("q1", "a"), ("q2", "b"), ("q3", "c")], "Suldor", stop=False), None, None),  # forced after max_steps: fine
+    (traj([("q1", "a")], "Mireth"), "answer", "answer"),
 ])
-def test_teacher_filters_keep_and_drop_the_right_trajectories(x, why):
-    assert synth.rejection(x, max_steps=3) == why
+def test_teacher_filters_keep_and_drop_the_right_trajectories(x, strict, paper):
+    assert synth.rejection(x, max_steps=3, filt="strict") == strict
+    assert synth.rejection(x, max_steps=3, filt="paper") == paper
+
+def hop(doc, kb, answer):
+    return dict(sub_question=f"q {doc}", kb=kb, doc_id=doc, answer=answer)
+
+def step(t, q, kb, retrieved, answer):
+    return dict(sub_question=q, kb=kb, retrieved=retrieved, answer=answer, step=t)
+
+GOLD = [hop("t1", "text", "Uldoria"), hop("b2", "table", "Suldor")]
+
+@pytest.mark.parametrize("steps, want", [
+    # the gold path: two searches, each finds its hop's document and answers it right
+    ([step(0, "a", "text", ["t1", "t9"], "Uldoria"), step(1, "b", "table", ["b2"], "Suldor")],
+     dict(steps=2, checkable=2)),
+    # a wrong KB (nothing found), a re-ask in the right KB that finds hop 1 with a wrong answer, then it stops: hop 2 missed
+    ([step(0, "a", "image", ["i3"], "x"), step(1, "a", "text", ["t1"], "Mireth")],
+     dict(steps=2, wrong_kb=1, no_progress=1, reask=1, checkable=1, wrong_answer=1, missed_hop=1)),
+    # both hops found, then one extra search
+    ([step(0, "a", "text", ["t1"], "Uldoria"), step(1, "b", "table", ["b2"], "Suldor"), step(2, "c", "text", ["t1"], "u")],
+     dict(steps=3, checkable=2, extra=1, no_progress=1)),
+])
+def test_step_errors_judge_each_step_against_the_gold_hops(steps, want):
+    e = synth.step_errors(dict(gold_steps=GOLD, steps=steps))
+    assert {k: v for k, v in e.items() if v} == want
+
+def test_error_report_rates():
+    clean = dict(gold_steps=GOLD, steps=[step(0, "a", "text", ["t1"], "Uldoria"), step(1, "b", "table", ["b2"], "Suldor")])
+    skip = dict(gold_steps=GOLD, steps=[step(0, "a", "text", ["t1"], "Uldoria")])
+    r = synth.error_report([clean, skip])
+    assert r["trajectories"] == 2 and r["steps"] == 3 and r["missed_hop"] == 0.5 and r["any_error"] == 0.5
+    assert r["wrong_kb"] == 0 and r["wrong_answer"] == 0
 
 def test_teacher_mode_counts_survivors(tiny_index, tok):
     qs = [q for q in corpus.load_questions(tiny_index, "train") if q["steps"]][:6]
     ret = retrievers.Retriever(tiny_index, "bm25")
     # a teacher that gets the final answer of every other question wrong
     wrong = [dict(q, answers=["Nowhere"]) if i % 2 else q for i, q in enumerate(qs)]
-    kept, counts = synth.teacher_trajectories(rollout.GoldPolicy(tok, wrong), ret, qs, n=2, settings=rollout.Settings())
-    assert counts["sampled"] == 12 and counts["answer"] == 6 and counts["kept_trajectories"] == 6
+    kept, sampled, counts = synth.teacher_trajectories(rollout.GoldPolicy(tok, wrong), ret, qs, n=2, settings=rollout.Settings())
+    assert len(sampled) == 12 and counts["sampled"] == 12 and counts["answer"] == 6 and counts["kept_trajectories"] == 6
     assert [x["qid"] for x in kept] == [q["id"] for q in qs[0::2]] and counts["kept_questions"] == 3
 
 R1R_ROW = {"images": [], "steps": [
