@@ -411,6 +411,32 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
 
 #### update
 
+@dataclass
+class Micro:
+    """One micro-batch (grpo.collate): ids [B, T]; attn [B, T] padding or [B, 1, T, T] tree mask; pos [B, T] or None;
+    sel [B, T-1] the positions predicting a policy token; old, adv, seq [N] over those N tokens (sampler logprob,
+    advantage, sequence index); pix the image inputs of a VL policy ({} else); weight 0 for a stand-in (no rows)."""
+    ids: torch.Tensor
+    attn: torch.Tensor
+    pos: torch.Tensor | None
+    sel: torch.Tensor
+    old: torch.Tensor
+    adv: torch.Tensor
+    seq: torch.Tensor
+    pix: dict
+    weight: float
+
+def scaled_loss(logp, old, ref_lp, m, denom, args, ent):
+    """The one place the loss is scaled: (the loss to backprop, its part of the logged loss, kl, clipped). grpo_loss
+    divides the micro-batch's per-token sum by denom / world (denom: micro_batches' global count): FSDP averages the
+    gradients over ranks, so the update is the gradient of the global mean per policy token (--loss_norm sequence:
+    per sequence). The logged part is loss / world: summed over micro-batches and ranks (log_record) it is that
+    global mean of one pass."""
+    world = dist.get_world_size()
+    loss, kl, clipped = grpo_loss(logp, old, ref_lp, m.adv, m.seq, args.clip_eps, args.kl_coef, args.loss_norm,
+                                  denom / world, ent, args.entropy_coef)
+    return loss, loss.detach() / world, kl, clipped
+
 def micro_batches(rows, args, pad_id, device, vis=None):
     """The rows that carry a gradient, collated in micro-batches with their image inputs (vis: a VL policy), and the
     global loss denominator.
@@ -419,7 +445,8 @@ def micro_batches(rows, args, pad_id, device, vis=None):
     number of micro-batches (FSDP all-gathers inside each forward), at least one: a rank with none left runs a copy
     of its first row with weight 0; and a VL policy's micro-batch without images a dummy picture (VisionIO.pixels
     always), since another rank's may have some and run the vision blocks.
-    Returns [(collated tensors..., weight)], denom, the fraction of rows skipped."""
+    Returns [Micro], denom (the global count of policy tokens, or with --loss_norm sequence of sequences), the
+    fraction of rows skipped."""
     rows = sorted(rows, key=lambda s: len(s["ids"]))  # micro-batches of similar lengths pad less; the loss is a global sum
     live = [s for s in rows if args.kl_coef > 0 or any(a for a, m in zip(s["adv"], s["mask"]) if m)]
     n_micro = torch.tensor([max(1, math.ceil(len(live) / args.micro_batch))], device=device)
@@ -427,12 +454,12 @@ def micro_batches(rows, args, pad_id, device, vis=None):
     chunks = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
     stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2)]  # no rows: nothing fit
     pixels = lambda m, ids: vis.pixels([s.get("images", []) for s in m], device, ids, always=True) if vis else {}
-    micro = [c + (pixels(m or stand_in, c[0]), float(bool(m))) for m in chunks for c in [collate(m or stand_in, pad_id, device)]]
+    micro = [Micro(*c, pix=pixels(m or stand_in, c[0]), weight=float(bool(m)))
+             for m in chunks for c in [collate(m or stand_in, pad_id, device)]]
     count = sum(sum(s["mask"]) for s in rows) if args.loss_norm == "token" else sum(s.get("n_seq", 1) for s in rows)
     denom = torch.tensor([count], dtype=torch.float64, device=device)
     dist.all_reduce(denom)
-    denom = denom.clamp(min=1).item() / dist.get_world_size()  # FSDP averages gradients over ranks: / world makes it a sum
-    return micro, denom, 1 - len(live) / max(1, len(rows))
+    return micro, denom.clamp(min=1).item(), 1 - len(live) / max(1, len(rows))
 
 def add_stats(sums, weight, loss, kl, clipped, entropy):
     """sums[k] += weight x this micro-batch's loss and its per-token sums (float64 scalars on the data's device)."""
@@ -447,31 +474,31 @@ def update(model, ref, opt, micro, denom, args, suppress=()):
     the trainer's own (R1-Router's released code, via EasyR1) and sums |sampler - trainer| into old_gap. Returns this
     rank's sums: loss, kl and clipped over its policy tokens, entropy, tokens, old_gap; grad_norm (the global norm,
     summed over passes). suppress: token ids the engines never sample (token_logprobs)."""
-    device, T, sup = micro[0][0].device, args.temperature, suppress
+    device, T, sup = micro[0].ids.device, args.temperature, suppress
     sums = {k: torch.zeros((), dtype=torch.float64, device=device)
             for k in ("loss", "kl", "clipped", "entropy", "tokens", "old_gap")}
     refs, olds = [], []
     with torch.no_grad():
-        for ids, attn, pos, sel, old, *_, pix, weight in micro:
+        for m in micro:
+            old = m.old
             if args.kl_coef > 0:
                 with trainutil.reference(model, ref) as r:
-                    refs.append(token_logprobs(r, ids, attn, sel, pos, T, pix=pix, suppress=sup)[0])
+                    refs.append(token_logprobs(r, m.ids, m.attn, m.sel, m.pos, T, pix=m.pix, suppress=sup)[0])
             else:
                 refs.append(None)
             if args.old_logprobs == "trainer":
-                mine = token_logprobs(model, ids, attn, sel, pos, T, pix=pix, suppress=sup)[0]  # [N]
-                sums["old_gap"] += weight * (mine - old).abs().sum().double()
+                mine = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, T, pix=m.pix, suppress=sup)[0]  # [N]
+                sums["old_gap"] += m.weight * (mine - old).abs().sum().double()
                 old = mine
             olds.append(old)
     grad_norm = 0.0
     for _ in range(args.ppo_epochs):
-        for (ids, attn, pos, sel, _, adv, seq, pix, weight), old, ref_lp in zip(micro, olds, refs):
-            logp, ent = token_logprobs(model, ids, attn, sel, pos, T, args.entropy_coef > 0, pix, sup)  # [N] each
+        for m, old, ref_lp in zip(micro, olds, refs):
+            logp, ent = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, T, args.entropy_coef > 0, m.pix, sup)  # [N] each
             ref_lp = logp.detach() if ref_lp is None else ref_lp  # no reference: KL term 0
-            loss, kl, clipped = grpo_loss(logp, old, ref_lp, adv, seq, args.clip_eps, args.kl_coef, args.loss_norm, denom,
-                                          ent, args.entropy_coef)
-            (loss * weight).backward()
-            add_stats(sums, weight, loss, kl, clipped, ent.detach())
+            loss, logged, kl, clipped = scaled_loss(logp, old, ref_lp, m, denom, args, ent)
+            (loss * m.weight).backward()
+            add_stats(sums, m.weight, logged, kl, clipped, ent.detach())
         grad_norm += trainutil.clip_grad_norm(model, args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -527,6 +554,7 @@ def sync_gap(model, engine, row, device):
         pix = vis.pixels([images], device, x, always=True) if vis else {}
         mine = token_logprobs(model, x, torch.ones(1, len(ids), device=device),
                               torch.ones(1, len(ids) - 1, dtype=torch.bool, device=device), pix=pix)[0]  # [T-1]
+    model.reshard()  # no backward follows before the next rollout: free the root's gathered weights for the engine
     diff = (torch.tensor(engine.prompt_logprobs(ids, images), device=device) - mine).abs()  # [T-1]
     mean, top = diff.mean().reshape(1), diff.max().reshape(1)
     dist.all_reduce(mean)
@@ -544,9 +572,7 @@ def log_record(step, epoch, stats, sums, grad_norm, timing, rows, args):
     n_tok = max(1.0, tot["tokens"])
     return dict(step=step, epoch=epoch,
                 **{k: tot[f"{k}.sum"] / tot[f"{k}.n"] if tot[f"{k}.n"] else None for k in STATS},
-                # each rank's loss is its share of the global mean times the world size (the loss is scaled so that
-                # FSDP's gradient average is a sum), so the sum over ranks is world x that mean
-                loss=tot["loss"] / (args.ppo_epochs * world),
+                loss=tot["loss"] / args.ppo_epochs,  # the global mean loss of a pass (scaled_loss), over the passes
                 kl=tot["kl"] / n_tok if args.kl_coef > 0 else None, clip_frac=tot["clipped"] / n_tok,
                 old_gap=tot["old_gap"] * args.ppo_epochs / n_tok if args.old_logprobs == "trainer" else None,
                 entropy=tot["entropy"] / n_tok, grad_norm=grad_norm / args.ppo_epochs,
@@ -604,7 +630,7 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     if args.engine == "hf":
         engine = engines.HFEngine(weights, seed=args.seed + rank, max_len=args.max_model_len)
     else:
-        trainutil.check_gpu_budget(model, engines.VLLMEngine.GPU_FRACTION)
+        trainutil.check_gpu_budget(model, opt, engines.VLLMEngine.GPU_FRACTION)
         engine = engines.VLLMEngine(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
                                     seed=args.seed + rank)  # each rank owns one engine
     if lora:  # the engine holds the base: give it the policy (resumed adapters; a quantised base as the trainer sees it)

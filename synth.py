@@ -60,7 +60,10 @@ def rejection(x, max_steps, filt="paper"):
 FILTERS = ("format", "context", "steps", "stopping", "answer")
 
 def teacher_trajectories(engine, retriever, questions, n, settings, seed=0, filt="paper"):
-    trajs = rollout.rollout(engine, retriever, questions, n=n, s=settings, seed=seed)
+    """The first sample of each question that passes the filter; all the samples; the filter counts."""
+    from tqdm import tqdm
+    with tqdm(total=len(questions) * n, desc="teacher samples", unit="trajectory") as bar:
+        trajs = rollout.rollout(engine, retriever, questions, n=n, s=settings, seed=seed, bar=bar)
     kept, counts = [], dict(sampled=len(trajs), **{f: 0 for f in FILTERS})
     for i, q in enumerate(questions):
         group = trajs[i * n:(i + 1) * n]

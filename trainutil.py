@@ -219,7 +219,9 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     mesh, whole = init_device_mesh(device.type, (world,)), {p for p in model.parameters() if is_quantized(p)}
     for block in blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=whole)
-    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=whole)
+    # the root (embeddings, final norm, head) stays gathered after a forward until a backward reshards it; a frozen
+    # model (the KL reference) never runs one, so its root reshards after every forward (+2.2 GB a GPU at 7B)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=whole, reshard_after_forward=True if not train else None)
     if quant == "none":
         model.to_empty(device=device)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -247,12 +249,21 @@ def gpu_budget_error(total, allocated, shards, engine_fraction, device=0):
             f"the trainer ({gib(trainer)}: policy shards and reference {gib(allocated)} + Adam state {gib(2 * shards)}); "
             f"use more GPUs (the shards shrink with the world size)")
 
-def check_gpu_budget(model, engine_fraction):
-    """At start-up, before the engine exists: exit with gpu_budget_error's line if this rank's GPU is too small."""
-    if torch.cuda.is_available():  # Adam state is kept for the trainable weights alone (LoRA: the adapters)
+def optimizer_bytes(opt):
+    """Bytes of the optimizer state already allocated: 0 before the first step, Adam's two moments after a resume."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    return sum(local(v).numel() * local(v).element_size() for st in opt.state.values() for v in st.values()
+               if torch.is_tensor(v))
+
+def check_gpu_budget(model, opt, engine_fraction):
+    """At start-up, before the engine exists: exit with gpu_budget_error's line if this rank's GPU is too small. The
+    Adam state a resume has loaded is taken out of what is allocated, since gpu_budget_error adds it (the same
+    verdict fresh and resumed). Only for a policy on a GPU (--device cpu on a GPU host: nothing to check)."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":  # Adam state is kept for the trainable weights alone (LoRA: the adapters)
         shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        error = gpu_budget_error(torch.cuda.mem_get_info()[1], torch.cuda.memory_allocated(), shards, engine_fraction,
-                                 torch.cuda.current_device())
+        error = gpu_budget_error(torch.cuda.mem_get_info(device)[1], torch.cuda.memory_allocated(device) - optimizer_bytes(opt),
+                                 shards, engine_fraction, device.index)
         if error:
             sys.exit(error)
 
@@ -329,12 +340,13 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
             model.peft_config["default"].save_pretrained(tmp / "adapter")
     if merged or not lora:
         export_hf(model, tmp, rank)
+    cuda = [None] * dist.get_world_size()  # each rank's own accelerator generator, by rank
+    dist.all_gather_object(cuda, device_rng(model))
     if rank == 0:
         tok.save_pretrained(tmp)
         if fmt:
             (tmp / transcript.FORMAT).write_text(json.dumps(fmt) + "\n")
-        rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
-                   cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        rng = dict(torch=torch.get_rng_state(), python=random.getstate(), cuda=cuda)
         torch.save(dict(step=step, rng=rng, **state), tmp / "trainer_state.pt")
         if dst.exists():
             shutil.rmtree(dst)
@@ -369,6 +381,17 @@ def trainable_state(model, opt):
     trainable = {n.removeprefix("_orig_mod.") for n, p in model.named_parameters() if p.requires_grad}
     return {k: v for k, v in msd.items() if k in trainable}, osd
 
+def device_rng(model):
+    """This rank's CUDA generator state (on its own device), or None for a model on the CPU."""
+    device = next(model.parameters()).device
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+def restore_device_rng(saved, rank, device):
+    """Give this rank's CUDA generator the state its rank saved (saved: device_rng of every rank, by rank). A resume
+    on more GPUs than were saved leaves the new ranks' generators as seeded; on the CPU there is none."""
+    if device.type == "cuda" and saved and rank < len(saved) and saved[rank] is not None:
+        torch.cuda.set_rng_state(saved[rank], device)
+
 def load_trainer_state(model, opt, ckpt, args, print0):
     """Restore the sharded model and optimizer state (each rank reads its own shards) and the RNG; returns the saved
     dict. trainer_state.pt is read with weights_only: tensors and plain data, so loading runs no pickled code."""
@@ -381,8 +404,7 @@ def load_trainer_state(model, opt, ckpt, args, print0):
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    if torch.cuda.is_available() and state["rng"]["cuda"] is not None:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    restore_device_rng(state["rng"]["cuda"], dist.get_rank(), next(model.parameters()).device)
     changed = {k: (v, getattr(args, k)) for k, v in state["args"].items() if k != "resume" and getattr(args, k, v) != v}
     print0(f"resuming from {ckpt} at step {state['step']}" + (f"; changed args (old, new): {changed}" if changed else ""))
     return state

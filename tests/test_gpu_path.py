@@ -142,3 +142,109 @@ def test_a_run_folder_is_not_overwritten_without_resume(tmp_path, tiny_model_dir
     msg = one_line_exit(trainutil.resolve_start, str(tiny_model_dir), out, None)
     assert "holds a run already: pass --resume" in msg
     assert trainutil.resolve_start(str(tiny_model_dir), out, "auto")[2] is False  # a restarted job with no checkpoint
+
+def launch_commands(path):
+    """The shell commands of a markdown file's ```bash blocks, continuation lines joined, comments dropped."""
+    import re
+    import shlex
+    from pathlib import Path
+    text = Path(path).read_text()
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                cmds.append(shlex.split(line))
+    return cmds
+
+def test_the_gpu_launch_commands_run_as_written():
+    # docs/gpu.md holds the one copy of the GPU commands: every --model is a local folder (a Hub name only after an
+    # `hf download` into that folder), sft.py's --data was synthesised with sft.py's own --model (its tokenizer), and
+    # every script flag exists; README carries no copy
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    cmds = launch_commands(root / "docs" / "gpu.md")
+    downloaded = {c[c.index("--local-dir") + 1] for c in cmds if c[:2] == ["hf", "download"]}
+    synthesised = {}  # --out of synth.py -> its --model
+    parsers = dict(sft=sft.get_args, stepgrpo=stepgrpo.get_args)
+    seen = set()
+    for c in cmds:
+        script = next((a for a in c if a.endswith(".py")), None)
+        if script is None:
+            continue
+        args = c[c.index(script) + 1:]
+        flag = lambda f: args[args.index(f) + 1] if f in args else None  # noqa: E731
+        model = flag("--model")
+        if model:
+            local = model.startswith(("out/", "models/", "$SHARED/", "data/"))
+            assert local, f"{' '.join(c)}: --model {model} is not a local folder"
+            assert not model.startswith("models/") or model in downloaded, f"{model} is never downloaded"
+        if script == "synth.py":
+            synthesised[flag("--out")] = model
+        if script == "sft.py":
+            assert synthesised.get(flag("--data")) == model, f"sft.py --data {flag('--data')} is not synthesised with {model}"
+        if script in ("sft.py", "stepgrpo.py"):
+            seen.add(script)
+            parsers[script[:-3]]([a.replace("$", "") for a in args])  # every flag exists (argparse exits if not)
+    assert seen == {"sft.py", "stepgrpo.py"}
+    gpu = lambda c: "torchrun" in c and ("--nnodes" in c or int(c[c.index("--nproc_per_node") + 1]) > 2)  # noqa: E731
+    assert any(gpu(c) for c in cmds) and not any(gpu(c) for c in launch_commands(root / "README.md"))
+
+def test_no_grad_forwards_leave_the_root_sharded(tiny_model_dir):
+    # FSDP2 reshards a root after its backward only: the KL reference (never a backward) and the policy after the sync
+    # check (a no-grad forward, then the rollout) must not keep the embeddings and head gathered
+    from torch.distributed.tensor import DTensor
+
+    import engines
+    own = trainutil.init_group(1)
+    try:
+        cpu = torch.device("cpu")
+        ids = torch.tensor([[5, 6, 7, 8]])
+        sel, attn = torch.ones(1, 3, dtype=torch.bool), torch.ones(1, 4)
+        ref = trainutil.load_sharded(tiny_model_dir, cpu, 1, train=False, bf16=False)
+        with torch.no_grad():
+            stepgrpo.token_logprobs(ref, ids, attn, sel)
+        assert all(isinstance(p, DTensor) for p in ref.parameters())
+        model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False)
+        stepgrpo.sync_gap(model, engines.HFEngine(tiny_model_dir), dict(ids=[5, 6, 7, 8]), cpu)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+
+def test_each_rank_restores_its_own_cuda_generator(monkeypatch):
+    # a checkpoint of 8 ranks resumed on 4 GPUs (or under CUDA_VISIBLE_DEVICES): rank r takes rank r's saved state on its
+    # own device, never rank 0's for every visible GPU (torch.cuda.set_rng_state_all indexes one GPU per saved state)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append((state, device)))
+    saved = [torch.full((4,), r, dtype=torch.uint8) for r in range(8)]
+    for rank in range(4):
+        trainutil.restore_device_rng(saved, rank, torch.device("cuda", rank))
+    assert [(int(s[0]), d.index) for s, d in calls] == [(r, r) for r in range(4)]
+    calls.clear()
+    trainutil.restore_device_rng(saved[:2], 3, torch.device("cuda", 3))  # more ranks than saved: left as seeded
+    trainutil.restore_device_rng(saved, 0, torch.device("cpu"))          # a CPU run has no CUDA generator
+    trainutil.restore_device_rng(None, 0, torch.device("cuda", 0))       # a checkpoint written on the CPU
+    assert calls == [] and trainutil.device_rng(torch.nn.Linear(2, 2)) is None
+
+def test_the_memory_check_gives_the_same_verdict_fresh_and_resumed(tiny_model_dir):
+    # memory_allocated() counts the parameters and, once a resume has loaded it, the Adam state, which
+    # gpu_budget_error adds on its own: taken out first, the verdict of a 7B job on 4 x 80 GB does not flip on resume
+    own = trainutil.init_group(1)
+    try:
+        model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+        shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        allocated = lambda: shards + trainutil.optimizer_bytes(opt)  # noqa: E731  (a patched torch.cuda.memory_allocated)
+        total = (allocated() + 2 * shards) / 0.5 + 1  # fits fresh, with a byte to spare
+        fresh = trainutil.gpu_budget_error(total, allocated() - trainutil.optimizer_bytes(opt), shards, 0.5)
+        assert trainutil.optimizer_bytes(opt) == 0
+        sum(p.sum() for p in model.parameters()).backward()
+        opt.step()  # what a resume's load leaves: Adam's moments allocated
+        assert trainutil.optimizer_bytes(opt) >= 2 * shards
+        resumed = trainutil.gpu_budget_error(total, allocated() - trainutil.optimizer_bytes(opt), shards, 0.5)
+        assert fresh is None and resumed is None
+        assert trainutil.gpu_budget_error(total, allocated(), shards, 0.5) is not None  # counted twice: refused
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()

@@ -205,7 +205,7 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
         args = Namespace(temperature=1.0, old_logprobs="trainer", ppo_epochs=1, entropy_coef=0.0, clip_eps=0.2,
                          kl_coef=0.0, loss_norm="token", grad_clip=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        sums, _ = stepgrpo.update(model, None, opt, [(ids, attn, pos, sel, old, adv, seq, {}, 1.0)], 3.0, args)
+        sums, _ = stepgrpo.update(model, None, opt, [stepgrpo.Micro(ids, attn, pos, sel, old, adv, seq, {}, 1.0)], 3.0, args)
     finally:
         if own:
             torch.distributed.destroy_process_group()
@@ -694,25 +694,29 @@ def test_the_logged_loss_does_not_depend_on_the_world_size(monkeypatch):
     import trainutil
     rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, 0.5, 0.5, 0.5]),
             dict(ids=[5, 9, 9], mask=[0, 1, 1], old=[0.0, -4.1, -4.3], adv=[0.0, -1.0, -1.0])]
-    args = Namespace(kl_coef=0.0, micro_batch=2, loss_norm="token", ppo_epochs=1, old_logprobs="sampler")
+    args = Namespace(kl_coef=0.0, micro_batch=2, loss_norm="token", ppo_epochs=1, old_logprobs="sampler", clip_eps=0.2,
+                     entropy_coef=0.0)
 
     def logged_loss():
         torch.manual_seed(0)
         model, cpu = TinyLM(), torch.device("cpu")
         micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, cpu)
-        ids, attn, pos, sel, old, adv, seq, pix, weight = micro[0]
-        logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos)
-        loss, kl, clipped = grpo.grpo_loss(logp, old, logp.detach(), adv, seq, 0.2, 0.0, "token", denom)
+        m = micro[0]
+        logp, ent = grpo.token_logprobs(model, m.ids, m.attn, m.sel, m.pos)
+        loss, logged, kl, clipped = stepgrpo.scaled_loss(logp, m.old, logp.detach(), m, denom, args, ent)
         sums = {k: torch.zeros((), dtype=torch.float64) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
-        stepgrpo.add_stats(sums, weight, loss, kl, clipped, ent)
-        return stepgrpo.log_record(1, 0, {k: [] for k in stepgrpo.STATS}, sums, 0.0, {}, rows, args)["loss"]
+        stepgrpo.add_stats(sums, m.weight, logged, kl, clipped, ent)
+        return stepgrpo.log_record(1, 0, {k: [] for k in stepgrpo.STATS}, sums, 0.0, {}, rows, args)["loss"], loss.item()
 
     own = trainutil.init_group(1)
     try:
-        one = logged_loss()
+        one, backprop1 = logged_loss()
         monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
         monkeypatch.setattr(dist, "all_reduce", lambda t, op=dist.ReduceOp.SUM, **k: t.mul_(2) if op == dist.ReduceOp.SUM else t)
-        assert one != 0 and logged_loss() == pytest.approx(one, rel=1e-9)
+        two, backprop2 = logged_loss()
+        assert one != 0 and two == pytest.approx(one, rel=1e-9)
+        # each of two ranks holding the same rows backprops the one-process loss: FSDP's average over ranks is that update
+        assert backprop2 == pytest.approx(backprop1, rel=1e-9)
     finally:
         monkeypatch.undo()
         if own:
