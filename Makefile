@@ -52,14 +52,17 @@ OUT := out/demo
 EVAL_FLAGS = --data $(DATA) --split test --n_questions $(EVAL_N)
 
 $(OUT)/sft/final/config.json: $(DATA)/traj/train.jsonl sft.py
+	rm -rf $(OUT)/sft  # stale (the data or the script changed) or interrupted: sft.py refuses a folder that holds a run
 	$(PY) sft.py --model $(MODEL) --data $(DATA)/traj --train_steps $(SFT_STEPS) --grad_accum $(SFT_ACCUM) \
 		--eval_every 0 --save_every 0 --keep 1 --out $(OUT)/sft
 
 $(OUT)/sft-cont/final/config.json: $(OUT)/sft/final/config.json
+	rm -rf $(OUT)/sft-cont  # else runs/sft_continue.sh finds the old final and keeps it
 	PY=$(PY) bash runs/sft_continue.sh $(OUT)/sft/final $(OUT)/sft-cont $(CONT_STEPS) --data $(DATA)/traj \
 		--grad_accum $(SFT_ACCUM) --eval_every 0 --save_every 0 --keep 1
 
 $(OUT)/stepgrpo/final/config.json: $(OUT)/sft/final/config.json stepgrpo.py
+	rm -rf $(OUT)/stepgrpo
 	$(PY) stepgrpo.py --model $(OUT)/sft/final --data $(DATA) --train_steps $(GRPO_STEPS) \
 		--batch_questions $(GRPO_QUESTIONS) --eval_questions 0 --save_every 0 --keep 1 --out $(OUT)/stepgrpo
 
@@ -116,13 +119,14 @@ bench: $(DATA)/index/meta.json $(MODEL)/config.json
 # Peak memory of each Step-GRPO phase (rollout, update, sync, checkpoint) per rank: 2 gloo ranks, 2 steps from the main
 # job's SFT checkpoint; the closing line prints it (on GPUs, the same stepgrpo.py command under torchrun there)
 bench-memory: $(OUT)/sft/final/config.json
+	rm -rf out/bench-memory
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 stepgrpo.py --model $(OUT)/sft/final --data $(DATA) \
 		--train_steps 2 --batch_questions 4 --eval_questions 0 --save_every 1 --keep 1 --out out/bench-memory
 
 # The recipe against SFT and SFT-continued at the SFT's plateau, per seed, each arm dev-picked, on the whole test split
 # with the ceilings (README "Results"; ~2 h 15 min a seed here); ARM=wide: the 48-question arms; ARM=wide2: those
 # from the SFT continued to 396 steps (runs/vs_sft.sh)
-SEEDS ?= 1 2 3
+SEEDS ?= 0 1 2 3
 ARM ?= plateau
 vs-sft: $(DATA)/traj/train.jsonl $(DATA)/traj-all/train.jsonl
 	SEEDS="$(SEEDS)" ARM=$(ARM) PY=$(PY) bash runs/vs_sft.sh

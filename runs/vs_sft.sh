@@ -19,11 +19,11 @@
 #   gold steps (the ceilings) -> paired bootstrap of Step-GRPO against its start and against SFT-continued.
 # A seed: ~2 h 15 min (plateau) on 2 cores; on a seed whose SFT and its test are done, the wide arms ~2 h 45 min more,
 # the wide2 arms ~3 h 30 min more. Run from the repo root after `make setup data/mini/traj/train.jsonl
-# data/mini/traj-all/train.jsonl`, or as `make vs-sft SEEDS="1 2 3" [ARM=wide|wide2]`. Resumable: a finished stage
+# data/mini/traj-all/train.jsonl`, or as `make vs-sft [SEEDS="0 1 2 3"] [ARM=wide|wide2]`. Resumable: a finished stage
 # is skipped, an interrupted training stage continues from its last checkpoint.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
-SEEDS=${SEEDS:-"1 2 3"}
+SEEDS=${SEEDS:-"0 1 2 3"}
 ARM=${ARM:-plateau}
 DATA=data/mini
 OUT=out/vs-sft
