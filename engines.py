@@ -77,9 +77,13 @@ class VLLMEngine:
     GPU_FRACTION = 0.5  # of each GPU, for the engine's weights and KV cache (the trainer's shards and Adam get the rest)
 
     def __init__(self, model, max_model_len=MAX_LEN, dtype="auto", seed=0, gpu_memory_utilization=GPU_FRACTION, max_images=16,
-                 max_pixels=None):
+                 max_pixels=None, device=None):
         """max_model_len: tokens of a request (prompt + new), max_pixels: the processor's cap on a picture's pixels
-        (VisionIO; None: the processor's), the same for the transcripts' image expansions and for vLLM's."""
+        (VisionIO; None: the processor's), the same for the transcripts' image expansions and for vLLM's. device: the
+        trainer's (None: CUDA when there is one); vLLM's CUDA build runs on the GPU, so a CPU trainer on a GPU host
+        needs the HF engine."""
+        if device is not None and torch.device(device).type == "cpu" and torch.cuda.is_available():
+            sys.exit("error: --device cpu on a machine with CUDA: vLLM would still run on the GPU; use --engine hf")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # the V1 model runner on CUDA too (vLLM 0.32 defaults to V2 there): the CPU runner the tests run subclasses V1,
         # so a GPU run takes the code paths (sampling logprobs, prompt logprobs, reload_weights) that were tested
@@ -212,9 +216,9 @@ class VLLMEngine:
 class HFEngine(Batched):
     """Plain transformers generate: the fallback (stepgrpo.py --engine hf), and the reference the vLLM path is tested
     against."""
-    def __init__(self, model, dtype="auto", seed=0, batch_size=32, max_len=None):
+    def __init__(self, model, dtype="auto", seed=0, batch_size=32, max_len=None, device=None):
         from transformers import AutoTokenizer
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))  # the trainer's; None: CUDA if any
         dt = {"auto": torch.bfloat16 if self.device == "cuda" else torch.float32}.get(dtype) or getattr(torch, dtype)
         self.model = model if not isinstance(model, (str, Path)) else auto_model(model).from_pretrained(model, dtype=dt)
         self.model.to(self.device).eval()

@@ -56,7 +56,7 @@ class Encoder:
     def __init__(self, path=None, device=None, dtype="auto", batch_size=32, max_length=256):
         from transformers import AutoModel, AutoTokenizer
         self.path = path or default_encoder_path()
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))  # None: CUDA when there is one
         self.tok = AutoTokenizer.from_pretrained(self.path)
         if dtype == "auto":  # bf16 where the hardware has it: 2x faster on AVX512-BF16 CPUs, cosine to fp32 > 0.9999
             bf16 = self.device.startswith("cuda") or torch.cpu._is_avx512_bf16_supported()
@@ -119,7 +119,7 @@ class ClipEncoder:
     def __init__(self, path, device=None):
         from transformers import AutoProcessor, CLIPModel
         self.path = path
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = CLIPModel.from_pretrained(path).to(self.device).eval()
         self.proc = AutoProcessor.from_pretrained(path)
         self.dim = self.model.config.projection_dim
@@ -206,34 +206,35 @@ def dense_index(emb, kind="flat", pq_m=PQ_M, progress=False):
             bar.update(min(ADD_CHUNK, n - s))
     return index, params
 
-def load_dense(path, params, search_depth=None):
+def load_dense(path, params, search_depth=None, device=None):
     """A dense index as build() wrote it (params: its meta.json entry), set to search `search_depth` deep (efSearch or
     nprobe; None: DEPTH). Flat is read into memory as before. The approximate ones are memory-mapped with
     IO_FLAG_MMAP_IFC: IVF lists, HNSW vectors and links stay in the file, paged in as searches touch
     them, so RAM holds what queries use and a server starts at once. (The older IO_FLAG_MMAP maps IVF lists only and
     leaves HNSW in RAM: checked on faiss 1.15.1.) The file must stay put; build() swaps in a new folder, which a
     running server does not see. faiss-gpu: flat and IVF-PQ are copied to the GPU (to_gpu); faiss has no GPU HNSW, so
-    HNSW searches on the CPU."""
+    HNSW searches on the CPU. device: as to_gpu's."""
     import faiss
     if params["type"] == "flat":
-        return to_gpu(faiss.read_index(str(path)))
+        return to_gpu(faiss.read_index(str(path)), device)
     index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC)
     depth = search_depth or DEPTH[params["type"]]
     if params["type"] == "hnsw":
         index.hnsw.efSearch = depth
         return index
     index.nprobe = depth  # a GPU copy keeps it
-    return to_gpu(index)
+    return to_gpu(index, device)
 
 _GPU_RESOURCES = []  # faiss-gpu: one StandardGpuResources per process, shared by every index
 
-def to_gpu(index):
+def to_gpu(index, device=None):
     """faiss-gpu: a copy of the index on this process's GPU (torch's current device, LOCAL_RANK under torchrun), all
     indexes sharing one StandardGpuResources with 64 MiB of scratch memory. Its default reserves ~1.5 GiB per GPU per
     instance, and index_cpu_to_all_gpus makes one per GPU per call: 8 ranks x 3 KBs took ~36 GiB of every GPU before
-    vLLM started. CPU faiss (or no CUDA): the index unchanged."""
+    vLLM started. CPU faiss, no CUDA, or a CPU `device` (the trainer's, --device cpu): the index unchanged."""
     import faiss
-    if not (hasattr(faiss, "StandardGpuResources") and torch.cuda.is_available() and faiss.get_num_gpus() > 0):
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if not (hasattr(faiss, "StandardGpuResources") and cuda and faiss.get_num_gpus() > 0):
         return index
     if not _GPU_RESOURCES:
         res = faiss.StandardGpuResources()
@@ -306,7 +307,7 @@ def build(data_dir, methods=("dense", "bm25"), encoder=None, image_encoder=None,
 class Retriever:
     """All three KBs of a data folder, searchable in batches. `method`: dense | bm25 | hybrid. `search_depth`: how deep
     approximate dense indexes search (load_dense)."""
-    def __init__(self, data_dir, method="dense", encoder=None, search_depth=None):
+    def __init__(self, data_dir, method="dense", encoder=None, search_depth=None, device=None):
         idx = Path(data_dir) / "index"
         if not (idx / "meta.json").exists():
             raise DataError(f"{idx}: no index found; run `python retrievers.py build --data {data_dir}` first")
@@ -325,15 +326,16 @@ class Retriever:
             if not docs:
                 continue
             if "dense" in need:
-                self.dense[kb] = load_dense(idx / f"{kb}.faiss", m.get("index", {"type": "flat"}), search_depth)  # older builds: flat
+                self.dense[kb] = load_dense(idx / f"{kb}.faiss", m.get("index", {"type": "flat"}), search_depth,
+                                            device)  # older builds: flat
             if "bm25" in need:
                 self.bm25[kb] = import_bm25s().BM25.load(str(idx / f"{kb}.bm25"))
         if "dense" in need:
-            self.encoder = encoder or Encoder(self.meta.get("encoder"))  # absent when every KB is empty
+            self.encoder = encoder or Encoder(self.meta.get("encoder"), device)  # absent when every KB is empty
         if self.docs["image"]:
-            self.pixels = self._pixel_index(idx, data_dir)
+            self.pixels = self._pixel_index(idx, data_dir, device)
 
-    def _pixel_index(self, idx, data_dir):
+    def _pixel_index(self, idx, data_dir, device=None):
         """(pixel encoder, faiss index) of the image KB, checked against the KB and the encoder that built it."""
         import faiss
         name, path = self.meta.get("pixel_encoder"), idx / "image.pix.faiss"
@@ -342,12 +344,12 @@ class Retriever:
             raise DataError(f"{idx}: no pixel index for the image KB; {rebuild}")
         if name != PixelEncoder.path and not Path(name).is_dir():
             raise DataError(f"{idx}: the pixel index was built with the CLIP folder {name}, which is gone; {rebuild}")
-        encoder = PixelEncoder() if name == PixelEncoder.path else ClipEncoder(name)
+        encoder = PixelEncoder() if name == PixelEncoder.path else ClipEncoder(name, device)
         index = faiss.read_index(str(path))
         if (index.ntotal, index.d) != (len(self.docs["image"]), encoder.dim):
             raise DataError(f"{idx}: pixel index is stale ({index.ntotal} vectors of dim {index.d}, the image KB has "
                             f"{len(self.docs['image'])} docs and {name} encodes {encoder.dim} dims); {rebuild}")
-        return encoder, to_gpu(index)
+        return encoder, to_gpu(index, device)
 
     def _rank(self, queries, kb, k):
         """Per query, a list of (doc index, score), best first."""
@@ -450,11 +452,12 @@ def decode_image(data, where):
 
 METHODS = ("dense", "bm25", "hybrid")
 
-def make_retriever(spec, data_dir):
-    """--retriever: "dense" | "bm25" | "hybrid" over data_dir's indexes, or the URL of a running `retrievers.py serve`."""
+def make_retriever(spec, data_dir, device=None):
+    """--retriever: "dense" | "bm25" | "hybrid" over data_dir's indexes, or the URL of a running `retrievers.py serve`.
+    device: where the query encoder and a faiss-gpu index go (the trainer's; None: CUDA when there is one)."""
     if not spec.startswith("http") and spec not in METHODS:
         raise DataError(f"--retriever {spec}: expected one of {', '.join(METHODS)} or the http:// URL of retrievers.py serve")
-    return RemoteRetriever(spec) if spec.startswith("http") else Retriever(data_dir, spec)
+    return RemoteRetriever(spec) if spec.startswith("http") else Retriever(data_dir, spec, device=device)
 
 # ----------------------------------------------------------------------------------------------------------------
 # HTTP server (Search-R1 protocol)

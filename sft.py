@@ -256,7 +256,7 @@ def main(argv=None):
            f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world}, {steps_per_epoch} steps/epoch, {total} steps")
     record = trainutil.Log(out, rank, step, resuming, args.wandb_mode, vars(args))
     bar = trainutil.progress(rank, total, step, "sft")
-    peak = trainutil.PeakMemory()
+    peak = trainutil.PeakMemory(device)
 
     #### training loop
     perm, perm_epoch = None, -1

@@ -628,11 +628,11 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
         state = trainutil.load_trainer_state(model, opt, start, args, print0)
         step, dev_hist = state["step"], state.get("dev", {})
     if args.engine == "hf":
-        engine = engines.HFEngine(weights, seed=args.seed + rank, max_len=args.max_model_len)
+        engine = engines.HFEngine(weights, seed=args.seed + rank, max_len=args.max_model_len, device=device)
     else:
         trainutil.check_gpu_budget(model, opt, engines.VLLMEngine.GPU_FRACTION)
         engine = engines.VLLMEngine(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
-                                    seed=args.seed + rank)  # each rank owns one engine
+                                    seed=args.seed + rank, device=device)  # each rank owns one engine
     if lora:  # the engine holds the base: give it the policy (resumed adapters; a quantised base as the trainer sees it)
         engine.sync_weights(trainutil.policy_params(model))
     return model, ref, opt, step, dev_hist, engine
@@ -657,7 +657,7 @@ def main(argv=None):
     try:
         questions = [q for sp in args.split for q in corpus.load_questions(args.data, sp)]
         dev_qs = corpus.load_questions(args.data, "dev")[:args.eval_questions] if args.eval_questions else []
-        ret = retrievers.make_retriever(args.retriever, args.data)
+        ret = retrievers.make_retriever(args.retriever, args.data, device)  # one device decision, env_rank's
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(weights)
         store = load_prefixes(args.prefixes, tok, print0) if args.prefixes != "gold" else None
@@ -668,7 +668,7 @@ def main(argv=None):
         print0(f"--prefixes {args.prefixes}: {len(questions)} of its {len(store)} trajectories' questions are in --split")
     check_questions(questions, args)
     own_group = trainutil.init_group(world, args.timeout, device)
-    encoder = retrievers.Encoder()  # all-MiniLM-L6-v2, for the sub-question cosine
+    encoder = retrievers.Encoder(device=device)  # all-MiniLM-L6-v2, for the sub-question cosine
     vis = vision.VisionIO.load(weights)
     files = vis.proc if vis else tok  # saved beside the weights: a VL model's processor, else the tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -687,7 +687,7 @@ def main(argv=None):
            f"{sum(p.numel() for p in params) / 1e6:.2f}M trained weights{' (LoRA)' if lora else ''}, {len(questions)} "
            f"questions, {args.batch_questions} x {args.group_size} per step, {args.train_steps} steps")
     bar = trainutil.progress(rank, args.train_steps, step, "step-grpo")
-    peak, peaks = trainutil.PeakMemory(), {}  # peaks: phase -> the highest GiB of each rank over the run
+    peak, peaks = trainutil.PeakMemory(device), {}  # peaks: phase -> the highest GiB of each rank over the run
     if dev_qs and step == 0:  # the starting policy's dev score: what the trained checkpoints have to beat
         dev = dev_eval(engine, ret, dev_qs, args, rank, world)
         log(dict(step=0, **dev))

@@ -450,8 +450,9 @@ class PeakMemory:
     """`with peak("update"):` records the phase's peak memory in GiB, in self.gib[phase]: on CUDA the peak of
     torch's allocated bytes (reset when the phase starts); on CPU this process's peak resident memory sampled every
     10 ms by a thread (it includes the in-process vLLM engine, whose memory on CPU is this process's)."""
-    def __init__(self):
+    def __init__(self, device=None):
         self.gib, self.phase = {}, None
+        self.cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
 
     def __call__(self, phase):
         self.phase = phase
@@ -460,7 +461,7 @@ class PeakMemory:
     def __enter__(self):
         import threading
         import psutil
-        if torch.cuda.is_available():
+        if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             return self
         proc, self.peak, self.done = psutil.Process(), 0, threading.Event()
@@ -473,7 +474,7 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc):
-        if torch.cuda.is_available():
+        if self.cuda:
             self.gib[self.phase] = torch.cuda.max_memory_allocated() / 2**30
         else:
             self.done.set()

@@ -10,7 +10,8 @@
 #                    its filter counts and step mistakes against the world's gold in train.errors.json
 #   per seed, from the prompt-only policy:
 #     sft              SFT on the kept trajectories, SFT_STEPS x 4
-#     sft-cont         that SFT run resumed on the same trajectories, MORE steps (about a Step-GRPO arm's wall clock)
+#     sft-cont         that SFT run resumed on the same trajectories, MORE steps (about a Step-GRPO arm's wall clock:
+#                      64 SFT steps ~16 min, 4 Step-GRPO steps ~20 min here)
 #     grpo-teacher     Step-GRPO from sft, groups at the kept trajectories' prefixes, every step kind, R1-Router's
 #                      rewards (against the teacher's sub-question, KB and intermediate answer; the gold final answer)
 #     grpo-labels      the same with label rewards (a search that finds a new supporting document, a stop once all
@@ -24,8 +25,8 @@
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-0}
-SFT_STEPS=${SFT_STEPS:-96} MORE=${MORE:-48} EVERY=${EVERY:-16}
-GRPO="--teacher_spans all --batch_questions 16 --lr 2e-5 --train_steps 6 --save_every 2 --keep 3"
+SFT_STEPS=${SFT_STEPS:-96} MORE=${MORE:-64} EVERY=${EVERY:-16} GRPO_STEPS=${GRPO_STEPS:-4}
+GRPO="--teacher_spans all --batch_questions 16 --lr 2e-5 --train_steps $GRPO_STEPS --save_every 2 --keep 3"
 DEV_N=${DEV_N:-100} TEST_N=${TEST_N:-500}
 ARMS=${ARMS:-"teacher labels"}
 DATA=data/mini

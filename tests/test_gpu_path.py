@@ -248,3 +248,20 @@ def test_the_memory_check_gives_the_same_verdict_fresh_and_resumed(tiny_model_di
     finally:
         if own:
             torch.distributed.destroy_process_group()
+
+def test_device_cpu_keeps_every_part_off_a_gpu(monkeypatch, tiny_model_dir, tiny_index):
+    # one device decision (trainutil.env_rank's), passed down: on a machine with CUDA, --device cpu puts the HF engine,
+    # the retrieval encoder and the memory readings on the CPU, and refuses vLLM (whose CUDA build runs on the GPU)
+    import engines
+    import retrievers
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cpu = torch.device("cpu")
+    assert engines.HFEngine(tiny_model_dir, device=cpu).device == "cpu"
+    ret = retrievers.make_retriever("dense", tiny_index, cpu)
+    assert ret.encoder.device == "cpu" and retrievers.Encoder(device=cpu).device == "cpu"
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: pytest.fail("read CUDA memory on a CPU run"))
+    peak = trainutil.PeakMemory(cpu)
+    with peak("update"):
+        pass
+    assert peak.gib["update"] > 0  # this process's resident memory
+    assert "use --engine hf" in one_line_exit(engines.VLLMEngine, tiny_model_dir, 4096, "auto", 0, 0.5, 16, None, cpu)
