@@ -216,7 +216,8 @@ class VLLMEngine:
 class HFEngine(Batched):
     """Plain transformers generate: the fallback (stepgrpo.py --engine hf), and the reference the vLLM path is tested
     against."""
-    def __init__(self, model, dtype="auto", seed=0, batch_size=32, max_len=None, device=None):
+    def __init__(self, model, dtype="auto", seed=0, batch_size=32, max_model_len=None, max_pixels=None, device=None):
+        """max_model_len, max_pixels: as VLLMEngine's (None: no limit; the processor's cap)."""
         from transformers import AutoTokenizer
         self.device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))  # the trainer's; None: CUDA if any
         dt = {"auto": torch.bfloat16 if self.device == "cuda" else torch.float32}.get(dtype) or getattr(torch, dtype)
@@ -224,10 +225,10 @@ class HFEngine(Batched):
         self.model.to(self.device).eval()
         self.dtype = str(self.model.dtype).removeprefix("torch.")  # as VLLMEngine's: "float32" or "bfloat16"
         self.tok = AutoTokenizer.from_pretrained(self.model.name_or_path)
-        self.vis = VisionIO.load(self.model.name_or_path)
+        self.vis = VisionIO.load(self.model.name_or_path, max_pixels)
         torch.manual_seed(seed)
         self.batch_size = batch_size
-        self.max_len = max_len  # prompt + new tokens (None: no limit); rollout() ends a longer trajectory
+        self.max_len = max_model_len  # prompt + new tokens (None: no limit); rollout() ends a longer trajectory
 
     @torch.inference_mode()
     def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
@@ -290,4 +291,5 @@ def auto_model(model):
     return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
 
 def make_engine(backend, model, **kw):
-    return VLLMEngine(model, **kw) if backend == "vllm" else HFEngine(model, **{k: v for k, v in kw.items() if k in ("dtype", "seed")})
+    """backend vllm | hf; kw: the settings both engines take (dtype, seed, max_model_len, max_pixels, device)."""
+    return (VLLMEngine if backend == "vllm" else HFEngine)(model, **kw)

@@ -564,6 +564,12 @@ if __name__ == "__main__":
     ap.add_argument("--few_shot", type=int, default=0,
                     help="worked gold trajectories (train split) before each question in the step-format methods")
     ap.add_argument("--max_active", type=int, default=64, help="trajectories in flight (lower it for long evidence: KV cache)")
+    ap.add_argument("--max_model_len", type=int, default=engines.MAX_LEN,
+                    help="the engine's context (prompt + new tokens): a longer trajectory ends as an overflow")
+    ap.add_argument("--max_pixels", type=int, default=None,
+                    help="VL policy: cap on a picture's pixels (default: the checkpoint's processor's, which sft.py "
+                         "and stepgrpo.py save with the cap they trained with; a base Qwen2.5-VL needs it: see "
+                         "stepgrpo.py --max_pixels)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="report folder (default out/eval/<name>-<split>)")
     ap.add_argument("--combine", nargs="+", default=None, help="merge these results.json files into one report (--out)")
@@ -623,7 +629,8 @@ if __name__ == "__main__":
     rollout.check_multi_query(args)
     if err := transcript.check_format(args.model, args):
         sys.exit(f"error: {err}")
-    engine = engines.make_engine(args.backend, args.model, seed=args.seed)
+    engine = engines.make_engine(args.backend, args.model, seed=args.seed, max_model_len=args.max_model_len,
+                                 max_pixels=args.max_pixels)
     settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
                                 max_active=args.max_active, structure=args.structure, max_pairs=args.max_pairs,
                                 max_rets=args.max_rets, gold_think=args.gold_think)

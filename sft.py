@@ -236,7 +236,9 @@ def main(argv=None):
     random.seed(args.seed)
 
     # ---- model (FSDP2, fp32 master weights) and optimizer
-    vis = vision.VisionIO.load(weights)  # a VL model's image plumbing
+    # a VL model's image plumbing, with the picture cap the trajectories' image expansions were made with; the saved
+    # processor carries it on to Step-GRPO and evaluation
+    vis = vision.VisionIO.load(weights, transcript.data_meta(args.data).get("max_pixels"))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
                                    lora=lora)

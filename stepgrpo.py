@@ -75,12 +75,16 @@ def get_args(argv=None):
                     help="teacher_prefix: gold = each question's golden trajectory (GoldPolicy, real retrieval); or a "
                          "synth.py folder (its train.jsonl, e.g. a teacher's: synth.py --teacher): the groups start from "
                          "its trajectories, and only its questions are trained on")
+    ap.add_argument("--dropped", default=None,
+                    help="a synth.py --teacher folder: train only on the questions its teacher sampled and its filter "
+                         "dropped (<folder>/train.errors.json), the ones SFT on its data never sees (extension; e.g. "
+                         "with --rollout onpolicy --step_reward labels)")
     ap.add_argument("--step_reward", default="teacher", choices=["teacher", "labels"],
-                    help="teacher_prefix: what a step is scored against: teacher = the prefix trajectory's own step "
-                         "(R1-Router: the teacher's sub-question, KB and answer); labels = what a multi-hop dataset "
-                         "labels: a search that retrieves a supporting document not found before, a stop once all are "
-                         "found, an intermediate answer against the answers of the hops its evidence newly holds "
-                         "(extension)")
+                    help="what a step is scored against: teacher = the prefix trajectory's own step (R1-Router: the "
+                         "teacher's sub-question, KB and answer; onpolicy: the gold decomposition's); labels = what a "
+                         "multi-hop dataset labels: a search that retrieves a supporting document not found before, a "
+                         "stop once all are found, an intermediate answer against the answers of the hops its evidence "
+                         "newly holds (extension)")
     ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (onpolicy only)")
     ap.add_argument("--balance_kb", action=argparse.BooleanOptionalAction, default=True,
                     help="scale route advantages by the inverse frequency of the gold route (extension)")
@@ -172,8 +176,10 @@ def check_args(args, world):
         if int(os.environ.get("RANK", 0)) == 0:
             print("note: --quant int8 uses --old_logprobs trainer (LLM.int8 quantises activations: the engine's bf16 "
                   "logprobs are not the trainer's)", flush=True)
-    if args.rollout == "onpolicy" and (args.prefixes != "gold" or args.step_reward != "teacher"):
-        sys.exit("error: --prefixes and --step_reward are teacher_prefix flags (--rollout onpolicy writes its own steps)")
+    if args.rollout == "onpolicy" and args.prefixes != "gold":
+        sys.exit("error: --prefixes is a teacher_prefix flag (--rollout onpolicy writes its own steps)")
+    if args.dropped and args.prefixes != "gold":
+        sys.exit("error: --dropped and --prefixes <folder> pick disjoint questions: give one")
     if args.rollout == "teacher_prefix" and args.reward == "outcome":
         sys.exit("error: --reward outcome needs --rollout onpolicy (a teacher_prefix group holds one step, no outcome)")
     if args.batch_questions % world:
@@ -224,12 +230,16 @@ def kb_balance(questions, max_steps, max_pairs=1):
     n = Counter(gold_route(g, t) for g in golds for t in range(min(len(reward.by_step(g)) + 1, max_steps)))
     return {c: sum(n.values()) / (len(n) * k) for c, k in n.items()}
 
-def span_rewards(x, encode, w):
+def span_rewards(x, encode, w, labels=False):
     """onpolicy: the reward of every policy span of trajectory x (in x["spans"] order) and its outcome R.
       route step t   reward.score_route (w_format [parses] + 0.5 cos(sub-question, gold's) + 0.5 [KB = gold KB], its
                      pairs matched to the gold steps of step t) + w_hit * the share of those gold docs retrieved at
                      step t; past the gold steps the gold is "stop" (sub-question None, no KB)
+                     labels: w_format + reward.label_route_reward (a search that retrieves a supporting document the
+                     trajectory had not found before, a stop once all are found)
       answer step t  w_format + answer_reward(answer, [gold intermediate answer(s), reward.group_answer])
+                     labels: against reward.label_answer_golds (the hops whose documents step t newly found; none:
+                     w_format alone)
       final answer   w_format
       outcome R      f1_recall(final, golds); 0 if any step failed to parse
     A span that fails to parse ends its trajectory and gets reward 0. A trajectory whose next step did not fit the
@@ -241,17 +251,29 @@ def span_rewards(x, encode, w):
             continue
         t, r = sp["step"], w.format
         g = gold[t] if t < len(gold) else []
-        if sp["kind"] == "route":
-            took = t < len(pred)  # else this route was the stop
+        took = t < len(pred)  # a route span past the searches was the stop
+        found, new = found_before(x, t), found_before(x, t + 1) - found_before(x, t)
+        if sp["kind"] == "route" and labels:
+            r += reward.label_route_reward(not took, new, x["gold_steps"], found)
+        elif sp["kind"] == "route":
             r = reward.score_route(reward.Route(ok=True, stop=not took, pairs=reward.pairs_of(pred[t]) if took else []),
                                    g, encode, w.format)
             if g and took:
-                found = {d for st in pred[t] for d in st["retrieved"]}
-                r += w.hit * float(np.mean([reward.retrieval_hit_reward(found, gs["doc_id"]) for gs in g]))
-        elif sp["kind"] == "answer" and g:
-            r += reward.answer_reward(pred[t][0]["answer"] or "", [reward.group_answer(g)])
+                hit = {d for st in pred[t] for d in st["retrieved"]}
+                r += w.hit * float(np.mean([reward.retrieval_hit_reward(hit, gs["doc_id"]) for gs in g]))
+        elif sp["kind"] == "answer":
+            golds = reward.label_answer_golds(new, x["gold_steps"], found) if labels else [reward.group_answer(g)] * bool(g)
+            r += reward.answer_reward(pred[t][0]["answer"] or "", golds) if golds else 0.0
         out.append(r)
     return out, (reward.f1_recall(x["final_answer"] or "", x["answers"]) if x["format_ok"] else 0.0)
+
+def load_dropped(folder):
+    """--dropped <folder>: the ids of the questions a synth.py --teacher run sampled and did not keep."""
+    path = Path(folder) / "train.errors.json"
+    try:
+        return set(json.loads(path.read_text())["dropped"])
+    except (OSError, ValueError, KeyError) as e:
+        raise corpus.DataError(f"{path}: no list of dropped questions (synth.py --teacher writes it): {e!r}")
 
 def load_prefixes(folder, tok, print0):
     """--prefixes <folder>: qid -> the trajectory of <folder>/train.jsonl (synth.py's rows: ids in the policy's
@@ -279,7 +301,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     stats["retrieve_s"] = sum(x["timings"]["retrieve"] for x in trajs)
     for g in range(len(qs)):
         group = trajs[g * args.group_size:(g + 1) * args.group_size]
-        scored = [span_rewards(x, encode, w) for x in group]
+        scored = [span_rewards(x, encode, w, args.step_reward == "labels") for x in group]
         scale = w.route_scale and {("route", t): w.route_scale[gold_route(group[0]["gold_steps"], t)]
                                    for t in range(args.max_steps)}
         adv = group_advantages([x["spans"] for x in group], [r for r, _ in scored], [o for _, o in scored],
@@ -628,7 +650,8 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
         state = trainutil.load_trainer_state(model, opt, start, args, print0)
         step, dev_hist = state["step"], state.get("dev", {})
     if args.engine == "hf":
-        engine = engines.HFEngine(weights, seed=args.seed + rank, max_len=args.max_model_len, device=device)
+        engine = engines.HFEngine(weights, seed=args.seed + rank, max_model_len=args.max_model_len,
+                                  max_pixels=args.max_pixels, device=device)
     else:
         trainutil.check_gpu_budget(model, opt, engines.VLLMEngine.GPU_FRACTION)
         engine = engines.VLLMEngine(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
@@ -661,16 +684,20 @@ def main(argv=None):
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(weights)
         store = load_prefixes(args.prefixes, tok, print0) if args.prefixes != "gold" else None
+        dropped = load_dropped(args.dropped) if args.dropped else None
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
     if store is not None:  # a teacher's trajectories: only the questions it kept are trained on
         questions = [q for q in questions if q["id"] in store]
         print0(f"--prefixes {args.prefixes}: {len(questions)} of its {len(store)} trajectories' questions are in --split")
+    if dropped is not None:
+        questions = [q for q in questions if q["id"] in dropped]
+        print0(f"--dropped {args.dropped}: {len(questions)} of its {len(dropped)} dropped questions are in --split")
     check_questions(questions, args)
     own_group = trainutil.init_group(world, args.timeout, device)
     encoder = retrievers.Encoder(device=device)  # all-MiniLM-L6-v2, for the sub-question cosine
-    vis = vision.VisionIO.load(weights)
-    files = vis.proc if vis else tok  # saved beside the weights: a VL model's processor, else the tokenizer
+    vis = vision.VisionIO.load(weights, args.max_pixels)
+    files = vis.proc if vis else tok  # saved beside the weights: a VL model's processor (with the cap), else the tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     torch.manual_seed(args.seed)
     random.seed(args.seed)

@@ -201,11 +201,13 @@ def to_r1router(x, system_route=rollout.SYSTEM_PROMPT, system_answer=rollout.DIR
 def slim(x):
     return {k: v for k, v in x.items() if k != "logprobs"}  # SFT needs ids + mask; sampling logprobs are RL's business
 
-def write_trajectories(out, split, trajs, tok, fmt):
-    """<out>/<split>.jsonl, and <out>/meta.json naming the tokenizer of their ids (sft.py refuses another's) and their
-    format (transcript.format_meta: sft.py passes it on to its checkpoints)."""
+def write_trajectories(out, split, trajs, tok, fmt, max_pixels=None):
+    """<out>/<split>.jsonl, and <out>/meta.json naming the tokenizer of their ids (sft.py refuses another's), their
+    format (transcript.format_meta: sft.py passes it on to its checkpoints) and a VL policy's picture cap (sft.py
+    builds its processor with it)."""
     corpus.write_jsonl(Path(out) / f"{split}.jsonl", [slim(x) for x in trajs])
-    corpus.write_atomic(Path(out) / transcript.META, json.dumps(dict(transcript.tokenizer_meta(tok), format=fmt)) + "\n")
+    meta = dict(transcript.tokenizer_meta(tok), format=fmt, max_pixels=max_pixels)
+    corpus.write_atomic(Path(out) / transcript.META, json.dumps(meta) + "\n")
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -242,6 +244,10 @@ if __name__ == "__main__":
     ap.add_argument("--limit", type=int, default=0, help="only the first N questions of each split (0 = all)")
     ap.add_argument("--offset", type=int, default=0,
                     help="skip the first N questions of each split (before --limit): e.g. those a teacher was trained on")
+    ap.add_argument("--max_pixels", type=int, default=None,
+                    help="VL policy: cap on a picture's pixels for the image expansions in the ids (sft.py trains with "
+                         "the same cap, read from meta.json; see stepgrpo.py --max_pixels); default: the processor's")
+    ap.add_argument("--max_model_len", type=int, default=engines.MAX_LEN, help="teacher mode: the engine's context")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     try:
@@ -255,7 +261,7 @@ if __name__ == "__main__":
         if not (Path(args.model) / "tokenizer_config.json").exists():
             sys.exit(f"error: {args.model}: no tokenizer there (run `python prepare.py` for the default)")
         tok = AutoTokenizer.from_pretrained(args.model)
-        vis = vision.VisionIO.load(args.model)  # a VL policy's transcripts hold the question image and retrieved pictures
+        vis = vision.VisionIO.load(args.model, args.max_pixels)  # a VL policy's transcripts hold the question image and retrieved pictures
         settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
                                     structure=args.structure, max_pairs=args.max_pairs, max_rets=args.max_rets,
                                     gold_think=args.gold_think)
@@ -264,12 +270,13 @@ if __name__ == "__main__":
             qs, ret = read_r1router(args.r1router)
             trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, max_pairs=args.max_pairs, think=args.gold_think), ret, qs,
                                     s=gold_settings)
-            write_trajectories(args.out, "train", trajs, tok, transcript.format_meta(args))
+            write_trajectories(args.out, "train", trajs, tok, transcript.format_meta(args), args.max_pixels)
             print(f"imported {len(trajs)} R1-Router trajectories ({sum(x['format_ok'] for x in trajs)} well-formed) -> {args.out}/train.jsonl")
             sys.exit(0)
         import retrievers
         ret = retrievers.make_retriever(args.retriever, args.data)
-        engine = engines.make_engine(args.backend, args.teacher, seed=args.seed) if args.teacher else None
+        engine = engines.make_engine(args.backend, args.teacher, seed=args.seed, max_model_len=args.max_model_len,
+                                     max_pixels=args.max_pixels) if args.teacher else None
         for split in args.splits:
             qs = corpus.load_questions(args.data, split)
             qs = qs[args.offset:args.offset + args.limit] if args.limit else qs[args.offset:]
@@ -282,12 +289,13 @@ if __name__ == "__main__":
                 teach = replace(settings, top_k=args.top_k, route_tries=args.tries, answer_tries=args.tries)
                 trajs, sampled, counts = teacher_trajectories(engine, ret, qs, args.n, teach, args.seed, args.filter)
                 report = "teacher filters: " + ", ".join(f"{k} {v}" for k, v in counts.items())
-                errors = dict(filters=counts, kept=error_report(trajs),
+                kept = {x["qid"] for x in trajs}  # dropped: the questions without a kept trajectory (stepgrpo.py --dropped)
+                errors = dict(filters=counts, dropped=[q["id"] for q in qs if q["id"] not in kept], kept=error_report(trajs),
                               sampled=error_report([x for x in sampled if x["format_ok"] and not x["overflow"]]))
-            write_trajectories(args.out, split, trajs, tok, transcript.format_meta(args))
+            write_trajectories(args.out, split, trajs, tok, transcript.format_meta(args), args.max_pixels)
             corpus.write_atomic(Path(args.out) / f"{split}.errors.json", json.dumps(errors, indent=1) + "\n")
             print(f"{split}: step mistakes against the world's gold (synth.step_errors), " + "; ".join(
-                f"{k}: " + ", ".join(f"{m} {v}" for m, v in e.items()) for k, e in errors.items() if k != "filters"))
+                f"{k}: " + ", ".join(f"{m} {v}" for m, v in e.items()) for k, e in errors.items() if k in ("kept", "sampled")))
             hits = [g["doc_id"] in s["retrieved"] for x in trajs for g, s in zip(x["gold_steps"], x["steps"])]
             print(f"{split}: {len(trajs)} trajectories ({report}); gold doc retrieved at {sum(hits) / max(1, len(hits)):.1%} "
                   f"of steps; {sum(sum(x['mask']) for x in trajs) / max(1, len(trajs)):.0f} policy tokens of "

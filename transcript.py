@@ -36,16 +36,21 @@ def check_tokenizer(data, tok, print0):
     """Trajectories are token ids: refuse those synth.py wrote with another tokenizer (<data>/meta.json), which would
     train on garbage. A folder without meta.json (older synth.py, written by hand) passes with a warning. Returns the
     trajectories' transcript.format_meta (None if unknown), which every checkpoint records."""
-    path = Path(data) / META
-    if not path.is_file():
-        print0(f"warning: {path} not found: cannot check that the trajectories hold {tok.name_or_path}'s token ids")
+    theirs, mine = data_meta(data), tokenizer_meta(tok)
+    if not theirs:
+        print0(f"warning: {Path(data) / META} not found: cannot check that the trajectories hold {tok.name_or_path}'s token ids")
         return None
-    theirs, mine = json.loads(path.read_text()), tokenizer_meta(tok)
     if theirs.get("vocab_sha256") != mine["vocab_sha256"]:
         raise DataError(f"{data}: trajectories tokenised by {theirs.get('tokenizer')} (vocab "
                                f"{theirs.get('vocab_sha256')}) but the policy's tokenizer is {mine['tokenizer']} (vocab "
                                f"{mine['vocab_sha256']}); run synth.py --model with the policy")
     return theirs.get("format")
+
+def data_meta(data):
+    """A trajectory folder's META ({} when it has none): the tokenizer, the format, and a VL policy's picture cap
+    (max_pixels: the image expansions in the ids were made with it, so the trainer's processor needs the same)."""
+    path = Path(data) / META
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 def check_format(model, args):
     """None, or a one-line error naming each flag of args that differs from what the policy in folder `model` was

@@ -142,6 +142,9 @@ def sentence_encoder(out, tok):
     tok.save_pretrained(out)
     return out
 
+CAP = 2 * 56 * 56  # the VL policy's picture cap (--max_pixels): above the tiny processor's own, so a checkpoint whose
+                   # processor carries it got it from the flag
+
 def world(out, text, vl):
     """A tiny world with BM25 indexes, and golden trajectories: text (train, dev) for the text policy, visual
     (visual_train, visual_dev as train, dev) for the VL one, each in its own tokenizer."""
@@ -158,12 +161,13 @@ def world(out, text, vl):
                                             n_visual_dev=4, n_visual_test=4, holdout=[], quiet=True))
     retrievers.build(data, methods=("bm25",), progress=False)
     ret = retrievers.Retriever(data, "bm25")
-    vis, tok = vision.VisionIO.load(vl), AutoTokenizer.from_pretrained(text)
+    vis, tok = vision.VisionIO.load(vl, CAP), AutoTokenizer.from_pretrained(text)
     for folder, t, v, splits in (("traj", tok, None, ("train", "dev")), ("vltraj", vis.tok, vis, ("visual_train", "visual_dev"))):
         for split, name in zip(splits, ("train", "dev")):
             qs = corpus.load_questions(data, split)[:16]
             synth.write_trajectories(out / folder, name, rollout.rollout(rollout.GoldPolicy(t, qs, v), ret, qs), t,
-                                     transcript.format_meta(rollout.Settings()))  # the defaults, as every check runs
+                                     transcript.format_meta(rollout.Settings()),  # the defaults, as every check runs
+                                     CAP if v else None)
     return data
 
 #### the checks
@@ -219,8 +223,14 @@ def checks(c):
         return check
 
     def visual():
+        import vision
         tune(c.vl, W / "vltraj", W / "visual-sft", 2)
-        return f"{c.vl_name}; " + step_grpo(W / "visual-sft" / "final", "hf", "visual-grpo", 1, "--split", "visual_train")()
+        note = step_grpo(W / "visual-sft" / "final", "hf", "visual-grpo", 1, "--split", "visual_train", "--max_pixels", CAP)()
+        if c.vl_name.startswith("Qwen"):  # sft.py takes the cap from the trajectories, stepgrpo.py from the flag; each saves it
+            caps = [vision.VisionIO(W / d / "final").proc.image_processor.size["longest_edge"] for d in ("visual-sft", "visual-grpo")]
+            assert caps == [CAP, CAP], f"saved processors' max_pixels {caps}, not {CAP}"
+            note += f", max_pixels {CAP} saved"
+        return f"{c.vl_name}; " + note
 
     return [("cuda", None if c.dry else cuda, "dry run"),
             ("sft", sft_run, None),

@@ -52,6 +52,20 @@ def test_trajectories_of_another_tokenizer_are_refused(tiny_model_dir, tmp_path,
     out = capsys.readouterr().out
     assert out.startswith("warning: ") and out.count("\n") == 1
 
+def test_a_picture_cap_goes_from_the_trajectories_to_training_and_an_engines_context_from_the_flag(tiny_model_dir, tmp_path):
+    # synth.py --max_pixels records the cap its image expansions were made with; sft.py builds its processor with it
+    # (transcript.data_meta), which the checkpoint saves (the Qwen2.5-VL round trip is runs/gpu_check.py's visual check:
+    # Idefics3, the CPU suite's VL policy, has no such cap). Both engines take --max_model_len and --max_pixels.
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    fmt = dict(gold_think="kb_last", structure="transcript", max_pairs=1, max_rets=1)
+    synth.write_trajectories(tmp_path / "capped", "train", [dict(ids=[1, 2], mask=[0, 1])], tok, fmt, 401408)
+    synth.write_trajectories(tmp_path / "text", "train", [dict(ids=[1, 2], mask=[0, 1])], tok, fmt)
+    assert transcript.data_meta(tmp_path / "capped")["max_pixels"] == 401408
+    assert transcript.data_meta(tmp_path / "text")["max_pixels"] is None and transcript.data_meta(tmp_path) == {}
+    engine = engines.make_engine("hf", tiny_model_dir, seed=0, max_model_len=1234, max_pixels=401408, device="cpu")
+    assert engine.max_len == 1234 and engine.vis is None  # a text policy: no processor to cap
+
 def test_flash_attn_only_for_bf16_compute_on_cuda(monkeypatch):
     cuda = torch.device("cuda", 0)  # a device object only: nothing is allocated
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))  # installed
