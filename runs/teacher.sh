@@ -16,28 +16,35 @@
 #                      rewards (against the teacher's sub-question, KB and intermediate answer; the gold final answer)
 #     grpo-labels      the same with label rewards (a search that finds a new supporting document, a stop once all
 #                      are found, intermediate answers against the hop answers; reward.label_*)
+#     grpo-dropped     (ARMS="... dropped") on-policy Step-GRPO with label rewards on the questions the filter dropped
+#                      (stepgrpo.py --dropped: what SFT on the kept trajectories never sees)
 #   each arm's checkpoint picked on the first DEV_N dev questions (the mean of F1-Recall and routing accuracy, greedy;
 #   the start is not a candidate) -> the first TEST_N test questions, greedy and --protocol released (R1-Router's
 #   sampled evaluation), sft with the ceilings -> paired intervals of each Step-GRPO arm against sft-cont and sft.
 # Resumable: a finished stage is skipped, an interrupted training stage continues from its last checkpoint.
 #   bash runs/teacher.sh                      # or: make teacher SEEDS="0 1"
 #   DEV_ONLY=1 bash runs/teacher.sh           # a dev screen: every arm trained and dev-picked, no test row
+#   HOLDOUT=3hop bash runs/teacher.sh         # the same in a world whose train and dev hold no 3-hop chain (corpus.py
+#                                             # --holdout; its test split is the default world's): out/teacher-no3hop
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-0}
 SFT_STEPS=${SFT_STEPS:-96} MORE=${MORE:-64} EVERY=${EVERY:-16} GRPO_STEPS=${GRPO_STEPS:-4}
-GRPO="--teacher_spans all --batch_questions 16 --lr 2e-5 --train_steps $GRPO_STEPS --save_every 2 --keep 3"
+GRPO="--batch_questions 16 --lr 2e-5 --train_steps $GRPO_STEPS --save_every 2 --keep 3"
 DEV_N=${DEV_N:-100} TEST_N=${TEST_N:-500}
 ARMS=${ARMS:-"teacher labels"}
-DATA=data/mini
+DATA=data/mini${HOLDOUT:+-no$HOLDOUT}
 TRAJ=$DATA/traj-teacher
-OUT=out/teacher
+OUT=out/teacher${HOLDOUT:+-no$HOLDOUT}
 start=$(date +%s)
 resume() { test -f "$1/latest" && echo --resume || true; }
-dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --split dev --n_questions $DEV_N --out $2; }
+dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --data $DATA --split dev --n_questions $DEV_N \
+  --out $2; }
 pick() { $PY -c "import json, sys; r = [next(iter(json.load(open(f)).values())) for f in sys.argv[2:]]
 s = [(x['f1_recall'] + x['routing_acc']) / 2 for x in r]; i = s.index(max(s)); print(sys.argv[1].split()[i], s[i])" "$@"; }
 
+test -f $DATA/world.json || $PY corpus.py --world mini --out $DATA ${HOLDOUT:+--holdout $HOLDOUT}
+test -f $DATA/index/meta.json || $PY retrievers.py build --data $DATA
 test -f $DATA/traj-seed48/train.jsonl || $PY synth.py --data $DATA --out $DATA/traj-seed48 --splits train --limit 48
 test -e $OUT/teacher/final || $PY sft.py --data $DATA/traj-seed48 --train_steps 36 --grad_accum 4 --eval_every 0 \
   --save_every 0 --keep 1 --out $OUT/teacher
@@ -48,8 +55,12 @@ for s in $SEEDS; do
   test -e $d/sft/final || $PY sft.py --data $TRAJ --seed $s --train_steps $SFT_STEPS --grad_accum 4 --eval_every 0 \
     --save_every $EVERY --keep 1 --out $d/sft $(resume $d/sft)
   for arm in $ARMS; do
-    test -e $d/grpo-$arm/final || $PY stepgrpo.py --data $DATA --model $d/sft/final --seed $s --prefixes $TRAJ \
-      --step_reward $arm $GRPO --eval_questions $DEV_N --out $d/grpo-$arm $(resume $d/grpo-$arm)
+    case $arm in
+      dropped) how="--rollout onpolicy --dropped $TRAJ --step_reward labels" ;;
+      *) how="--prefixes $TRAJ --teacher_spans all --step_reward $arm" ;;
+    esac
+    test -e $d/grpo-$arm/final || $PY stepgrpo.py --data $DATA --model $d/sft/final --seed $s $how $GRPO \
+      --eval_questions $DEV_N --out $d/grpo-$arm $(resume $d/grpo-$arm)
   done
   CANDS=$(seq $(( SFT_STEPS + EVERY )) $EVERY $(( SFT_STEPS + MORE )) | xargs)
   PY=$PY bash runs/sft_continue.sh $d/sft/final $d/sft-cont $MORE --data $TRAJ --grad_accum 4 --seed $s \
