@@ -593,6 +593,21 @@ def test_released_structure_trains_on_one_row_a_chat(tiny_index, encoder):
     assert len(seqs) == sum(len(x["spans"]) for x in golds[::2])
     assert all(tok.decode(s["ids"]).count("<|im_start|>system") == 1 for s in seqs)
 
+def test_onpolicy_groups_scored_by_labels(tiny_index, encoder):
+    # --rollout onpolicy --step_reward labels through the real loop and retrieval: the gold policy's search is right
+    # exactly when BM25 brings back a supporting document it had not found, its stop when all are found
+    import rollout
+    tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
+    args.rollout, args.step_reward = "onpolicy", "labels"
+    _, st = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)
+    want = []
+    for x in rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, 2, stepgrpo.settings(args)):
+        for t in [sp["step"] for sp in x["spans"] if sp["kind"] == "route"]:
+            todo = [g["doc_id"] for g in x["gold_steps"] if g["doc_id"] not in stepgrpo.found_before(x, t)]
+            searched = t < len(reward.by_step(x["steps"]))  # else the route was the stop
+            want.append(0.2 + (bool(set(todo) & stepgrpo.found_before(x, t + 1)) if searched else not todo))
+    assert st["route_r"] == pytest.approx(want) and 0.2 < np.mean(want) < 1.2
+
 def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, encoder):
     # an engine that, past the first step, re-asks the previous gold sub-question: exactly those route completions are
     # logged as re-asks and score below the gold's 1.2 (wrong sub-question and KB for this step)
