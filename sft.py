@@ -254,7 +254,7 @@ def main(argv=None):
         if state["args"]["seed"] != args.seed or state["global_batch"] != G:
             print0("warning: seed or global batch size changed: the data order does not continue the old run's")
     n_params, n_train = (sum(p.numel() for p in ps) for ps in (model.parameters(), params))
-    print0(f"{n_params / 1e6:.1f}M parameters ({n_train / 1e6:.2f}M trained), world {world} ({device.type}, {args.dtype}), {len(train)} train rows, "
+    print0(f"{n_params / 1e6:.1f}M parameters ({n_train / 1e6:.2f}M trained), world {world} ({trainutil.device_kind(device)}: {args.dtype}), {len(train)} train rows, "
            f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world}, {steps_per_epoch} steps/epoch, {total} steps")
     record = trainutil.Log(out, rank, step, resuming, args.wandb_mode, vars(args))
     bar = trainutil.progress(rank, total, step, "sft")

@@ -279,3 +279,11 @@ def test_device_cpu_keeps_every_part_off_a_gpu(monkeypatch, tiny_model_dir, tiny
         pass
     assert peak.gib["update"] > 0  # this process's resident memory
     assert "use --engine hf" in one_line_exit(engines.VLLMEngine, tiny_model_dir, 4096, "auto", 0, 0.5, 16, None, cpu)
+
+def test_a_run_names_the_vector_unit_its_speed_depends_on(monkeypatch):
+    # the first line of sft.py / stepgrpo.py: the CPU's capability and whether it has native bf16, or the GPU's name
+    kind = trainutil.device_kind(torch.device("cpu"))
+    assert kind.startswith(f"cpu, {torch.backends.cpu.get_cpu_capability()}")
+    assert ("+BF16" in kind) == torch.cpu._is_avx512_bf16_supported()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    assert trainutil.device_kind(torch.device("cuda", 0)) == "cuda, NVIDIA H100 80GB HBM3"
