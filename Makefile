@@ -112,9 +112,10 @@ gpu-check:
 # BENCH_MODEL=out/demo/sft/final: a policy that writes the transcript's step format runs whole trajectories
 # (each structure wants a policy trained on it: runs/released.sh benches both, each with its own SFT checkpoint)
 BENCH_MODEL ?= $(MODEL)
-bench: $(DATA)/index/meta.json $(MODEL)/config.json
+bench: $(DATA)/traj/train.jsonl $(MODEL)/config.json
 	$(PY) retrievers.py bench --data $(DATA) --methods dense bm25 hybrid
 	$(PY) bench_rollout.py --model $(BENCH_MODEL) --data $(DATA) --n_questions 32 -n 4
+	$(PY) bench_flops.py --model $(BENCH_MODEL) --data $(DATA)
 
 # Peak memory of each Step-GRPO phase (rollout, update, sync, checkpoint) per rank: 2 gloo ranks, 2 steps from the main
 # job's SFT checkpoint; the closing line prints it (on GPUs, the same stepgrpo.py command under torchrun there)

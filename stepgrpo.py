@@ -437,7 +437,8 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
 class Micro:
     """One micro-batch (grpo.collate): ids [B, T]; attn [B, T] padding or [B, 1, T, T] tree mask; pos [B, T] or None;
     sel [B, T-1] the positions predicting a policy token; old, adv, seq [N] over those N tokens (sampler logprob,
-    advantage, sequence index); pix the image inputs of a VL policy ({} else); weight 0 for a stand-in (no rows)."""
+    advantage, sequence index); pix the image inputs of a VL policy ({} else); weight 0 for a stand-in (no rows);
+    lengths: the rows' tokens without padding (what the update computes usefully: bench_flops.py)."""
     ids: torch.Tensor
     attn: torch.Tensor
     pos: torch.Tensor | None
@@ -447,6 +448,7 @@ class Micro:
     seq: torch.Tensor
     pix: dict
     weight: float
+    lengths: tuple = ()
 
 def scaled_loss(logp, old, ref_lp, m, denom, args, ent):
     """The one place the loss is scaled: (the loss to backprop, its part of the logged loss, kl, clipped). grpo_loss
@@ -476,7 +478,7 @@ def micro_batches(rows, args, pad_id, device, vis=None):
     chunks = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
     stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2)]  # no rows: nothing fit
     pixels = lambda m, ids: vis.pixels([s.get("images", []) for s in m], device, ids, always=True) if vis else {}
-    micro = [Micro(*c, pix=pixels(m or stand_in, c[0]), weight=float(bool(m)))
+    micro = [Micro(*c, pix=pixels(m or stand_in, c[0]), weight=float(bool(m)), lengths=tuple(len(s["ids"]) for s in m))
              for m in chunks for c in [collate(m or stand_in, pad_id, device)]]
     count = sum(sum(s["mask"]) for s in rows) if args.loss_norm == "token" else sum(s.get("n_seq", 1) for s in rows)
     denom = torch.tensor([count], dtype=torch.float64, device=device)
@@ -543,6 +545,9 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     with peak("update"):
         sums, grad_norm = update(model, ref, opt, micro, denom, args, vis.special_ids if vis else ())
     timing["update_s"] = time.perf_counter() - t
+    lengths = [n for m in micro for n in m.lengths]
+    timing.update(update_rows=len(lengths), update_tokens=sum(lengths),  # this rank's work (bench_flops.py)
+                  update_policy=sum(len(m.old) for m in micro if m.weight))
     t = time.perf_counter()
     with peak("sync"):
         engine.sync_weights(trainutil.policy_params(model))
