@@ -94,4 +94,14 @@ for s in $SEEDS; do
   for name in sft sft-cont $(printf "grpo-%s " $ARMS); do tables+=($OUT/s$s/{test,sampled}-$name/results.json); done
 done
 $PY evaluate.py --combine "${tables[@]}" --data $DATA --split test --out $OUT/table
+for arm in $ARMS; do  # over the seeds: one pair a seed, averaged, questions resampled together
+  for p in test sampled; do
+    for base in sft-cont sft; do
+      pairs=()
+      for s in $SEEDS; do pairs+=($OUT/s$s/$p-{$base,grpo-$arm}/trajectories-routed.jsonl); done
+      echo "$p, grpo-$arm - $base, seeds $SEEDS:"
+      $PY evaluate.py --paired "${pairs[@]}"
+    done
+  done
+done
 echo "teacher condition: $(( ($(date +%s) - start) / 60 )) min"
