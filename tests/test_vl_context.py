@@ -76,5 +76,28 @@ def test_step_grpo_flags_reach_the_engine(monkeypatch):
     assert made[-1]["max_model_len"] == 4096 and made[-1]["max_pixels"] is None
     setup(["--max_model_len", "8192", "--max_pixels", "401408"])
     assert made[-1]["max_model_len"] == 8192 and made[-1]["max_pixels"] == 401408
-    setup(["--engine", "hf", "--max_model_len", "8192"])
-    assert made[-1]["max_len"] == 8192
+    setup(["--engine", "hf", "--max_model_len", "8192", "--max_pixels", "401408"])  # the HF engine takes both too
+    assert made[-1]["max_model_len"] == 8192 and made[-1]["max_pixels"] == 401408
+
+def test_sft_and_the_hf_engine_take_the_cap(tiny_vl, tiny_index, tmp_path, processor_kwargs):
+    # synth.py --max_pixels records the cap its image expansions were made with (meta.json); sft.py builds its
+    # processor with it, whose saved config carries it on (Qwen2.5-VL: runs/gpu_check.py's visual check); the HF
+    # engine takes --max_pixels like vLLM's
+    import corpus
+    import retrievers
+    import rollout
+    import sft
+    import synth
+    import transcript
+    vis = vision.VisionIO.load(tiny_vl)
+    qs = corpus.load_questions(tiny_index, "visual_train")[:4]
+    trajs = rollout.rollout(rollout.GoldPolicy(vis.tok, qs, vis), retrievers.Retriever(tiny_index, "bm25"), qs)
+    synth.write_trajectories(tmp_path / "traj", "train", trajs, vis.tok, transcript.format_meta(rollout.Settings()), 401408)
+    processor_kwargs.clear()
+    sft.main([str(a) for a in ["--model", tiny_vl, "--data", tmp_path / "traj", "--out", tmp_path / "sft", "--train_steps",
+                               1, "--grad_accum", 1, "--eval_every", 0, "--save_every", 0, "--dtype", "fp32",
+                               "--wandb_mode", "disabled"]])
+    assert {"max_pixels": 401408} in processor_kwargs
+    processor_kwargs.clear()
+    engines.HFEngine(tmp_path / "sft" / "final", max_pixels=401408)
+    assert processor_kwargs == [{"max_pixels": 401408}]
