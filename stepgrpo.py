@@ -252,7 +252,8 @@ def span_rewards(x, encode, w, labels=False):
         t, r = sp["step"], w.format
         g = gold[t] if t < len(gold) else []
         took = t < len(pred)  # a route span past the searches was the stop
-        found, new = found_before(x, t), found_before(x, t + 1) - found_before(x, t)
+        found = found_before(x, t)
+        new = found_before(x, t + 1) - found
         if sp["kind"] == "route" and labels:
             r += reward.label_route_reward(not took, new, x["gold_steps"], found)
         elif sp["kind"] == "route":
