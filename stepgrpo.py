@@ -404,7 +404,8 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
         todo = [t for t, f in zip(todo, fit) if f]  # a prefix with no room for the step: no group
         outs = engine.generate([prefix for _, _, prefix, _ in todo for _ in range(args.group_size)],
                                max_tok, args.temperature, 1.0, stop, seed,
-                               images=[images for *_, images in todo for _ in range(args.group_size)])
+                               images=[images for *_, images in todo for _ in range(args.group_size)],
+                               keys=[rollout.turn_key(x, sp) for x, sp, *_ in todo for _ in range(args.group_size)])
         groups = [outs[k * args.group_size:(k + 1) * args.group_size] for k in range(len(todo))]
         texts = [[engine.tok.decode(ids, skip_special_tokens=True) for ids, _ in g] for g in groups]
         hits = [[set()] * args.group_size for _ in todo]

@@ -111,6 +111,22 @@ def test_a_trajectory_that_outgrows_the_context_ends_alone(tiny_index, retriever
         else:
             assert y["overflow"] and "exceed the engine's max_len" in y["error"] and y["ids"] == []
 
+def test_gold_policy_writes_at_a_stored_prefix_what_the_loop_wrote_there(tiny_index, retriever, hf_engine):
+    # the policy turn a key names is the whole of GoldPolicy's state: asked at every prefix of a gold trajectory (either
+    # structure, a 3-step cap that forces some final answers early) by turn_key, it writes the span the loop wrote there
+    tok = hf_engine.tok
+    qs = corpus.load_questions(tiny_index, "train")[:12]
+    for s in (rollout.Settings(), rollout.Settings(structure="released"), rollout.Settings(max_steps=1)):
+        eng = rollout.GoldPolicy(tok, qs)
+        trajs = rollout.rollout(eng, retriever, qs, s=s)
+        for x, sp, ids, _ in rollout.span_prefixes(trajs):
+            stop = ["</answer>"] if sp["kind"] != "route" else rollout.route_stop(tok, s)[0]
+            (out, _), = eng.generate([ids], 1024, stop=stop, keys=[rollout.turn_key(x, sp)])
+            assert out == x["ids"][sp["start"]:sp["end"]]
+        assert any(len(x["steps"]) < len(q["steps"]) for q, x in zip(qs, trajs)) == (s.max_steps == 1)
+    with pytest.raises(ValueError, match="pass keys"):
+        eng.generate([ids], 8, stop=stop)
+
 def test_released_structure_gives_each_step_its_own_chat(tiny_index, retriever, hf_engine):
     # R1-Router's released structure through the real loop: the gold policy's steps and answers are unchanged, and each
     # step is one chat: routing holds the question and earlier pairs but no passages, answering holds the passages and
@@ -166,8 +182,8 @@ def test_the_progress_bar_counts_finished_trajectories(tiny_index, retriever, hf
 
 def test_show_prints_what_the_model_wrote_where_the_format_broke(tiny_index, retriever, hf_engine, capsys):
     class Rambler(rollout.GoldPolicy):  # writes prose instead of the routing step
-        def step_text(self, q, n_routes, n_answers, phase, stopped):
-            return "I think the answer is Paris." if phase == "route" else super().step_text(q, n_routes, n_answers, phase, stopped)
+        def step_text(self, q, turn, phase):
+            return "I think the answer is Paris." if phase == "route" else super().step_text(q, turn, phase)
     qs = corpus.load_questions(tiny_index, "dev")[:1]
     x = rollout.rollout(Rambler(hf_engine.tok, qs), retriever, qs)[0]
     assert not x["format_ok"]
@@ -353,16 +369,15 @@ class Flaky(rollout.GoldPolicy):
         super().__init__(tok, questions)
         self.bad, self.attempts, self.prompts = bad, {}, []
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None):
-        good, out = super().generate(prompts, max_tokens, temperature, top_p, stop, seed), []
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
+                 keys=None):
+        good, out = super().generate(prompts, max_tokens, temperature, top_p, stop, seed, keys=keys), []
         phase = "route" if "</ret>" in stop else "answer"
-        for p, g in zip(prompts, good):
-            text = self.tok.decode(p)
-            self.prompts.append(text)
-            key = (text.split("<|im_start|>user\n")[1][:60], text.count("</ret>"), text.count("</answer>"), phase)
-            self.attempts[key] = self.attempts.get(key, 0) + 1
+        for p, g, (i, _, turn) in zip(prompts, good, keys):
+            self.prompts.append(self.tok.decode(p))
+            self.attempts[i, turn, phase] = self.attempts.get((i, turn, phase), 0) + 1
             out.append((self.tok.encode("I am not sure.", add_special_tokens=False), [0.0] * 4)
-                       if self.attempts[key] <= self.bad[phase] else g)
+                       if self.attempts[i, turn, phase] <= self.bad[phase] else g)
         return out
 
 def test_released_evaluation_retries_reminds_and_falls_back(tiny_index, retriever, hf_engine):

@@ -614,11 +614,11 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
     import rollout
 
     class Reasker(rollout.GoldPolicy):
-        def step_text(self, q, n_routes, n_answers, phase, stopped):
-            if phase == "route" and n_routes > 0:
-                g = q["steps"][n_routes - 1]
+        def step_text(self, q, turn, phase):
+            if phase == "route" and turn > 0:
+                g = q["steps"][turn // 2 - 1]
                 return reward.format_route(self.WHY[g["kb"]], [(g["sub_question"], g["kb"])])
-            return super().step_text(q, n_routes, n_answers, phase, stopped)
+            return super().step_text(q, turn, phase)
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
     st = stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)[1]
     later = [sp["step"] > 0 for _, sp, _, _ in prefixes if sp["kind"] == "route" for _ in range(2)]
@@ -788,12 +788,12 @@ def test_teacher_written_prefixes_score_against_the_teacher_or_the_labels(tiny_i
     import rollout
 
     class WrongFirstKB(rollout.GoldPolicy):
-        def step_text(self, q, n_routes, n_answers, phase, stopped):
-            if phase == "route" and n_routes == 0 and q["steps"]:
+        def step_text(self, q, turn, phase):
+            if phase == "route" and turn == 0 and q["steps"]:
                 g = q["steps"][0]
                 kb = "table" if g["kb"] == "text" else "text"
                 return reward.format_route(self.NEXT, [(g["sub_question"], kb)])
-            return super().step_text(q, n_routes, n_answers, phase, stopped)
+            return super().step_text(q, turn, phase)
     tok, qs, ret, args, _ = teacher_setup(tiny_index)
     teacher = rollout.rollout(WrongFirstKB(tok, qs), ret, qs, 1, rollout.Settings(route_tokens=1024, answer_tokens=1024))
     store = {x["qid"]: x for x in teacher}
