@@ -26,6 +26,8 @@
 #   DEV_ONLY=1 bash runs/teacher.sh           # a dev screen: every arm trained and dev-picked, no test row
 #   HOLDOUT=3hop bash runs/teacher.sh         # the same in a world whose train and dev hold no 3-hop chain (corpus.py
 #                                             # --holdout; its test split is the default world's): out/teacher-no3hop
+#   FROM=sft-cont bash runs/teacher.sh        # every Step-GRPO arm and a new SFT-continued control start from
+#                                             # sft-cont's dev pick, not from sft: <seed>/from-sft-cont, rows cont-*
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-0}
@@ -33,6 +35,7 @@ SFT_STEPS=${SFT_STEPS:-96} MORE=${MORE:-64} EVERY=${EVERY:-16} GRPO_STEPS=${GRPO
 GRPO="--batch_questions 16 --lr 2e-5 --train_steps $GRPO_STEPS --save_every 2 --keep 3"
 DEV_N=${DEV_N:-100} TEST_N=${TEST_N:-500}
 ARMS=${ARMS:-"teacher labels"}
+FROM=${FROM:-sft}
 DATA=data/mini${HOLDOUT:+-no$HOLDOUT}
 TRAJ=$DATA/traj-teacher
 OUT=out/teacher${HOLDOUT:+-no$HOLDOUT}
@@ -42,6 +45,18 @@ dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed -
   --out $2; }
 pick() { $PY -c "import json, sys; r = [next(iter(json.load(open(f)).values())) for f in sys.argv[2:]]
 s = [(x['f1_recall'] + x['routing_acc']) / 2 for x in r]; i = s.index(max(s)); print(sys.argv[1].split()[i], s[i])" "$@"; }
+arms() { test $FROM = sft && echo $1 || echo $1/from-$FROM; }  # where a seed's Step-GRPO arms and their control go
+continue_sft() {  # START OUT SEED: SFT-continued from START (MORE steps, a checkpoint every EVERY), dev-picked -> OUT/best
+  local k files=() cands
+  k=$(basename "$(readlink -f $1)")
+  cands=$(seq $(( ${k#step_} + EVERY )) $EVERY $(( ${k#step_} + MORE )) | xargs)
+  PY=$PY bash runs/sft_continue.sh $1 $2 $MORE --data $TRAJ --grad_accum 4 --seed $3 --eval_every 0 \
+    --save_every $EVERY --keep $(wc -w <<< "$cands")
+  test -e $2/best && return  # the dev pick, the earliest of equal scores (as stepgrpo.py's <out>/best)
+  for k in $cands; do dev $2/step_$k $(dirname $2)/dev-sft-cont-$k; files+=($(dirname $2)/dev-sft-cont-$k/results.json); done
+  read k top <<< "$(pick "$cands" "${files[@]}")"
+  ln -sfn step_$k $2/best && echo "SFT-continued dev-picked: $2 step $k ($top)"
+}
 
 test -f $DATA/world.json || $PY corpus.py --world mini --out $DATA ${HOLDOUT:+--holdout $HOLDOUT}
 test -f $DATA/index/meta.json || $PY retrievers.py build --data $DATA
@@ -54,36 +69,32 @@ for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $TRAJ --seed $s --train_steps $SFT_STEPS --grad_accum 4 --eval_every 0 \
     --save_every $EVERY --keep 1 --out $d/sft $(resume $d/sft)
+  continue_sft $d/sft/final $d/sft-cont $s
+  a=$(arms $d) start=$d/sft/final
+  if test $FROM = sft-cont; then start=$d/sft-cont/best; continue_sft $start $a/sft-cont $s; fi
   for arm in $ARMS; do
     case $arm in
       dropped) how="--rollout onpolicy --dropped $TRAJ --step_reward labels" ;;
       *) how="--prefixes $TRAJ --teacher_spans all --step_reward $arm" ;;
     esac
-    test -e $d/grpo-$arm/final || $PY stepgrpo.py --data $DATA --model $d/sft/final --seed $s $how $GRPO \
-      --eval_questions $DEV_N --out $d/grpo-$arm $(resume $d/grpo-$arm)
+    test -e $a/grpo-$arm/final || $PY stepgrpo.py --data $DATA --model $start --seed $s $how $GRPO \
+      --eval_questions $DEV_N --out $a/grpo-$arm $(resume $a/grpo-$arm)
   done
-  CANDS=$(seq $(( SFT_STEPS + EVERY )) $EVERY $(( SFT_STEPS + MORE )) | xargs)
-  PY=$PY bash runs/sft_continue.sh $d/sft/final $d/sft-cont $MORE --data $TRAJ --grad_accum 4 --seed $s \
-    --eval_every 0 --save_every $EVERY --keep $(wc -w <<< "$CANDS")
-  if ! test -e $d/sft-cont/best; then  # the dev pick, the earliest of equal scores (as stepgrpo.py's <out>/best)
-    files=()
-    for k in $CANDS; do dev $d/sft-cont/step_$k $d/dev-sft-cont-$k; files+=($d/dev-sft-cont-$k/results.json); done
-    read best top <<< "$(pick "$CANDS" "${files[@]}")"
-    ln -sfn step_$best $d/sft-cont/best && echo "SFT-continued dev-picked: step $best ($top)"
-  fi
   test -z "${DEV_ONLY:-}" || continue
-  for arm in "sft:final:routed oracle gold_steps" sft-cont:best:routed $(printf "grpo-%s:best:routed " $ARMS); do
-    IFS=: read name ck methods <<< "$arm"
-    test -f $d/test-$name/results.json || $PY evaluate.py --model $d/$name/$ck --name $name@s$s --methods $methods \
-      --data $DATA --split test --n_questions $TEST_N --out $d/test-$name
-    test -f $d/sampled-$name/results.json || $PY evaluate.py --model $d/$name/$ck --name $name@s$s --methods routed \
-      --protocol released --data $DATA --split test --n_questions $TEST_N --out $d/sampled-$name
+  for row in "$d/sft:final:routed oracle gold_steps" $a/sft-cont:best:routed $(printf "$a/grpo-%s:best:routed " $ARMS); do
+    IFS=: read run ck methods <<< "$row"
+    at=$(dirname $run) name=$(basename $run)
+    tag=$(test $at = $d || echo cont-)$name@s$s
+    test -f $at/test-$name/results.json || $PY evaluate.py --model $run/$ck --name $tag --methods $methods \
+      --data $DATA --split test --n_questions $TEST_N --out $at/test-$name
+    test -f $at/sampled-$name/results.json || $PY evaluate.py --model $run/$ck --name $tag --methods routed \
+      --protocol released --data $DATA --split test --n_questions $TEST_N --out $at/sampled-$name
   done
   for arm in $ARMS; do
     for p in test sampled; do
-      for base in sft-cont sft; do
-        echo "$p, grpo-$arm - $base:"
-        $PY evaluate.py --paired $d/$p-$base/trajectories-routed.jsonl $d/$p-grpo-$arm/trajectories-routed.jsonl
+      for base in $a/$p-sft-cont $d/$p-sft; do
+        echo "$p, $a/grpo-$arm - $base:"
+        $PY evaluate.py --paired $base/trajectories-routed.jsonl $a/$p-grpo-$arm/trajectories-routed.jsonl
       done
     done
   done
@@ -91,15 +102,20 @@ done
 test -z "${DEV_ONLY:-}" || { echo "teacher condition, dev screen: $(( ($(date +%s) - start) / 60 )) min"; exit 0; }
 tables=()
 for s in $SEEDS; do
-  for name in sft sft-cont $(printf "grpo-%s " $ARMS); do tables+=($OUT/s$s/{test,sampled}-$name/results.json); done
+  a=$(arms $OUT/s$s)
+  tables+=($OUT/s$s/{test,sampled}-sft/results.json)
+  for name in sft-cont $(printf "grpo-%s " $ARMS); do tables+=($a/{test,sampled}-$name/results.json); done
 done
-$PY evaluate.py --combine "${tables[@]}" --data $DATA --split test --out $OUT/table
+$PY evaluate.py --combine "${tables[@]}" --data $DATA --split test --out $OUT/table${FROM#sft}
 for arm in $ARMS; do  # over the seeds: one pair a seed, averaged, questions resampled together
   for p in test sampled; do
     for base in sft-cont sft; do
       pairs=()
-      for s in $SEEDS; do pairs+=($OUT/s$s/$p-{$base,grpo-$arm}/trajectories-routed.jsonl); done
-      echo "$p, grpo-$arm - $base, seeds $SEEDS:"
+      for s in $SEEDS; do
+        a=$(arms $OUT/s$s)
+        pairs+=($(test $base = sft && echo $OUT/s$s || echo $a)/$p-$base/trajectories-routed.jsonl $a/$p-grpo-$arm/trajectories-routed.jsonl)
+      done
+      echo "$p, grpo-$arm - $base, seeds $SEEDS (from $FROM):"
       $PY evaluate.py --paired "${pairs[@]}"
     done
   done
