@@ -474,14 +474,19 @@ def open_hops(gold_steps: list[dict], found) -> list[dict]:
     return [g for g in gold_steps if g["doc_id"] not in found]
 
 
-def label_route_reward(stop: bool, retrieved, gold_steps: list[dict], found) -> float:
+def label_route_reward(stop: bool, retrieved, gold_steps: list[dict], found, kbs=None) -> float:
     """[the routing step makes progress]: a search whose evidence (`retrieved` doc ids) holds a supporting document
     not found before, or a stop once every supporting document is found. The KB is checked through the evidence
-    (a document lives in one KB), the sub-question through what it retrieves, whatever its wording."""
+    (a document lives in one KB), the sub-question through what it retrieves, whatever its wording.
+    kbs (the KBs a search named; stepgrpo --step_reward labels_kb): R1-Router's two halves, from the labels instead
+    of the teacher's step: 0.5 [a named KB holds a hop not found yet] + 0.5 [progress]; a stop scores as above. A
+    search in the right KB whose sub-question misses the document still earns its half, where the whole-step reward
+    gives it what a wrong stop gets: past the first hop a weak policy's searches rarely find the next document."""
     todo = open_hops(gold_steps, found)
     if stop:
         return float(not todo)
-    return float(any(g["doc_id"] in retrieved for g in todo))
+    progress = float(any(g["doc_id"] in retrieved for g in todo))
+    return progress if kbs is None else 0.5 * bool(set(kbs) & {g["kb"] for g in todo}) + 0.5 * progress
 
 
 def label_answer_golds(retrieved, gold_steps: list[dict], found) -> list[str]:

@@ -79,12 +79,13 @@ def get_args(argv=None):
                     help="a synth.py --teacher folder: train only on the questions its teacher sampled and its filter "
                          "dropped (<folder>/train.errors.json), the ones SFT on its data never sees (extension; e.g. "
                          "with --rollout onpolicy --step_reward labels)")
-    ap.add_argument("--step_reward", default="teacher", choices=["teacher", "labels"],
+    ap.add_argument("--step_reward", default="teacher", choices=["teacher", "labels", "labels_kb"],
                     help="what a step is scored against: teacher = the prefix trajectory's own step (R1-Router: the "
                          "teacher's sub-question, KB and answer; onpolicy: the gold decomposition's); labels = what a "
                          "multi-hop dataset labels: a search that retrieves a supporting document not found before, a "
                          "stop once all are found, an intermediate answer against the answers of the hops its evidence "
-                         "newly holds (extension)")
+                         "newly holds; labels_kb = labels with R1-Router's halves on a search: 0.5 for naming the KB of "
+                         "a hop not found yet + 0.5 for finding its document (extensions)")
     ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (onpolicy only)")
     ap.add_argument("--balance_kb", action=argparse.BooleanOptionalAction, default=True,
                     help="scale route advantages by the inverse frequency of the gold route (extension)")
@@ -230,13 +231,14 @@ def kb_balance(questions, max_steps, max_pairs=1):
     n = Counter(gold_route(g, t) for g in golds for t in range(min(len(reward.by_step(g)) + 1, max_steps)))
     return {c: sum(n.values()) / (len(n) * k) for c, k in n.items()}
 
-def span_rewards(x, encode, w, labels=False):
+def span_rewards(x, encode, w, step_reward="teacher"):
     """onpolicy: the reward of every policy span of trajectory x (in x["spans"] order) and its outcome R.
       route step t   reward.score_route (w_format [parses] + 0.5 cos(sub-question, gold's) + 0.5 [KB = gold KB], its
                      pairs matched to the gold steps of step t) + w_hit * the share of those gold docs retrieved at
                      step t; past the gold steps the gold is "stop" (sub-question None, no KB)
                      labels: w_format + reward.label_route_reward (a search that retrieves a supporting document the
-                     trajectory had not found before, a stop once all are found)
+                     trajectory had not found before, a stop once all are found; labels_kb: half of it for naming
+                     the KB of a hop not found yet)
       answer step t  w_format + answer_reward(answer, [gold intermediate answer(s), reward.group_answer])
                      labels: against reward.label_answer_golds (the hops whose documents step t newly found; none:
                      w_format alone)
@@ -245,6 +247,7 @@ def span_rewards(x, encode, w, labels=False):
     A span that fails to parse ends its trajectory and gets reward 0. A trajectory whose next step did not fit the
     context (overflow) keeps the rewards of the spans it wrote and has no final answer (R = 0)."""
     gold, pred, out = reward.by_step(x["gold_steps"]), reward.by_step(x["steps"]), []
+    labels = step_reward != "teacher"
     for j, sp in enumerate(x["spans"]):
         if not x["format_ok"] and j == len(x["spans"]) - 1:  # the span that failed to parse
             out.append(0.0)
@@ -255,7 +258,8 @@ def span_rewards(x, encode, w, labels=False):
         found = found_before(x, t)
         new = found_before(x, t + 1) - found
         if sp["kind"] == "route" and labels:
-            r += reward.label_route_reward(not took, new, x["gold_steps"], found)
+            r += reward.label_route_reward(not took, new, x["gold_steps"], found,
+                                           [st["kb"] for st in pred[t]] if took and step_reward == "labels_kb" else None)
         elif sp["kind"] == "route":
             r = reward.score_route(reward.Route(ok=True, stop=not took, pairs=reward.pairs_of(pred[t]) if took else []),
                                    g, encode, w.format)
@@ -302,7 +306,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     stats["retrieve_s"] = sum(x["timings"]["retrieve"] for x in trajs)
     for g in range(len(qs)):
         group = trajs[g * args.group_size:(g + 1) * args.group_size]
-        scored = [span_rewards(x, encode, w, args.step_reward == "labels") for x in group]
+        scored = [span_rewards(x, encode, w, args.step_reward) for x in group]
         scale = w.route_scale and {("route", t): w.route_scale[gold_route(group[0]["gold_steps"], t)]
                                    for t in range(args.max_steps)}
         adv = group_advantages([x["spans"] for x in group], [r for r, _ in scored], [o for _, o in scored],
@@ -353,7 +357,7 @@ def score_group(kind, x, sp, texts, hits, args, encode, w, stats):
     against (--balance_kb). --step_reward teacher: against the prefix trajectory's own step (R1-Router: the
     teacher's; for gold prefixes the gold's); labels: reward.label_* against the gold hops, given what the prefix
     found before this step; the final answer against the gold answers either way."""
-    t, labels = sp["step"], args.step_reward == "labels"
+    t, labels = sp["step"], args.step_reward != "teacher"
     mine = reward.by_step(x["steps"])
     target = mine[t] if t < len(mine) else []  # []: the prefix trajectory stops here
     found = found_before(x, t)
@@ -365,7 +369,8 @@ def score_group(kind, x, sp, texts, hits, args, encode, w, stats):
             p = reward.parse_route(text, args.max_pairs, args.max_rets)
             kbs = (("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))) if p.ok else None
             ok_kb = bool(set(kbs) & right) if labels and p.ok else kbs == route_kbs(x["steps"], t)
-            r = (w.format + reward.label_route_reward(p.stop, hits[i], x["gold_steps"], found)) * p.ok if labels \
+            named = kbs if args.step_reward == "labels_kb" and p.ok and not p.stop else None
+            r = (w.format + reward.label_route_reward(p.stop, hits[i], x["gold_steps"], found, named)) * p.ok if labels \
                 else reward.score_route(p, target, encode, w.format)
             stats["route_r"].append(r)
             choices.append(kbs)
@@ -409,7 +414,7 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
         groups = [outs[k * args.group_size:(k + 1) * args.group_size] for k in range(len(todo))]
         texts = [[engine.tok.decode(ids, skip_special_tokens=True) for ids, _ in g] for g in groups]
         hits = [[set()] * args.group_size for _ in todo]
-        if kind == "route" and args.step_reward == "labels":
+        if kind == "route" and args.step_reward != "teacher":
             t1 = time.perf_counter()
             hits = label_search(retriever, todo, [[reward.parse_route(tx, args.max_pairs, args.max_rets) for tx in g]
                                                   for g in texts], args)

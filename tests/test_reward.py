@@ -537,6 +537,12 @@ def test_label_rewards_score_progress_on_the_supporting_documents():
     # a stop is right exactly when every supporting document is found
     assert label_route_reward(True, [], hops, {"t1", "b2"}) == 1.0 and label_route_reward(True, [], hops, {"t1"}) == 0.0
     assert label_route_reward(True, [], [], set()) == 1.0               # a question that needs no retrieval
+    # labels_kb: half for naming the KB of a hop not found yet, half for finding its document
+    assert label_route_reward(False, ["t7"], hops, {"t1"}, kbs=["table"]) == 0.5   # hop 2's KB, its document missed
+    assert label_route_reward(False, ["b2"], hops, {"t1"}, kbs=["table"]) == 1.0
+    assert label_route_reward(False, ["t7"], hops, {"t1"}, kbs=["text"]) == 0.0    # hop 1's KB, already found
+    assert label_route_reward(False, ["t1"], hops, {"t1", "b2"}, kbs=["text"]) == 0.0  # nothing left to find
+    assert label_route_reward(True, [], hops, {"t1"}, kbs=None) == 0.0
     # the intermediate answer is checked against the hops the step newly found; nothing new: no label
     assert label_answer_golds(["t1", "b2"], hops, set()) == ["Uldoria", "Suldor"]
     assert label_answer_golds(["t1", "b2"], hops, {"t1"}) == ["Suldor"] and label_answer_golds(["t1"], hops, {"t1"}) == []

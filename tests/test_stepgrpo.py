@@ -147,11 +147,18 @@ def test_span_rewards_from_labels():
               dict(sub_question="Who founded Y again?", kb="table", retrieved=["d2"], answer="Ly Normi"),  # a re-find
               dict(sub_question="Where is X?", kb="text", retrieved=["d1"], answer="Norway")],  # the 1st, answered wrong
              spans, "Ly Normi")
-    r, outcome = stepgrpo.span_rewards(x, enc, w, labels=True)
+    r, outcome = stepgrpo.span_rewards(x, enc, w, "labels")
     assert r == pytest.approx([1.2, 1.2, 0.2, 0.2, 1.2, 0.2, 1.2, 0.2]) and outcome == 1.0
     early = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria")],
                  [("route", 0), ("answer", 0), ("route", 1), ("final", 1)], "Uldoria")
-    assert stepgrpo.span_rewards(early, enc, w, labels=True)[0] == pytest.approx([1.2, 1.2, 0.2, 0.2])  # d2 still open
+    assert stepgrpo.span_rewards(early, enc, w, "labels")[0] == pytest.approx([1.2, 1.2, 0.2, 0.2])  # d2 still open
+    # labels_kb: the re-find (table, nothing new: d1's KB is text) earns nothing; a text search that misses d1 earns half
+    assert stepgrpo.span_rewards(x, enc, w, "labels_kb")[0] == pytest.approx([1.2, 1.2, 0.2, 0.2, 1.2, 0.2, 1.2, 0.2])
+    miss = traj([dict(sub_question="Who founded Y?", kb="table", retrieved=["d2"], answer="Ly Normi"),
+                 dict(sub_question="Where?", kb="text", retrieved=["d7"], answer="Norway")],
+                [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("final", 2)], "Ly Normi")
+    assert stepgrpo.span_rewards(miss, enc, w, "labels_kb")[0] == pytest.approx([1.2, 1.2, 0.7, 0.2, 0.2, 0.2])
+    assert stepgrpo.span_rewards(miss, enc, w, "labels")[0] == pytest.approx([1.2, 1.2, 0.2, 0.2, 0.2, 0.2])
 
 def test_dropped_questions_come_from_the_teachers_filter_report(tmp_path):
     (tmp_path / "train.errors.json").write_text(json.dumps(dict(filters={}, dropped=["q2", "q5"], kept={})))
@@ -808,18 +815,25 @@ def test_teacher_written_prefixes_score_against_the_teacher_or_the_labels(tiny_i
     args.step_reward = "labels"
     st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(),
                                        seed=0, store=store)[1]
-    want = []
+    want, kb_half = [], []
     for x, sp in routes:
         found, gold = stepgrpo.found_before(x, sp["step"]), reward.by_step(x["gold_steps"])
         if sp["step"] < len(gold):  # the engine searches the gold step: progress iff that finds an open hop's document
             g = gold[sp["step"]][0]
             hits = {d["id"] for d in ret.search([g["sub_question"]], g["kb"], args.topk)[0]}
-            want += [0.2 + any(h["doc_id"] in hits for h in reward.open_hops(x["gold_steps"], found))] * 2
+            todo = reward.open_hops(x["gold_steps"], found)
+            want += [0.2 + any(h["doc_id"] in hits for h in todo)] * 2
+            kb_half += [0.5 * any(h["kb"] == g["kb"] for h in todo)] * 2
         else:  # the engine stops: right iff the teacher's prefix found every supporting document
             want += [0.2 + (not reward.open_hops(x["gold_steps"], found))] * 2
+            kb_half += [None] * 2
     assert st["route_r"] == pytest.approx(want)
     assert max(r for r, f in zip(st["route_r"], first) if f) == pytest.approx(1.2)  # the right KB is rewarded now
     assert [a for a, f in zip(st["kb_acc"], first) if f] == [1.0] * sum(first)
+    args.step_reward = "labels_kb"  # a search: half for an open hop's KB, half for its document; a stop as before
+    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(),
+                                       seed=0, store=store)[1]
+    assert st["route_r"] == pytest.approx([r if k is None else 0.2 + k + 0.5 * (r - 0.2) for r, k in zip(want, kb_half)])
 
 def test_prefixes_folder_must_hold_synth_trajectories(tmp_path):
     from transformers import AutoTokenizer
