@@ -70,14 +70,14 @@ for s in $SEEDS; do
   test -e $d/sft/final || $PY sft.py --data $TRAJ --seed $s --train_steps $SFT_STEPS --grad_accum 4 --eval_every 0 \
     --save_every $EVERY --keep 1 --out $d/sft $(resume $d/sft)
   continue_sft $d/sft/final $d/sft-cont $s
-  a=$(arms $d) start=$d/sft/final
-  if test $FROM = sft-cont; then start=$d/sft-cont/best; continue_sft $start $a/sft-cont $s; fi
+  a=$(arms $d) from=$d/sft/final
+  if test $FROM = sft-cont; then from=$d/sft-cont/best; continue_sft $from $a/sft-cont $s; fi
   for arm in $ARMS; do
     case $arm in
       dropped) how="--rollout onpolicy --dropped $TRAJ --step_reward labels" ;;
       *) how="--prefixes $TRAJ --teacher_spans all --step_reward $arm" ;;
     esac
-    test -e $a/grpo-$arm/final || $PY stepgrpo.py --data $DATA --model $start --seed $s $how $GRPO \
+    test -e $a/grpo-$arm/final || $PY stepgrpo.py --data $DATA --model $from --seed $s $how $GRPO \
       --eval_questions $DEV_N --out $a/grpo-$arm $(resume $a/grpo-$arm)
   done
   test -z "${DEV_ONLY:-}" || continue
