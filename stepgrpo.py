@@ -369,7 +369,7 @@ def score_group(kind, x, sp, texts, hits, args, encode, w, stats):
             p = reward.parse_route(text, args.max_pairs, args.max_rets)
             kbs = (("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))) if p.ok else None
             ok_kb = bool(set(kbs) & right) if labels and p.ok else kbs == route_kbs(x["steps"], t)
-            named = kbs if args.step_reward == "labels_kb" and p.ok and not p.stop else None
+            named = kbs if args.step_reward == "labels_kb" else None  # a stop or a malformed route: unused
             r = (w.format + reward.label_route_reward(p.stop, hits[i], x["gold_steps"], found, named)) * p.ok if labels \
                 else reward.score_route(p, target, encode, w.format)
             stats["route_r"].append(r)
