@@ -17,10 +17,10 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py --model out/sft-k2/final ... --max_pairs 2  # multi-query steps (SFT on synth.py --max_pairs 2)
 
 One step: every rank takes its share of --batch_questions, builds its groups on its own engine (rollout.py: route ->
-retrieve -> answer), scores every step (reward.py), turns the rewards into group-relative advantages, takes
+retrieve -> answer), scores every step (steprewards.py), turns the rewards into group-relative advantages, takes
 --ppo_epochs PPO-clipped passes, then loads the new weights into its engine, so every rollout is on-policy.
-Outline: rewards -> rollouts to training rows -> update -> dev evaluation -> main; the advantage and loss
-arithmetic is grpo.py.
+Outline: rollouts to training rows -> update -> dev evaluation -> main; the step rewards are
+steprewards.py, the advantage and loss arithmetic grpo.py.
 
 R1-Router's released setting is --rollout teacher_prefix with --teacher_spans all, no format reward (--w_format 0), no
 KL in the loss, an entropy bonus of 1e-3, old logprobs recomputed by the trainer, one advantage on a whole step and
@@ -35,7 +35,6 @@ import os
 import random
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +46,7 @@ import corpus
 import engines
 import reward
 import rollout
+import steprewards
 import trainutil
 import transcript
 import vision
@@ -201,76 +201,11 @@ def check_questions(questions, args):
         sys.exit(f"error: {len(blank)} questions of {where} have gold steps without a sub-question (first: {blank[0]}); "
                  "the route reward needs gold sub-questions")
 
-#### rewards and advantages
-
-@dataclass
-class Weights:
-    format: float = 0.2
-    hit: float = 0.0
-    route_scale: dict | None = None  # --balance_kb: gold route -> factor on route advantages (kb_balance)
-
-def gold_route(gold_steps, t):
-    """The class of routing step t of grouped gold steps (reward.group_steps): its (first) KB, or "stop"."""
-    groups = reward.by_step(gold_steps)
-    return groups[t][0]["kb"] if t < len(groups) else "stop"
-
-def route_kbs(steps, t):
-    """The KBs routing step t of (predicted or grouped gold) steps searched, sorted, or ("stop",) past the last."""
-    groups = reward.by_step(steps)
-    return tuple(sorted(st["kb"] for st in groups[t])) if t < len(groups) else ("stop",)
+#### rollouts -> training rows
 
 def settings(args, **kw):
     return rollout.Settings(max_steps=args.max_steps, topk=args.topk, structure=args.structure, max_pairs=args.max_pairs,
                             max_rets=args.max_rets, gold_think=args.gold_think, **kw)
-
-def kb_balance(questions, max_steps, max_pairs=1):
-    """--balance_kb: factor N / (C n_c) for each gold route c over the N route steps of the training questions (C
-    classes, n_c steps of class c), so text, table, image and stop steps weigh the same in total (a class-balanced
-    loss). A question with k gold routing steps has route steps 0..min(k, max_steps - 1), the stop at k."""
-    golds = [reward.group_steps(q["steps"], max_pairs) for q in questions]
-    n = Counter(gold_route(g, t) for g in golds for t in range(min(len(reward.by_step(g)) + 1, max_steps)))
-    return {c: sum(n.values()) / (len(n) * k) for c, k in n.items()}
-
-def span_rewards(x, encode, w, step_reward="teacher"):
-    """onpolicy: the reward of every policy span of trajectory x (in x["spans"] order) and its outcome R.
-      route step t   reward.score_route (w_format [parses] + 0.5 cos(sub-question, gold's) + 0.5 [KB = gold KB], its
-                     pairs matched to the gold steps of step t) + w_hit * the share of those gold docs retrieved at
-                     step t; past the gold steps the gold is "stop" (sub-question None, no KB)
-                     labels: w_format + reward.label_route_reward (a search that retrieves a supporting document the
-                     trajectory had not found before, a stop once all are found; labels_kb: half of it for naming
-                     the KB of a hop not found yet)
-      answer step t  w_format + answer_reward(answer, [gold intermediate answer(s), reward.group_answer])
-                     labels: against reward.label_answer_golds (the hops whose documents step t newly found; none:
-                     w_format alone)
-      final answer   w_format
-      outcome R      f1_recall(final, golds); 0 if any step failed to parse
-    A span that fails to parse ends its trajectory and gets reward 0. A trajectory whose next step did not fit the
-    context (overflow) keeps the rewards of the spans it wrote and has no final answer (R = 0)."""
-    gold, pred, out = reward.by_step(x["gold_steps"]), reward.by_step(x["steps"]), []
-    labels = step_reward != "teacher"
-    for j, sp in enumerate(x["spans"]):
-        if not x["format_ok"] and j == len(x["spans"]) - 1:  # the span that failed to parse
-            out.append(0.0)
-            continue
-        t, r = sp["step"], w.format
-        g = gold[t] if t < len(gold) else []
-        took = t < len(pred)  # a route span past the searches was the stop
-        found = found_before(x, t)
-        new = found_before(x, t + 1) - found
-        if sp["kind"] == "route" and labels:
-            r += reward.label_route_reward(not took, new, x["gold_steps"], found,
-                                           [st["kb"] for st in pred[t]] if took and step_reward == "labels_kb" else None)
-        elif sp["kind"] == "route":
-            r = reward.score_route(reward.Route(ok=True, stop=not took, pairs=reward.pairs_of(pred[t]) if took else []),
-                                   g, encode, w.format)
-            if g and took:
-                hit = {d for st in pred[t] for d in st["retrieved"]}
-                r += w.hit * float(np.mean([reward.retrieval_hit_reward(hit, gs["doc_id"]) for gs in g]))
-        elif sp["kind"] == "answer":
-            golds = reward.label_answer_golds(new, x["gold_steps"], found) if labels else [reward.group_answer(g)] * bool(g)
-            r += reward.answer_reward(pred[t][0]["answer"] or "", golds) if golds else 0.0
-        out.append(r)
-    return out, (reward.f1_recall(x["final_answer"] or "", x["answers"]) if x["format_ok"] else 0.0)
 
 def load_dropped(folder):
     """--dropped <folder>: the ids of the questions a synth.py --teacher run sampled and did not keep."""
@@ -293,8 +228,6 @@ def load_prefixes(folder, tok, print0):
         store[x["qid"]] = x
     return store
 
-#### rollouts -> training rows
-
 STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "format_ok", "overflow", "retrievals",
          "tokens", "reask")  # logged means
 
@@ -306,8 +239,8 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     stats["retrieve_s"] = sum(x["timings"]["retrieve"] for x in trajs)
     for g in range(len(qs)):
         group = trajs[g * args.group_size:(g + 1) * args.group_size]
-        scored = [span_rewards(x, encode, w, args.step_reward) for x in group]
-        scale = w.route_scale and {("route", t): w.route_scale[gold_route(group[0]["gold_steps"], t)]
+        scored = [steprewards.span_rewards(x, encode, w, args.step_reward) for x in group]
+        scale = w.route_scale and {("route", t): w.route_scale[steprewards.gold_route(group[0]["gold_steps"], t)]
                                    for t in range(args.max_steps)}
         adv = group_advantages([x["spans"] for x in group], [r for r, _ in scored], [o for _, o in scored],
                                args.reward, scale, args.adv_std, args.outcome_on)
@@ -321,7 +254,8 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
             stats["outcome"].append(o)
             failed_route = not x["format_ok"] and x["spans"][-1]["kind"] == "route"  # a format failure has >= 1 span
             n_routes = sum(sp["kind"] == "route" for sp in x["spans"]) - failed_route
-            stats["kb_acc"] += [float(route_kbs(x["steps"], t) == route_kbs(x["gold_steps"], t)) for t in range(n_routes)]
+            stats["kb_acc"] += [float(steprewards.route_kbs(x["steps"], t) == steprewards.route_kbs(x["gold_steps"], t))
+                                for t in range(n_routes)]
             stats["format_ok"].append(float(x["format_ok"]))
             stats["overflow"].append(float(x["overflow"]))
             stats["retrievals"].append(len(x["steps"]))
@@ -330,70 +264,11 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
             stats["tokens"].append(x["n_policy_tokens"])
     return rows, stats
 
-def found_before(x, t):
-    """The doc ids trajectory x retrieved at its routing steps before step t."""
-    return {d for st in x["steps"] if st["step"] < t for d in st["retrieved"]}
-
-def label_search(retriever, todo, parsed, args):
-    """--step_reward labels: the evidence each sampled search would get, one batched search per KB: [per group: [per
-    sample: set of doc ids]] (empty for a stop or a malformed route). A visual question's image goes with the first
-    image-KB search of a trajectory, as in the step loop."""
-    hits = [[set() for _ in group] for group in parsed]
-    for kb in ("text", "table", "image"):
-        asks = [(k, i, q, x["image"] if kb == "image" and not any(st["kb"] == "image" for st in x["steps"]
-                                                                   if st["step"] < sp["step"]) else None)
-                for k, ((x, sp, _, _), group) in enumerate(zip(todo, parsed)) for i, p in enumerate(group)
-                if p.ok and not p.stop for q, kbs in p.pairs if kb in kbs]
-        if asks:
-            images = [im for *_, im in asks]
-            docs = retriever.search([q for _, _, q, _ in asks], kb, args.topk, **({"images": images} if any(images) else {}))
-            for (k, i, _, _), ds in zip(asks, docs):
-                hits[k][i] |= {d["id"] for d in ds}
-    return hits
-
-def score_group(kind, x, sp, texts, hits, args, encode, w, stats):
-    """The rewards of one group's completions `texts` of span sp of prefix trajectory x, and (routing steps) each
-    one's KB choice and the KB half of its reward (route_credit split), and the class of the route it is judged
-    against (--balance_kb). --step_reward teacher: against the prefix trajectory's own step (R1-Router: the
-    teacher's; for gold prefixes the gold's); labels: reward.label_* against the gold hops, given what the prefix
-    found before this step; the final answer against the gold answers either way."""
-    t, labels = sp["step"], args.step_reward != "teacher"
-    mine = reward.by_step(x["steps"])
-    target = mine[t] if t < len(mine) else []  # []: the prefix trajectory stops here
-    found = found_before(x, t)
-    right = ({g["kb"] for g in reward.open_hops(x["gold_steps"], found)} or {"stop"}) if labels else None
-    cls = reward.next_hop_kb(x["gold_steps"], found) if labels else gold_route(x["steps"], t)
-    rs, choices, kb_part = [], [], []
-    for i, text in enumerate(texts):
-        if kind == "route":
-            p = reward.parse_route(text, args.max_pairs, args.max_rets)
-            kbs = (("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))) if p.ok else None
-            ok_kb = bool(set(kbs) & right) if labels and p.ok else kbs == route_kbs(x["steps"], t)
-            named = kbs if args.step_reward == "labels_kb" else None  # a stop or a malformed route: unused
-            r = (w.format + reward.label_route_reward(p.stop, hits[i], x["gold_steps"], found, named)) * p.ok if labels \
-                else reward.score_route(p, target, encode, w.format)
-            stats["route_r"].append(r)
-            choices.append(kbs)
-            kb_part.append(0.5 * float(ok_kb))  # route_reward's KB half (route_credit split, teacher rewards)
-            if p.ok:
-                stats["kb_acc"].append(float(ok_kb))
-            stats["reask"] += [float(reward.re_asks(q, [e for e in x["steps"] if e["step"] < t])) for q, _ in p.pairs]
-        else:
-            p = reward.parse_answer(text)
-            golds = x["answers"] if sp["kind"] == "final" else \
-                reward.label_answer_golds(found_before(x, t + 1) - found, x["gold_steps"], found) if labels \
-                else [reward.group_answer(target)]
-            r = w.format * p.ok + (reward.answer_reward(p.answer, golds) if p.ok and golds else 0.0)
-            stats["answer_r" if sp["kind"] == "answer" else "outcome"].append(r)
-        stats["format_ok"].append(float(p.ok))
-        rs.append(r)
-    return rs, choices, kb_part, cls
-
 def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=None):
     """R1-Router's groups: a question's trajectory up to each step is a prompt, the n completions of that one step a
     group, A = norm(r) within it (times the --balance_kb factor of the route it is judged against on routing steps).
     The trajectory is the golden one (rollout.GoldPolicy, real retrieval), or with --prefixes <folder> the one stored
-    there for the question (`store`: qid -> trajectory, e.g. a teacher's, synth.py --teacher). r: score_group."""
+    there for the question (`store`: qid -> trajectory, e.g. a teacher's, synth.py --teacher). r: steprewards.score_group."""
     t0 = time.perf_counter()  # the gold policy writes its steps at no cost: this is retrieval time
     s = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS)
     prompts = rollout.span_prefixes([store[q["id"]] for q in qs]) if store is not None else \
@@ -416,11 +291,11 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
         hits = [[set()] * args.group_size for _ in todo]
         if kind == "route" and args.step_reward != "teacher":
             t1 = time.perf_counter()
-            hits = label_search(retriever, todo, [[reward.parse_route(tx, args.max_pairs, args.max_rets) for tx in g]
-                                                  for g in texts], args)
+            parsed = [[reward.parse_route(tx, args.max_pairs, args.max_rets) for tx in g] for g in texts]
+            hits = steprewards.label_search(retriever, todo, parsed, args)
             stats["retrieve_s"] += time.perf_counter() - t1
         for (x, sp, prefix, images), group, txt, hit in zip(todo, groups, texts, hits):
-            rs, choices, kb_part, cls = score_group(kind, x, sp, txt, hit, args, encode, w, stats)
+            rs, choices, kb_part, cls = steprewards.score_group(kind, x, sp, txt, hit, args, encode, w, stats)
             stats["tokens"] += [len(ids) for ids, _ in group]
             if kind == "route":  # the decision as a distribution: how spread the group's KB choices are
                 stats["kb_entropy"].append(choice_entropy(choices))
@@ -717,7 +592,8 @@ def main(argv=None):
     model, ref, opt, step, dev_hist, engine = setup_policy(args, start, weights, resuming, lora, rank, world, device,
                                                           print0)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    w = Weights(args.w_format, args.w_hit, kb_balance(questions, args.max_steps, args.max_pairs) if args.balance_kb else None)
+    w = steprewards.Weights(args.w_format, args.w_hit,
+                            steprewards.kb_balance(questions, args.max_steps, args.max_pairs) if args.balance_kb else None)
     if w.route_scale:
         print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
     per_epoch = len(questions) // args.batch_questions

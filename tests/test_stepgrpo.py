@@ -18,31 +18,10 @@ import prepare
 import reward
 import grpo
 import stepgrpo
+import steprewards
 
 def sp(kind, step):
     return dict(kind=kind, step=step, start=0, end=1)
-
-def test_a_trajectory_cut_by_the_context_keeps_the_rewards_of_its_spans(tiny_index, encoder):
-    # gold trajectories through the real loop, then again with a context too short for about half of them: each cut
-    # one's spans score exactly as in the whole one (its last, well-written span too), and its outcome is 0
-    from transformers import AutoTokenizer
-
-    import corpus
-    import retrievers
-    import rollout
-    tok, ret = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL), retrievers.Retriever(tiny_index, "bm25")
-    qs = corpus.load_questions(tiny_index, "train")[:8]
-    full = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)
-    eng = rollout.GoldPolicy(tok, qs)
-    eng.max_len = 96 + sorted(len(x["ids"]) for x in full)[4] - 40
-    cut = [y for y in rollout.rollout(eng, ret, qs) if y["overflow"]]
-    assert cut
-    w = stepgrpo.Weights(format=0.2)
-    for y in cut:
-        x = next(x for x in full if x["qid"] == y["qid"])
-        r, outcome = stepgrpo.span_rewards(y, encoder.encode, w)
-        assert r == pytest.approx(stepgrpo.span_rewards(x, encoder.encode, w)[0][:len(r)]) and outcome == 0.0
-        assert r and min(r) >= 0.2  # every span the gold policy wrote earns its format reward at least
 
 def test_group_advantages_normalise_each_step_against_the_same_step():
     # three samples: two retrieve once then stop, one retrieves twice (so route step 1 is a stop for the first two)
@@ -72,7 +51,7 @@ def test_balance_kb_weighs_each_gold_route_class_equally():
     # 3 questions, max 3 steps: [text, text] -> text, text, stop; [table] -> table, stop; [t, t, image] (3 steps: no stop)
     q = lambda *kbs: dict(steps=[dict(sub_question=f"q{i}?", kb=k, answer="a") for i, k in enumerate(kbs)])
     qs = [q("text", "text"), q("table"), q("text", "text", "image")]
-    f = stepgrpo.kb_balance(qs, max_steps=3)
+    f = steprewards.kb_balance(qs, max_steps=3)
     n = dict(text=4, stop=2, table=1, image=1)  # 8 route steps, 4 classes
     assert f == pytest.approx({c: 8 / (4 * k) for c, k in n.items()})
     assert sum(f[c] * k for c, k in n.items()) == pytest.approx(8)  # the total weight is unchanged
@@ -96,92 +75,11 @@ def test_identical_rewards_give_zero_advantage():
     # exactly 0 (so main() can skip the row): the mean of 7 copies of 0.1 is not 0.1 in floating point
     assert np.mean([0.1] * 7) != 0.1 and grpo.norm([0.1] * 7).tolist() == [0.0] * 7
 
-class BowEncoder:
-    vocab = ["which", "country", "is", "x", "in", "none", "who", "founded", "y"]
-    def __call__(self, texts):
-        return np.array([[t.lower().replace("?", "").split().count(w) for w in self.vocab] for t in texts], dtype=float)
-
-def traj(steps, spans, final, ok=True, gold_step=(0, 1)):
-    """Two gold lookups, at routing steps gold_step; predicted lookup i at routing step i unless it says otherwise."""
-    gold = [dict(sub_question="Which country is X in?", kb="text", doc_id="d1", answer="Uldoria", step=gold_step[0]),
-            dict(sub_question="Who founded Y?", kb="table", doc_id="d2", answer="Ly Normi", step=gold_step[1])]
-    return dict(gold_steps=gold, steps=[dict(s, step=s.get("step", i)) for i, s in enumerate(steps)],
-                spans=[sp(k, t) for k, t in spans], final_answer=final, answers=["Ly Normi"], format_ok=ok)
-
-def test_span_rewards_follow_the_formulas():
-    w = stepgrpo.Weights(format=0.2, hit=0.5)
-    enc = BowEncoder()
-    x = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria"),
-              dict(sub_question="Who founded Y?", kb="image", retrieved=["d9"], answer="someone")],
-             [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("final", 2)], "Ly Normi")
-    r, outcome = stepgrpo.span_rewards(x, enc, w)
-    assert r[0] == pytest.approx(0.2 + 1.0 + 0.5)            # same sub-question, same KB, gold doc retrieved
-    assert r[1] == pytest.approx(0.2 + 1.0)                  # intermediate answer right
-    assert r[2] == pytest.approx(0.2 + 0.5)                  # right sub-question, wrong KB, gold doc missed
-    assert r[3] == pytest.approx(0.2)                        # wrong intermediate answer
-    assert r[4] == pytest.approx(0.2 + 1.0)                  # stopped exactly where the gold stops
-    assert r[5] == pytest.approx(0.2) and outcome == 1.0
-    early = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria")],
-                 [("route", 0), ("answer", 0), ("route", 1), ("final", 1)], "Uldoria")
-    r, outcome = stepgrpo.span_rewards(early, enc, w)
-    cos = reward.route_reward(reward.Route(ok=True, sub_question="None", stop=True),
-                              [dict(sub_question="Who founded Y?", kb="table")], enc)
-    assert r[2] == pytest.approx(0.2 + cos) and outcome == 0.0   # a stop where the gold retrieves: no KB credit
-    bad = traj([], [("route", 0)], None, ok=False)
-    assert stepgrpo.span_rewards(bad, enc, w) == ([0.0], 0.0)
-    # the table its right Table Retriever step fetched made the answer step overflow: the route keeps its full reward
-    cut = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria"),
-                dict(sub_question="Who founded Y?", kb="table", retrieved=["d2"], answer=None)],
-               [("route", 0), ("answer", 0), ("route", 1)], None)
-    cut["overflow"] = True
-    r, outcome = stepgrpo.span_rewards(cut, enc, w)
-    assert r[2] == pytest.approx(0.2 + 1.0 + 0.5) and outcome == 0.0
-
-def test_span_rewards_from_labels():
-    # --step_reward labels on on-policy trajectories: a search is right when its evidence holds a supporting document
-    # not found before (whatever its wording or the gold step index), a stop when every one is found; an answer is
-    # scored against the hops whose documents its step newly found
-    w, enc = stepgrpo.Weights(format=0.2), BowEncoder()
-    spans = [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("answer", 2), ("route", 3), ("final", 3)]
-    x = traj([dict(sub_question="Who founded Y?", kb="table", retrieved=["d2"], answer="Ly Normi"),  # the 2nd hop first
-              dict(sub_question="Who founded Y again?", kb="table", retrieved=["d2"], answer="Ly Normi"),  # a re-find
-              dict(sub_question="Where is X?", kb="text", retrieved=["d1"], answer="Norway")],  # the 1st, answered wrong
-             spans, "Ly Normi")
-    r, outcome = stepgrpo.span_rewards(x, enc, w, "labels")
-    assert r == pytest.approx([1.2, 1.2, 0.2, 0.2, 1.2, 0.2, 1.2, 0.2]) and outcome == 1.0
-    early = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria")],
-                 [("route", 0), ("answer", 0), ("route", 1), ("final", 1)], "Uldoria")
-    assert stepgrpo.span_rewards(early, enc, w, "labels")[0] == pytest.approx([1.2, 1.2, 0.2, 0.2])  # d2 still open
-    # labels_kb: the re-find (table, nothing new: d1's KB is text) earns nothing; a text search that misses d1 earns half
-    assert stepgrpo.span_rewards(x, enc, w, "labels_kb")[0] == pytest.approx([1.2, 1.2, 0.2, 0.2, 1.2, 0.2, 1.2, 0.2])
-    miss = traj([dict(sub_question="Who founded Y?", kb="table", retrieved=["d2"], answer="Ly Normi"),
-                 dict(sub_question="Where?", kb="text", retrieved=["d7"], answer="Norway")],
-                [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("final", 2)], "Ly Normi")
-    assert stepgrpo.span_rewards(miss, enc, w, "labels_kb")[0] == pytest.approx([1.2, 1.2, 0.7, 0.2, 0.2, 0.2])
-    assert stepgrpo.span_rewards(miss, enc, w, "labels")[0] == pytest.approx([1.2, 1.2, 0.2, 0.2, 0.2, 0.2])
-
 def test_dropped_questions_come_from_the_teachers_filter_report(tmp_path):
     (tmp_path / "train.errors.json").write_text(json.dumps(dict(filters={}, dropped=["q2", "q5"], kept={})))
     assert stepgrpo.load_dropped(tmp_path) == {"q2", "q5"}
     with pytest.raises(stepgrpo.corpus.DataError, match=r"gold.*train.errors.json: no list of dropped questions"):
         stepgrpo.load_dropped(tmp_path / "gold")
-
-def test_span_rewards_of_multi_query_steps():
-    # both gold lookups belong to routing step 0 (independent): asked together, in either order, the step earns the
-    # full route reward, the hit reward and, answered together, the answer reward of "Uldoria; Ly Normi"
-    w, enc = stepgrpo.Weights(format=0.2, hit=0.5), BowEncoder()
-    a = dict(sub_question="Who founded Y?", kb="table", retrieved=["d2"], answer="Ly Normi and Uldoria", step=0)
-    b = dict(sub_question="Which country is X in?", kb="text", retrieved=["d7"], answer="Ly Normi and Uldoria", step=0)
-    spans = [("route", 0), ("answer", 0), ("route", 1), ("final", 1)]
-    r, outcome = stepgrpo.span_rewards(traj([a, b], spans, "Ly Normi", gold_step=(0, 0)), enc, w)
-    assert r == pytest.approx([0.2 + 1.0 + 0.5 * 1 / 2, 0.2 + 1.0, 0.2 + 1.0, 0.2]) and outcome == 1.0  # d1 missed
-    # one of the two asked: half the route reward; an answer covering one of two short golds: 0 (all or nothing)
-    r, _ = stepgrpo.span_rewards(traj([dict(a, answer="Ly Normi")], spans, "Ly Normi", gold_step=(0, 0)), enc, w)
-    assert r[:2] == pytest.approx([0.2 + 1.0 / 2 + 0.5 * 1 / 2, 0.2])
-    # route classes and accuracy: a step is right when its KBs are the gold step's, in any order
-    gold = traj([], [], None, gold_step=(0, 0))["gold_steps"]
-    assert stepgrpo.route_kbs(gold, 0) == ("table", "text") == stepgrpo.route_kbs([a, b], 0)
-    assert stepgrpo.route_kbs(gold, 1) == ("stop",) and stepgrpo.gold_route(gold, 0) == "text"
 
 def test_loss_matches_a_direct_computation():
     torch.manual_seed(0)
@@ -526,7 +424,7 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
         tok, qs, ret, args, prefixes = teacher_setup(tiny_index, spans)
         n_route = sum(sp["kind"] == "route" for _, sp, _, _ in prefixes)
         seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode,
-                                                 stepgrpo.Weights(), seed=0)
+                                                 steprewards.Weights(), seed=0)
         groups = len(prefixes) if spans == "all" else n_route
         assert len(seqs) == groups and sum(s["n_seq"] for s in seqs) == 2 * groups
         assert st["kb_acc"] == [1.0] * 2 * n_route and st["route_r"] == pytest.approx([1.2] * 2 * n_route)
@@ -574,7 +472,7 @@ def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, e
     lens = sorted(len(p) for _, sp, p, _ in prefixes if sp["kind"] == "route")
     eng = rollout.GoldPolicy(tok, qs)
     eng.max_len = lens[len(lens) // 2] + stepgrpo.ROUTE_TOKENS
-    seqs, st = stepgrpo.teacher_prefix_batch(eng, ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)
+    seqs, st = stepgrpo.teacher_prefix_batch(eng, ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
     fits = sum(n + stepgrpo.ROUTE_TOKENS <= eng.max_len for n in lens)
     assert 0 < fits < len(lens) and len(seqs) == fits
     assert st["overflow"] == pytest.approx([float(n + stepgrpo.ROUTE_TOKENS > eng.max_len)
@@ -589,7 +487,7 @@ def test_released_structure_trains_on_one_row_a_chat(tiny_index, encoder):
     import rollout
     tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
     args.structure, args.rollout, args.reward = "released", "onpolicy", "step"
-    w = stepgrpo.Weights()
+    w = steprewards.Weights()
     rows, _ = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, w, seed=0)
     golds = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, 2, rollout.Settings(max_steps=3, topk=3, structure="released"))
     assert len(rows) == sum(len(x["segments"]) for x in golds) and sum(sum(r["mask"]) for r in rows) == sum(x["n_policy_tokens"] for x in golds)
@@ -606,13 +504,13 @@ def test_onpolicy_groups_scored_by_labels(tiny_index, encoder):
     import rollout
     tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
     args.rollout, args.step_reward = "onpolicy", "labels"
-    _, st = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)
+    _, st = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
     want = []
     for x in rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, 2, stepgrpo.settings(args)):
         for t in [sp["step"] for sp in x["spans"] if sp["kind"] == "route"]:
-            todo = [g["doc_id"] for g in x["gold_steps"] if g["doc_id"] not in stepgrpo.found_before(x, t)]
+            todo = [g["doc_id"] for g in x["gold_steps"] if g["doc_id"] not in steprewards.found_before(x, t)]
             searched = t < len(reward.by_step(x["steps"]))  # else the route was the stop
-            want.append(0.2 + (bool(set(todo) & stepgrpo.found_before(x, t + 1)) if searched else not todo))
+            want.append(0.2 + (bool(set(todo) & steprewards.found_before(x, t + 1)) if searched else not todo))
     assert st["route_r"] == pytest.approx(want) and 0.2 < np.mean(want) < 1.2
 
 def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, encoder):
@@ -627,7 +525,7 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
                 return reward.format_route(self.WHY[g["kb"]], [(g["sub_question"], g["kb"])])
             return super().step_text(q, turn, phase)
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
-    st = stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(), seed=0)[1]
+    st = stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)[1]
     later = [sp["step"] > 0 for _, sp, _, _ in prefixes if sp["kind"] == "route" for _ in range(2)]
     assert any(later) and not all(later)
     assert [r < 1.2 - 1e-6 for r in st["route_r"]] == later
@@ -776,7 +674,7 @@ def test_both_rollout_modes_score_gold_multi_query_steps_in_full(tiny_index, enc
     qs = corpus.load_questions(tiny_index, "train")
     qs = [q for q in qs if q["type"] == "comparison"][:3] + [q for q in qs if q["type"] == "2hop"][:3]
     args.max_pairs, args.rollout, args.reward = 2, "onpolicy", "step"
-    w = stepgrpo.Weights(route_scale=stepgrpo.kb_balance(qs, 3, max_pairs=2))
+    w = steprewards.Weights(route_scale=steprewards.kb_balance(qs, 3, max_pairs=2))
     seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, args, encoder.encode, w, seed=0)
     n_route = 2 * (3 * 2 + 3 * 3)  # 2 samples x (a comparison: 1 step + stop, a 2-hop: 2 steps + stop)
     assert st["route_r"] == pytest.approx([1.2] * n_route) and st["kb_acc"] == [1.0] * n_route
@@ -807,17 +705,17 @@ def test_teacher_written_prefixes_score_against_the_teacher_or_the_labels(tiny_i
     routes = [(x, sp) for x, sp, _, _ in rollout.span_prefixes(teacher) if sp["kind"] == "route"]
     first = [sp["step"] == 0 and bool(x["gold_steps"]) for x, sp in routes for _ in range(2)]
     assert any(first) and not all(first)
-    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(),
+    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(),
                                        seed=0, store=store)[1]
     # the teacher's own later steps are the gold's: full reward there; the first step: format + cosine 1, wrong KB
     assert st["route_r"] == pytest.approx([0.7 if f else 1.2 for f in first])
     assert st["kb_acc"] == [0.0 if f else 1.0 for f in first]
     args.step_reward = "labels"
-    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(),
+    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(),
                                        seed=0, store=store)[1]
     want, kb_half = [], []
     for x, sp in routes:
-        found, gold = stepgrpo.found_before(x, sp["step"]), reward.by_step(x["gold_steps"])
+        found, gold = steprewards.found_before(x, sp["step"]), reward.by_step(x["gold_steps"])
         if sp["step"] < len(gold):  # the engine searches the gold step: progress iff that finds an open hop's document
             g = gold[sp["step"]][0]
             hits = {d["id"] for d in ret.search([g["sub_question"]], g["kb"], args.topk)[0]}
@@ -831,7 +729,7 @@ def test_teacher_written_prefixes_score_against_the_teacher_or_the_labels(tiny_i
     assert max(r for r, f in zip(st["route_r"], first) if f) == pytest.approx(1.2)  # the right KB is rewarded now
     assert [a for a, f in zip(st["kb_acc"], first) if f] == [1.0] * sum(first)
     args.step_reward = "labels_kb"  # a search: half for an open hop's KB, half for its document; a stop as before
-    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, stepgrpo.Weights(),
+    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(),
                                        seed=0, store=store)[1]
     assert st["route_r"] == pytest.approx([r if k is None else 0.2 + k + 0.5 * (r - 0.2) for r, k in zip(want, kb_half)])
 
