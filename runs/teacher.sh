@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
-# The teacher condition (README "Results"; docs/LOG.md): R1-Router's data procedure at this scale, then SFT,
-# SFT-continued and Step-GRPO with R1-Router's step rewards and with label rewards, every arm trained only on what the
-# teacher kept and on the questions' labels.
-#   the teacher      the prompt-only policy after SFT on the golden trajectories of the first 48 training questions
-#                    (36 steps x 4; imperfect the way a sampled LLM teacher is)
-#   its data         one trajectory a question (R1-Router: temperature 1, top-k 20, a step that does not parse tried
-#                    twice) on the next 1,000 training questions, real retrieval, kept when the final answer's token
-#                    recall is 1 (R1-Router's data_filter.py; the steps are never checked): data/mini/traj-teacher,
-#                    its filter counts and step mistakes against the world's gold in train.errors.json
+# The teacher condition (README "Results"; docs/LOG.md): R1-Router's data procedure at this scale (the teacher and
+# its filtered trajectories: runs/teacher_data.sh), then SFT, SFT-continued and Step-GRPO with R1-Router's step
+# rewards and with label rewards, every arm trained only on what the teacher kept and on the questions' labels.
 #   per seed, from the prompt-only policy:
 #     sft              SFT on the kept trajectories, SFT_STEPS x 4
 #     sft-cont         that SFT run resumed on the same trajectories, MORE steps (about a Step-GRPO arm's wall clock:
@@ -60,11 +54,7 @@ continue_sft() {  # START OUT SEED: SFT-continued from START (MORE steps, a chec
 
 test -f $DATA/world.json || $PY corpus.py --world mini --out $DATA ${HOLDOUT:+--holdout $HOLDOUT}
 test -f $DATA/index/meta.json || $PY retrievers.py build --data $DATA
-test -f $DATA/traj-seed48/train.jsonl || $PY synth.py --data $DATA --out $DATA/traj-seed48 --splits train --limit 48
-test -e $OUT/teacher/final || $PY sft.py --data $DATA/traj-seed48 --train_steps 36 --grad_accum 4 --eval_every 0 \
-  --save_every 0 --keep 1 --out $OUT/teacher
-test -f $TRAJ/train.jsonl || $PY synth.py --data $DATA --out $TRAJ --teacher $OUT/teacher/final -n 1 --splits train \
-  --offset 48 --limit 1000
+PY=$PY bash runs/teacher_data.sh $DATA $OUT
 for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $TRAJ --seed $s --train_steps $SFT_STEPS --grad_accum 4 --eval_every 0 \
