@@ -37,43 +37,57 @@ $(DATA)/traj/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
 $(DATA)/traj-all/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
 	$(PY) synth.py --data $(DATA) --out $(DATA)/traj-all --splits train
 
-# The main job: the recipe (sft.py and stepgrpo.py defaults) at CPU budgets, end to end on the embedded mini-world:
-# mini-world -> indexes -> golden trajectories -> SFT -> Step-GRPO, and beside it SFT-continued (the SFT run resumed
-# for more steps on the next golden trajectories at its final LR, about the Step-GRPO stage's wall clock) -> the three
-# scored routed on the first EVAL_N test questions, each its final checkpoint; paired intervals of Step-GRPO - SFT and
-# Step-GRPO - SFT-continued. Each stage is a file target: re-running skips what is done. The baselines: `make baselines`.
-SFT_STEPS ?= 36
-SFT_ACCUM ?= 4
-CONT_STEPS ?= 40
+# The main job: R1-Router's procedure at CPU budgets, end to end on the embedded mini-world: mini-world -> indexes ->
+# a teacher's trajectories, kept on the final answer alone (runs/teacher_data.sh: the teacher condition's data, shared
+# with `make teacher`) -> SFT on them -> from it SFT-continued (the SFT run resumed on the same trajectories, about
+# the Step-GRPO stage's compute) and Step-GRPO (R1-Router's step rewards at the teacher's prefixes, every step kind:
+# the teacher condition's dev pick) -> the three scored routed on the first EVAL_N test questions, greedy and sampled
+# (--protocol released), each its final checkpoint; paired intervals of Step-GRPO - SFT and Step-GRPO -
+# SFT-continued under each protocol; Step-GRPO's learning curves, a point a step (out/demo/stepgrpo/curves.png).
+# Each stage is a file target: re-running skips what is done. The baselines: `make baselines`.
+TEACHER_N ?= 1000
+SFT_STEPS ?= 96
+CONT_STEPS ?= 80
 GRPO_STEPS ?= 10
-GRPO_QUESTIONS ?= 4
+GRPO_QUESTIONS ?= 8
 EVAL_N ?= 300
 OUT := out/demo
+TRAJ := $(DATA)/traj-teacher
 EVAL_FLAGS = --data $(DATA) --split test --n_questions $(EVAL_N)
 
-$(OUT)/sft/final/config.json: $(DATA)/traj/train.jsonl sft.py
+$(TRAJ)/train.jsonl: $(DATA)/index/meta.json $(MODEL)/config.json
+	PY=$(PY) bash runs/teacher_data.sh $(DATA) out/teacher $(TEACHER_N)
+
+$(OUT)/sft/final/config.json: $(TRAJ)/train.jsonl sft.py
 	rm -rf $(OUT)/sft  # stale (the data or the script changed) or interrupted: sft.py refuses a folder that holds a run
-	$(PY) sft.py --model $(MODEL) --data $(DATA)/traj --train_steps $(SFT_STEPS) --grad_accum $(SFT_ACCUM) \
-		--eval_every 0 --save_every 0 --keep 1 --out $(OUT)/sft
+	$(PY) sft.py --model $(MODEL) --data $(TRAJ) --train_steps $(SFT_STEPS) --grad_accum 4 --eval_every 0 \
+		--save_every 0 --keep 1 --out $(OUT)/sft
 
 $(OUT)/sft-cont/final/config.json: $(OUT)/sft/final/config.json
 	rm -rf $(OUT)/sft-cont  # else runs/sft_continue.sh finds the old final and keeps it
-	PY=$(PY) bash runs/sft_continue.sh $(OUT)/sft/final $(OUT)/sft-cont $(CONT_STEPS) --data $(DATA)/traj \
-		--grad_accum $(SFT_ACCUM) --eval_every 0 --save_every 0 --keep 1
+	PY=$(PY) bash runs/sft_continue.sh $(OUT)/sft/final $(OUT)/sft-cont $(CONT_STEPS) --data $(TRAJ) --grad_accum 4 \
+		--eval_every 0 --save_every 0 --keep 1
 
 $(OUT)/stepgrpo/final/config.json: $(OUT)/sft/final/config.json stepgrpo.py
 	rm -rf $(OUT)/stepgrpo
-	$(PY) stepgrpo.py --model $(OUT)/sft/final --data $(DATA) --train_steps $(GRPO_STEPS) \
-		--batch_questions $(GRPO_QUESTIONS) --eval_questions 0 --save_every 0 --keep 1 --out $(OUT)/stepgrpo
+	$(PY) stepgrpo.py --model $(OUT)/sft/final --data $(DATA) --prefixes $(TRAJ) --teacher_spans all --lr 2e-5 \
+		--train_steps $(GRPO_STEPS) --batch_questions $(GRPO_QUESTIONS) --eval_questions 0 --save_every 0 --keep 1 \
+		--out $(OUT)/stepgrpo
 
 $(OUT)/eval/%/results.json: $(OUT)/%/final/config.json
 	$(PY) evaluate.py --model $(OUT)/$*/final --name $* --methods routed $(EVAL_FLAGS) --out $(OUT)/eval/$*
 
-demo: $(OUT)/eval/sft/results.json $(OUT)/eval/sft-cont/results.json $(OUT)/eval/stepgrpo/results.json
+$(OUT)/sampled/%/results.json: $(OUT)/%/final/config.json
+	$(PY) evaluate.py --model $(OUT)/$*/final --name $* --methods routed --protocol released $(EVAL_FLAGS) \
+		--out $(OUT)/sampled/$*
+
+ARMS3 := sft sft-cont stepgrpo
+demo: $(foreach p,eval sampled,$(foreach a,$(ARMS3),$(OUT)/$(p)/$(a)/results.json))
 	$(PY) corpus.py --check $(DATA)
 	$(PY) evaluate.py --combine $^ --data $(DATA) --split test --out $(OUT)/results
-	$(PY) evaluate.py --paired $(OUT)/eval/sft/trajectories-routed.jsonl $(OUT)/eval/stepgrpo/trajectories-routed.jsonl
-	$(PY) evaluate.py --paired $(OUT)/eval/sft-cont/trajectories-routed.jsonl $(OUT)/eval/stepgrpo/trajectories-routed.jsonl
+	for p in eval sampled; do for base in sft sft-cont; do echo "$$p: stepgrpo - $$base"; \
+		$(PY) evaluate.py --paired $(OUT)/$$p/$$base/trajectories-routed.jsonl \
+		$(OUT)/$$p/stepgrpo/trajectories-routed.jsonl; done; done
 
 # The baselines on the main job's test questions: every method with the prompt-only model (few-shot step format) and
 # with the main job's SFT (no retrieval, single-shot RAG, IterRetGen, every KB, the oracle-KB and gold-steps ceilings)
@@ -145,9 +159,9 @@ teacher: $(DATA)/index/meta.json $(MODEL)/config.json
 decision: $(DATA)/traj/train.jsonl
 	PY=$(PY) bash runs/decision.sh
 
-# R1-Router's released reward/loss, evaluation protocol and step structure against the recipe, from the main job's
-# checkpoints, on the whole test split with paired intervals, and both structures' rollout throughput (~1.5 h here)
-released: $(OUT)/stepgrpo/final/config.json
+# R1-Router's released reward/loss, evaluation protocol and step structure against the recipe, from one SFT on golden
+# trajectories (36 steps x 4), on the whole test split with paired intervals, and both structures' rollout throughput (~1.5 h here)
+released: $(DATA)/traj/train.jsonl $(MODEL)/config.json
 	PY=$(PY) bash runs/released.sh
 
 # The multimodal half: the VL policy (Idefics3 around SmolLM2, `prepare.py --vl`) and the text policy through

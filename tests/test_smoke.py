@@ -1,7 +1,10 @@
 """The pipeline end to end through its command lines, as `make demo` runs it, at the smallest size: golden
-trajectories (synth.py) -> SFT (sft.py) -> Step-GRPO (stepgrpo.py, vLLM engine synced after the update, a dev
-evaluation with the router diagnostics) -> evaluation (evaluate.py) of both checkpoints, and their paired comparison.
-Tiny random Llama, tiny world, BM25. The fast tier's smoke test (`make test-fast`)."""
+trajectories (synth.py) -> SFT (sft.py) -> that checkpoint as a teacher sampling through the loop with R1-Router's
+filter (synth.py --teacher) -> Step-GRPO at stored trajectories' prefixes (stepgrpo.py --prefixes, vLLM engine
+synced after the update, a dev evaluation with the router diagnostics) -> evaluation (evaluate.py) of both
+checkpoints, greedy and sampled (--protocol released), and their paired comparison. Tiny random Llama, tiny world,
+BM25 (a random teacher keeps next to nothing, so Step-GRPO's prefixes are the golden trajectories, synth.py's same
+rows). The fast tier's smoke test (`make test-fast`)."""
 import json
 import subprocess
 import sys
@@ -24,8 +27,13 @@ def test_synth_sft_stepgrpo_evaluate_end_to_end(tmp_path, tiny_model_dir, tiny_i
     cli("sft.py", "--model", tiny_model_dir, "--data", traj, "--out", tmp_path / "sft", "--train_steps", "2",
         "--grad_accum", "2", "--max_len", "512", "--eval_every", "0", "--save_every", "0", "--wandb_mode", "disabled",
         "--dtype", "fp32")
+    cli("synth.py", "--data", tiny_index, "--out", tmp_path / "teacher", "--teacher", tmp_path / "sft" / "final", "-n", "1",
+        "--splits", "train", "--offset", "8", "--limit", "4", "--retriever", "bm25", "--gold_think", "kb_last")
+    report = json.loads((tmp_path / "teacher" / "train.errors.json").read_text())
+    counts = report["filters"]
+    assert counts["sampled"] == 4 and len(report["dropped"]) + counts["kept_questions"] == 4, report
     cli("stepgrpo.py", "--model", tmp_path / "sft" / "final", "--data", tiny_index, "--out", tmp_path / "grpo",
-        "--train_steps", "1", "--batch_questions", "2", "-n", "2", "--retriever", "bm25", "--eval_questions", "4",
+        "--prefixes", traj, "--teacher_spans", "all", "--lr", "2e-5", "--train_steps", "1", "--batch_questions", "2", "-n", "2", "--retriever", "bm25", "--eval_questions", "4",
         "--save_every", "1", "--wandb_mode", "disabled", "--dtype", "fp32", "--gold_think", "kb_last")
     rec = [json.loads(l) for l in open(tmp_path / "grpo" / "log.jsonl")]
     assert [r["step"] for r in rec] == [0, 1]  # the start's dev score, then the step's
@@ -36,6 +44,10 @@ def test_synth_sft_stepgrpo_evaluate_end_to_end(tmp_path, tiny_model_dir, tiny_i
             "--n_questions", "6", "--methods", "routed", "--retriever", "bm25", "--out", tmp_path / "eval" / name)
         res = json.loads((tmp_path / "eval" / name / "results.json").read_text())
         assert res[f"{name}/routed"]["n"] == 6 and len(res[f"{name}/routed"]["confusion_by_step"]) >= 1
+    cli("evaluate.py", "--model", tmp_path / "grpo" / "final", "--name", "grpo", "--data", tiny_index, "--split", "test",
+        "--n_questions", "6", "--methods", "routed", "--retriever", "bm25", "--protocol", "released",
+        "--out", tmp_path / "sampled" / "grpo")
+    assert json.loads((tmp_path / "sampled" / "grpo" / "results.json").read_text())["grpo/routed+released"]["n"] == 6
     out = cli("evaluate.py", "--paired", tmp_path / "eval" / "sft" / "trajectories-routed.jsonl",
               tmp_path / "eval" / "grpo" / "trajectories-routed.jsonl")
     assert "F1-Recall" in out or "f1_recall" in out
