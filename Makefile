@@ -170,7 +170,7 @@ visual: $(DATA)/index/meta.json $(MODEL)/config.json
 	PY=$(PY) bash runs/visual.sh
 
 # Full fine-tuning against LoRA and QLoRA: speed, memory, checkpoint size, sync; quality at equal wall-clock time
-lora: demo
+lora: $(OUT)/sft/final/config.json $(DATA)/traj/train.jsonl
 	PY=$(PY) bash runs/lora.sh
 
 # Single-query against multi-query steps (--max_pairs 2, RAG-R1): golden data, SFT and the whole test split each way

@@ -5,7 +5,7 @@
 #   2. quality at equal wall-clock time: the full fine-tuning run continues to 4 steps, the LoRA run (lr 5e-5, 10x the
 #      recipe's) to as many steps as take the same time at the speed measured in 1; both scored routed on the whole
 #      test split (500 questions), then the paired bootstrap of LoRA - full.
-# Run from the repo root after `make demo`, or as `make lora`. A finished stage is skipped; training resumes.
+# Run from the repo root after `make demo` (its SFT checkpoint), or as `make lora`. A finished stage is skipped; training resumes.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 DATA=data/mini
