@@ -142,9 +142,13 @@ class GoldPolicy(Batched):
         self.tok, self.vis, self.max_pairs, self.think = tok, vis, max_pairs, think
         self.by_id = {q["id"]: q for q in questions}
 
+    def plan(self, q):
+        """The routing steps written for q, grouped by step (reward.by_step): the gold decomposition."""
+        return reward.by_step(reward.group_steps(q["steps"], self.max_pairs))
+
     def step_text(self, q, turn, phase):
-        """The gold step's text at policy turn `turn` (0: the first route) of question q, phase route or answer."""
-        gold = reward.by_step(reward.group_steps(q["steps"], self.max_pairs))
+        """The planned step's text at policy turn `turn` (0: the first route) of question q, phase route or answer."""
+        gold = self.plan(q)
         if phase == "route":
             if turn // 2 < len(gold):
                 g = gold[turn // 2]
@@ -167,6 +171,44 @@ class GoldPolicy(Batched):
             ids = (ids + [self.tok.eos_token_id] * (phase == "route" and self.max_pairs > 1))[:max_tokens]
             res.append((ids, [0.0] * len(ids)))
         return res
+
+VISUAL = re.compile(r"\b(portrait|logo|flag|hair|colour|color|wears?|picture|photo)\b")
+NUMERIC = re.compile(r"\b(how many|how much|years?|population|revenue|temperature|rain|rainfall|number)\b")
+
+def guideline_kb(sub_question):
+    """The KB R1-Router's system prompt tells its teacher to choose, applied literally (keywords): a sub-question
+    that "explicitly references visual elements" -> the Text Image Retriever, a "numerical/statistical query" -> the
+    Table Retriever, "non-visual commonsense knowledge" -> the Text Retriever. On the mini-world (corpus.RELATIONS) it
+    misroutes by rule: birth and founding years (text) look numerical, capitals, currencies, languages and the book
+    of a year (table) look like commonsense."""
+    s = sub_question.lower()
+    return "image" if VISUAL.search(s) else "table" if NUMERIC.search(s) else "text"
+
+class GuidelinePolicy(GoldPolicy):
+    """A teacher that knows the decomposition but routes each sub-question by R1-Router's guideline (guideline_kb):
+    where the rule names another KB than the gold, it searches there first, reads that the evidence does not say
+    ("unknown"), and asks the same sub-question again at the other KB, which holds it; if that leaves the question
+    unanswered after max_steps, its final answer is "unknown" (R1-Router's filter drops it). Its kept trajectories
+    carry the rule's wrong KBs, re-asks and wrong intermediate answers, the same mistake on every question alike
+    (synth.py --teacher guideline)."""
+    MISS = "The evidence does not say."
+
+    def plan(self, q):
+        """The routing steps written for q, grouped by step: each gold step, after its rule-routed miss if any."""
+        out = []
+        for g in super().plan(q):
+            rule = [dict(st, kb=guideline_kb(st["sub_question"]), answer=None) for st in g]
+            out += [rule] * any(r["kb"] != st["kb"] for r, st in zip(rule, g)) + [g]
+        return out
+
+    def step_text(self, q, turn, phase):
+        steps = self.plan(q)
+        if phase == "answer" and turn // 2 < len(steps):
+            if turn % 2 == 0:  # the final answer, asked at max_steps with planned steps left
+                return reward.format_answer("Some steps are still open.", "unknown")
+            if steps[turn // 2][0]["answer"] is None:  # after the rule-routed search
+                return reward.format_answer(self.MISS, "unknown")
+        return super().step_text(q, turn, phase)
 
 def turn_key(x, sp):
     """The request key of the prompt before span `sp` of trajectory `x`, as the step loop names its requests."""

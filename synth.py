@@ -6,7 +6,9 @@ Three sources, one output format (one JSONL row per question: the rollout.py tra
            loop: the evidence is what retrieval really returns for each gold sub-question (not the gold doc pasted in)
   teacher  the paper's procedure: sample n trajectories per question from a teacher model (rollout.py, with
            retrieval, top-k 20, a step that does not parse tried twice) and keep the first that passes the filter
-           (--filter paper: the final answer's token recall is 1); prints how many survive each filter
+           (--filter paper: the final answer's token recall is 1); prints how many survive each filter;
+           --teacher guideline: the gold decomposition routed by R1-Router's routing guideline taken literally, a
+           rule-routed miss re-asked at the other KB (rollout.GuidelinePolicy), through the same filter
 Every mode writes <out>/<split>.errors.json: the step mistakes of what it wrote against the world's gold hops (wrong
 KB, extra steps, re-asks, steps without a new supporting document, wrong intermediate answers, missed hops).
   r1router R1-Router's released step-unrolled rows ({images, steps[{step_type, problem, system, answer}]}): their
@@ -16,6 +18,8 @@ KB, extra steps, re-asks, steps without a new supporting document, wrong interme
     python synth.py --data data/mini --out data/mini/traj_k2 --max_pairs 2              # comparisons as one multi-query step
     python synth.py --data data/mini --out data/mini/traj-teacher --teacher out/teacher/final -n 4 --splits train \
         --offset 48 --limit 1000                  # R1-Router's procedure: a teacher's samples, its final-answer filter
+    python synth.py --data data/mini --out data/mini/traj-guideline --teacher guideline -n 1 --splits train \
+        --offset 48 --limit 1000                  # a teacher that routes by R1-Router's guideline, the same filter
     python synth.py --r1router /path/to/data/r1router/stepgrpo_valid_119.jsonl --out data/r1router/traj
     python synth.py --export_r1router data/mini/traj/train.jsonl --out data/mini/r1router_train.jsonl
 """
@@ -216,7 +220,8 @@ if __name__ == "__main__":
     ap.add_argument("--splits", nargs="+", default=["train", "dev"])
     ap.add_argument("--model", default=prepare.DEFAULT_MODEL, help="the policy whose tokenizer and chat template are used")
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port")
-    ap.add_argument("--teacher", default=None, help="teacher mode: HF folder of the teacher model")
+    ap.add_argument("--teacher", default=None, help="teacher mode: HF folder of the teacher model, or guideline: "
+                    "the gold decomposition routed by R1-Router's routing guideline (rollout.GuidelinePolicy; -n 1)")
     ap.add_argument("-n", type=int, default=4, help="teacher mode: samples per question")
     ap.add_argument("--temperature", type=float, default=1.0, help="teacher mode: sampling temperature")
     ap.add_argument("--top_k", type=int, default=20, help="teacher mode: sampling top-k (R1-Router's teacher: 20; 0: off)")
@@ -275,11 +280,14 @@ if __name__ == "__main__":
             sys.exit(0)
         import retrievers
         ret = retrievers.make_retriever(args.retriever, args.data)
+        guideline = args.teacher == "guideline"
         engine = engines.make_engine(args.backend, args.teacher, seed=args.seed, max_model_len=args.max_model_len,
-                                     max_pixels=args.max_pixels) if args.teacher else None
+                                     max_pixels=args.max_pixels) if args.teacher and not guideline else None
         for split in args.splits:
             qs = corpus.load_questions(args.data, split)
             qs = qs[args.offset:args.offset + args.limit] if args.limit else qs[args.offset:]
+            if guideline:  # writes its steps like the gold policy: no sampling, one trajectory a question
+                engine, settings = rollout.GuidelinePolicy(tok, qs, vis, args.max_pairs, args.gold_think), gold_settings
             if engine is None:
                 trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs, args.gold_think), ret, qs,
                                         s=gold_settings)

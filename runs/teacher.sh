@@ -20,6 +20,8 @@
 #   DEV_ONLY=1 bash runs/teacher.sh           # a dev screen: every arm trained and dev-picked, no test row
 #   HOLDOUT=3hop bash runs/teacher.sh         # the same in a world whose train and dev hold no 3-hop chain (corpus.py
 #                                             # --holdout; its test split is the default world's): out/teacher-no3hop
+#   TEACHER=guideline bash runs/teacher.sh    # the teacher routes by R1-Router's guideline, not a sampled SFT policy
+#                                             # (runs/teacher_data.sh): data/mini/traj-guideline, out/teacher-guideline
 #   FROM=sft-cont bash runs/teacher.sh        # every Step-GRPO arm and a new SFT-continued control start from
 #                                             # sft-cont's dev pick, not from sft: <seed>/from-sft-cont, rows cont-*
 set -euo pipefail
@@ -31,8 +33,12 @@ DEV_N=${DEV_N:-100} TEST_N=${TEST_N:-500}
 ARMS=${ARMS:-"teacher labels"}
 FROM=${FROM:-sft}
 DATA=data/mini${HOLDOUT:+-no$HOLDOUT}
-TRAJ=$DATA/traj-teacher
-OUT=out/teacher${HOLDOUT:+-no$HOLDOUT}
+case ${TEACHER:=sampled} in
+  sampled) TRAJ=$DATA/traj-teacher suffix= ;;
+  guideline) TRAJ=$DATA/traj-guideline suffix=-guideline ;;
+  *) echo "error: TEACHER=$TEACHER: sampled or guideline"; exit 2 ;;
+esac
+OUT=out/teacher${HOLDOUT:+-no$HOLDOUT}$suffix
 start=$(date +%s)
 resume() { test -f "$1/latest" && echo --resume || true; }
 dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --data $DATA --split dev --n_questions $DEV_N \
@@ -54,7 +60,7 @@ continue_sft() {  # START OUT SEED: SFT-continued from START (MORE steps, a chec
 
 test -f $DATA/world.json || $PY corpus.py --world mini --out $DATA ${HOLDOUT:+--holdout $HOLDOUT}
 test -f $DATA/index/meta.json || $PY retrievers.py build --data $DATA
-PY=$PY bash runs/teacher_data.sh $DATA $OUT
+TEACHER=$TEACHER PY=$PY bash runs/teacher_data.sh $DATA $OUT
 for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $TRAJ --seed $s --train_steps $SFT_STEPS --grad_accum 4 --eval_every 0 \
