@@ -9,7 +9,7 @@
 #      compute (as many tokens a step: 7 one-chat rows against 4 transcripts) -> rollout throughput of each structure
 #      with its own SFT checkpoint (on real tables too, when `make real` built data/real) -> Step-GRPO at the same budget.
 # Every score is routed on the whole test split (500 questions), and each comparison a paired bootstrap interval.
-# Resumable: a finished stage is skipped.
+# Run as `make released` (it builds data/mini/traj first). Resumable: a finished stage is skipped.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 DATA=data/mini
@@ -25,7 +25,6 @@ bench() {  # bench MODEL STRUCTURE OUT [flags]: the routed loop's tokens and thr
   test -f $3 || $PY bench_rollout.py --model $1 --structure $2 --n_questions 32 -n 4 "${@:4}" > $3
   grep "^$2:" $3
 }
-test -f $DATA/traj/train.jsonl || $PY synth.py --data $DATA --out $DATA/traj --limit 400
 test -f $OUT/sft/final/config.json || $PY sft.py --data $DATA/traj --train_steps 36 --grad_accum 4 --eval_every 0 \
   --save_every 0 --keep 1 --out $OUT/sft
 
