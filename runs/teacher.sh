@@ -24,6 +24,8 @@
 #                                             # (runs/teacher_data.sh): data/mini/traj-guideline, out/teacher-guideline
 #   FROM=sft-cont bash runs/teacher.sh        # every Step-GRPO arm and a new SFT-continued control start from
 #                                             # sft-cont's dev pick, not from sft: <seed>/from-sft-cont, rows cont-*
+#   EXTRA="--lr 5e-6" TAG=-lr5e-6 bash runs/teacher.sh  # a variant of every Step-GRPO arm: stepgrpo.py flags after
+#                                             # the arm's own (the later one wins), its folders grpo-<arm>-lr5e-6
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-0}
@@ -32,6 +34,8 @@ GRPO="--batch_questions 16 --lr 2e-5 --train_steps $GRPO_STEPS --save_every 2 --
 DEV_N=${DEV_N:-100} TEST_N=${TEST_N:-500}
 ARMS=${ARMS:-"teacher labels"}
 FROM=${FROM:-sft}
+EXTRA=${EXTRA:-} TAG=${TAG:-}
+test -z "$EXTRA" || test -n "$TAG" || { echo "error: EXTRA=\"$EXTRA\" needs TAG, its arms' folder suffix"; exit 2; }
 DATA=data/mini${HOLDOUT:+-no$HOLDOUT}
 case ${TEACHER:=sampled} in
   sampled) TRAJ=$DATA/traj-teacher suffix= ;;
@@ -73,11 +77,11 @@ for s in $SEEDS; do
       dropped) how="--rollout onpolicy --dropped $TRAJ --step_reward labels" ;;
       *) how="--prefixes $TRAJ --teacher_spans all --step_reward $arm" ;;
     esac
-    test -e $a/grpo-$arm/final || $PY stepgrpo.py --data $DATA --model $from --seed $s $how $GRPO \
-      --eval_questions $DEV_N --out $a/grpo-$arm $(resume $a/grpo-$arm)
+    test -e $a/grpo-$arm$TAG/final || $PY stepgrpo.py --data $DATA --model $from --seed $s $how $GRPO $EXTRA \
+      --eval_questions $DEV_N --out $a/grpo-$arm$TAG $(resume $a/grpo-$arm$TAG)
   done
   test -z "${DEV_ONLY:-}" || continue
-  for row in "$d/sft:final:routed oracle gold_steps" $a/sft-cont:best:routed $(printf "$a/grpo-%s:best:routed " $ARMS); do
+  for row in "$d/sft:final:routed oracle gold_steps" $a/sft-cont:best:routed $(printf "$a/grpo-%s$TAG:best:routed " $ARMS); do
     IFS=: read run ck methods <<< "$row"
     at=$(dirname $run) name=$(basename $run)
     tag=$(test $at = $d || echo cont-)$name@s$s
@@ -89,8 +93,8 @@ for s in $SEEDS; do
   for arm in $ARMS; do
     for p in test sampled; do
       for base in $a/$p-sft-cont $d/$p-sft; do
-        echo "$p, $a/grpo-$arm - $base:"
-        $PY evaluate.py --paired $base/trajectories-routed.jsonl $a/$p-grpo-$arm/trajectories-routed.jsonl
+        echo "$p, $a/grpo-$arm$TAG - $base:"
+        $PY evaluate.py --paired $base/trajectories-routed.jsonl $a/$p-grpo-$arm$TAG/trajectories-routed.jsonl
       done
     done
   done
@@ -100,18 +104,18 @@ tables=()
 for s in $SEEDS; do
   a=$(arms $OUT/s$s)
   tables+=($OUT/s$s/{test,sampled}-sft/results.json)
-  for name in sft-cont $(printf "grpo-%s " $ARMS); do tables+=($a/{test,sampled}-$name/results.json); done
+  for name in sft-cont $(printf "grpo-%s$TAG " $ARMS); do tables+=($a/{test,sampled}-$name/results.json); done
 done
-$PY evaluate.py --combine "${tables[@]}" --data $DATA --split test --out $OUT/table${FROM#sft}
+$PY evaluate.py --combine "${tables[@]}" --data $DATA --split test --out $OUT/table${FROM#sft}$TAG
 for arm in $ARMS; do  # over the seeds: one pair a seed, averaged, questions resampled together
   for p in test sampled; do
     for base in sft-cont sft; do
       pairs=()
       for s in $SEEDS; do
         a=$(arms $OUT/s$s)
-        pairs+=($(test $base = sft && echo $OUT/s$s || echo $a)/$p-$base/trajectories-routed.jsonl $a/$p-grpo-$arm/trajectories-routed.jsonl)
+        pairs+=($(test $base = sft && echo $OUT/s$s || echo $a)/$p-$base/trajectories-routed.jsonl $a/$p-grpo-$arm$TAG/trajectories-routed.jsonl)
       done
-      echo "$p, grpo-$arm - $base, seeds $SEEDS (from $FROM):"
+      echo "$p, grpo-$arm$TAG - $base, seeds $SEEDS (from $FROM):"
       $PY evaluate.py --paired "${pairs[@]}"
     done
   done
