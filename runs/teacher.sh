@@ -35,6 +35,7 @@ DEV_N=${DEV_N:-100} TEST_N=${TEST_N:-500}
 ARMS=${ARMS:-"teacher labels"}
 FROM=${FROM:-sft}
 EXTRA=${EXTRA:-} TAG=${TAG:-}
+GARMS=$(printf "grpo-%s$TAG " $ARMS)  # the Step-GRPO arms' folder names
 test -z "$EXTRA" || test -n "$TAG" || { echo "error: EXTRA=\"$EXTRA\" needs TAG, its arms' folder suffix"; exit 2; }
 DATA=data/mini${HOLDOUT:+-no$HOLDOUT}
 case ${TEACHER:=sampled} in
@@ -77,11 +78,12 @@ for s in $SEEDS; do
       dropped) how="--rollout onpolicy --dropped $TRAJ --step_reward labels" ;;
       *) how="--prefixes $TRAJ --teacher_spans all --step_reward $arm" ;;
     esac
-    test -e $a/grpo-$arm$TAG/final || $PY stepgrpo.py --data $DATA --model $from --seed $s $how $GRPO $EXTRA \
-      --eval_questions $DEV_N --out $a/grpo-$arm$TAG $(resume $a/grpo-$arm$TAG)
+    g=grpo-$arm$TAG
+    test -e $a/$g/final || $PY stepgrpo.py --data $DATA --model $from --seed $s $how $GRPO $EXTRA \
+      --eval_questions $DEV_N --out $a/$g $(resume $a/$g)
   done
   test -z "${DEV_ONLY:-}" || continue
-  for row in "$d/sft:final:routed oracle gold_steps" $a/sft-cont:best:routed $(printf "$a/grpo-%s$TAG:best:routed " $ARMS); do
+  for row in "$d/sft:final:routed oracle gold_steps" $a/sft-cont:best:routed $(printf "$a/%s:best:routed " $GARMS); do
     IFS=: read run ck methods <<< "$row"
     at=$(dirname $run) name=$(basename $run)
     tag=$(test $at = $d || echo cont-)$name@s$s
@@ -90,11 +92,11 @@ for s in $SEEDS; do
     test -f $at/sampled-$name/results.json || $PY evaluate.py --model $run/$ck --name $tag --methods routed \
       --protocol released --data $DATA --split test --n_questions $TEST_N --out $at/sampled-$name
   done
-  for arm in $ARMS; do
+  for g in $GARMS; do
     for p in test sampled; do
       for base in $a/$p-sft-cont $d/$p-sft; do
-        echo "$p, $a/grpo-$arm$TAG - $base:"
-        $PY evaluate.py --paired $base/trajectories-routed.jsonl $a/$p-grpo-$arm$TAG/trajectories-routed.jsonl
+        echo "$p, $a/$g - $base:"
+        $PY evaluate.py --paired $base/trajectories-routed.jsonl $a/$p-$g/trajectories-routed.jsonl
       done
     done
   done
@@ -104,18 +106,18 @@ tables=()
 for s in $SEEDS; do
   a=$(arms $OUT/s$s)
   tables+=($OUT/s$s/{test,sampled}-sft/results.json)
-  for name in sft-cont $(printf "grpo-%s$TAG " $ARMS); do tables+=($a/{test,sampled}-$name/results.json); done
+  for name in sft-cont $GARMS; do tables+=($a/{test,sampled}-$name/results.json); done
 done
 $PY evaluate.py --combine "${tables[@]}" --data $DATA --split test --out $OUT/table${FROM#sft}$TAG
-for arm in $ARMS; do  # over the seeds: one pair a seed, averaged, questions resampled together
+for g in $GARMS; do  # over the seeds: one pair a seed, averaged, questions resampled together
   for p in test sampled; do
     for base in sft-cont sft; do
       pairs=()
       for s in $SEEDS; do
         a=$(arms $OUT/s$s)
-        pairs+=($(test $base = sft && echo $OUT/s$s || echo $a)/$p-$base/trajectories-routed.jsonl $a/$p-grpo-$arm$TAG/trajectories-routed.jsonl)
+        pairs+=($(test $base = sft && echo $OUT/s$s || echo $a)/$p-$base/trajectories-routed.jsonl $a/$p-$g/trajectories-routed.jsonl)
       done
-      echo "$p, grpo-$arm$TAG - $base, seeds $SEEDS (from $FROM):"
+      echo "$p, $g - $base, seeds $SEEDS (from $FROM):"
       $PY evaluate.py --paired "${pairs[@]}"
     done
   done
