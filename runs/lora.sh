@@ -13,16 +13,15 @@ START=${START:-out/demo/sft/final}
 OUT=out/lora
 LORA="--lora_r 16 --lora_alpha 32"
 start=$(date +%s)
-resume() { test -f "$1/latest" && echo --resume || true; }
 for arm in full lora qlora; do
   flags=$([ $arm = full ] && echo "" || echo "$LORA")$([ $arm = qlora ] && echo " --quant nf4" || echo "")
   test -e $OUT/sft-$arm/final || $PY sft.py --data $DATA/traj --train_steps 8 --eval_every 0 --save_every 0 \
     --out $OUT/sft-$arm $flags
 done
 test -e $OUT/grpo-full/step_2 || $PY stepgrpo.py --data $DATA --model $START --train_steps 2 --save_every 2 \
-  --eval_questions 0 --out $OUT/grpo-full $(resume $OUT/grpo-full)
+  --eval_questions 0 --out $OUT/grpo-full --resume auto
 test -e $OUT/grpo-lora/step_2 || $PY stepgrpo.py --data $DATA --model $START --train_steps 2 --save_every 2 \
-  --eval_questions 0 --out $OUT/grpo-lora $LORA --lr 5e-5 $(resume $OUT/grpo-lora)
+  --eval_questions 0 --out $OUT/grpo-lora $LORA --lr 5e-5 --resume auto
 # equal wall-clock time: the LoRA run's steps = 4 x (full step time / LoRA step time), from the first two steps
 steps=$($PY -c "
 import json

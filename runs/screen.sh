@@ -20,14 +20,13 @@ TRAJ=${TRAJ:-$DATA/traj}
 OUT=${OUT:-out/screen}
 N=${N:-100}
 start=$(date +%s)
-resume() { test -f "$1/latest" && echo --resume || true; }
 PY=$PY bash runs/sft_continue.sh $START $OUT/sft-cont 36 --data $TRAJ --grad_accum 4 --eval_every 0 --save_every 0 \
   --keep 1
 grpo=(--model $START --data $DATA --gold_think $THINK --train_steps 6 --batch_questions 8 --save_every 3 --keep 2
       --eval_questions $N)
-test -e $OUT/split/final || $PY stepgrpo.py "${grpo[@]}" --out $OUT/split $(resume $OUT/split)
+test -e $OUT/split/final || $PY stepgrpo.py "${grpo[@]}" --out $OUT/split --resume auto
 test -e $OUT/whole/final || $PY stepgrpo.py "${grpo[@]}" --route_credit whole --adv_std --out $OUT/whole \
-  $(resume $OUT/whole)
+  --resume auto
 for arm in sft-cont split whole; do
   ckpt=$OUT/$arm/$([ $arm = sft-cont ] && echo final || echo best)
   test -f $OUT/dev-$arm/results.json || $PY evaluate.py --model $ckpt --name $arm --methods routed --gold_think $THINK \

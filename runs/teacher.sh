@@ -45,7 +45,6 @@ case ${TEACHER:=sampled} in
 esac
 OUT=out/teacher${HOLDOUT:+-no$HOLDOUT}$suffix
 start=$(date +%s)
-resume() { test -f "$1/latest" && echo --resume || true; }
 dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --data $DATA --split dev --n_questions $DEV_N \
   --out $2; }
 pick() { $PY -c "import json, sys; r = [next(iter(json.load(open(f)).values())) for f in sys.argv[2:]]
@@ -69,7 +68,7 @@ TEACHER=$TEACHER PY=$PY bash runs/teacher_data.sh $DATA $OUT
 for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $TRAJ --seed $s --train_steps $SFT_STEPS --grad_accum 4 --eval_every 0 \
-    --save_every $EVERY --keep 1 --out $d/sft $(resume $d/sft)
+    --save_every $EVERY --keep 1 --out $d/sft --resume auto
   continue_sft $d/sft/final $d/sft-cont $s
   a=$(arms $d) from=$d/sft/final
   if test $FROM = sft-cont; then from=$d/sft-cont/best; continue_sft $from $a/sft-cont $s; fi
@@ -80,7 +79,7 @@ for s in $SEEDS; do
     esac
     g=grpo-$arm$TAG
     test -e $a/$g/final || $PY stepgrpo.py --data $DATA --model $from --seed $s $how $GRPO $EXTRA \
-      --eval_questions $DEV_N --out $a/$g $(resume $a/$g)
+      --eval_questions $DEV_N --out $a/$g --resume auto
   done
   test -z "${DEV_ONLY:-}" || continue
   for row in "$d/sft:final:routed oracle gold_steps" $a/sft-cont:best:routed $(printf "$a/%s:best:routed " $GARMS); do

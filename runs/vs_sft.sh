@@ -39,7 +39,6 @@ case $ARM in
 esac
 BASE=test-${START%/*}
 start=$(date +%s)
-resume() { test -f "$1/latest" && echo --resume || true; }
 dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --split dev --n_questions $DEV_N --out $2; }
 # the step whose dev results.json ($2 ...) has the best mean of F1-Recall and routing accuracy, the earliest of equals
 pick() { $PY -c "import json, sys; r = [next(iter(json.load(open(f)).values())) for f in sys.argv[2:]]
@@ -47,11 +46,11 @@ s = [(x['f1_recall'] + x['routing_acc']) / 2 for x in r]; i = s.index(max(s)); p
 for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $DATA/traj --seed $s --train_steps 216 --grad_accum 4 --decay_steps 36 \
-    --eval_every 0 --save_every 36 --keep 2 --out $d/sft $(resume $d/sft)
+    --eval_every 0 --save_every 36 --keep 2 --out $d/sft --resume auto
   test $ARM != wide2 || PY=$PY bash runs/sft_continue.sh $d/sft/final $d/sft396 180 --data $DATA/traj --grad_accum 4 \
     --seed $s --eval_every 0 --save_every 36 --keep 1
   test -e $d/grpo$X/final || $PY stepgrpo.py --data $DATA --model $d/$START --seed $s --train_steps 6 $G \
-    --eval_questions $DEV_N --out $d/grpo$X $(resume $d/grpo$X)
+    --eval_questions $DEV_N --out $d/grpo$X --resume auto
   k0=$(basename "$(readlink -f $d/$START)"); k0=${k0#step_}  # SFT-continued's candidates: every checkpoint it saves
   CANDS="$(seq $(( (k0 / EVERY + 1) * EVERY )) $EVERY $(( k0 + MORE - 1 )) | xargs) $(( k0 + MORE ))"
   PY=$PY bash runs/sft_continue.sh $d/$START $d/sft-cont$X $MORE --data $DATA/traj-all --grad_accum 4 --seed $s \
