@@ -22,6 +22,10 @@ that cannot always write the step format be scored), released (R1-Router's relea
 temperature 1, top-k 20, top-5 passages, 5 tries a route with its reminder after the third, 3 tries an answer, then
 the fallbacks). Rows of the step-format methods are named method+fallback / method+released.
 
+Resumable: each finished method leaves method-<method>.json beside its trajectories; a rerun into the same --out
+with the same model weights, questions and flags reuses it, so an interrupted evaluation (or one given one more
+method) runs only what is missing.
+
 --probe N: routing as a distribution (route_probe below): N routes sampled at every golden prefix, counted against
 the gold decision there; written to route_probe.json and routing_confusion_probe.png.
 
@@ -485,6 +489,29 @@ def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, 
     mode = {"routed": "model", "every_kb": "all", "oracle": "oracle"}[method]
     return rollout.rollout(engine, retriever, questions, 1, replace(settings, route_mode=mode), seed, shots=shots, bar=bar)
 
+def run_signature(args, questions):
+    """What a method's scores depend on: every flag but where they go and which methods run, the checkpoint's weight
+    files (a retrained model at the same path differs) and the questions. Two runs with equal signatures score a
+    method alike, so a finished method's scores are reused (method_done)."""
+    model = Path(args.model).resolve()
+    skip = ("out", "methods", "probe", "combine", "paired")
+    return {**{k: v for k, v in sorted(vars(args).items()) if k not in skip}, "model": str(model),
+            "weights": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(model.glob("*.safetensors"))],
+            "questions": [q["id"] for q in questions]}
+
+
+def method_done(out, method, signature):
+    """The scores {row name: score} of a method that an earlier run with the same signature finished into out
+    (method-<method>.json, written after its trajectories), else None: an interrupted evaluation, or one given one
+    more method, runs only what is missing."""
+    f = Path(out) / f"method-{_slug(method)}.json"
+    try:
+        done = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return done["results"] if isinstance(done, dict) and done.get("signature") == signature else None
+
+
 def few_shot_examples(questions, k):
     """k questions (of a training split) for few-shot prompts: in order, each one whose gold steps use a KB the
     earlier ones did not, so the examples show every KB they can."""
@@ -647,7 +674,12 @@ if __name__ == "__main__":
         print(f"--few_shot {args.few_shot}: {len(examples)} train questions as worked examples ({len(shots)} tokens)")
     results = {}
     from tqdm import tqdm
+    signature = run_signature(args, qs)
     for method in args.methods:
+        if done := method_done(out, method, signature):
+            results.update(done)
+            print(f"{method}: its scores reused from {out}/method-{_slug(method)}.json (the same model, questions and flags)")
+            continue
         t = time.perf_counter()
         bar = tqdm(total=len(qs), desc=f"{name} {method} ({split})", unit="question")
         trajs = run_method(method, engine, ret, qs, settings, args.seed, args.iters, shots, bar)
@@ -655,8 +687,11 @@ if __name__ == "__main__":
         bar.close()
         label = method + (f"+{args.few_shot}shot" if shots and method in STEP_FORMAT else "") + \
             (f"+{args.protocol}" if args.protocol != "strict" and method in STEP_FORMAT else "")
-        results[f"{name}/{label}"] = dict(score(trajs), seconds=round(time.perf_counter() - t, 1))
+        row = {f"{name}/{label}": dict(score(trajs), seconds=round(time.perf_counter() - t, 1))}
+        results.update(row)
         write_jsonl(out / f"trajectories-{method}.jsonl", [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in trajs])
+        corpus.write_atomic(out / f"method-{_slug(method)}.json",  # after its trajectories: the mark of a finished method
+                            json.dumps({"signature": signature, "results": row}, indent=1, allow_nan=False) + "\n")
     if args.probe:
         out.mkdir(parents=True, exist_ok=True)
         p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=args.model, split=split, questions=len(qs))

@@ -264,6 +264,29 @@ def test_write_is_atomic(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "results.json").read_text()) == res
 
 
+def test_a_finished_method_is_reused_only_under_the_same_weights_questions_and_flags(tmp_path):
+    import argparse
+    import os
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"w")
+    args = argparse.Namespace(model=str(model), topk=3, seed=0, out=str(tmp_path / "ev"), methods=["routed"])
+    qs = [{"id": "q1"}, {"id": "q2"}]
+    sig = evaluate.run_signature(args, qs)
+    row = {"m/routed": score(SET)}
+    assert evaluate.method_done(args.out, "routed", sig) is None  # nothing finished yet
+    corpus.write_atomic(tmp_path / "ev" / "method-routed.json", json.dumps({"signature": sig, "results": row}))
+    assert evaluate.method_done(args.out, "routed", evaluate.run_signature(args, qs)) == json.loads(json.dumps(row))
+    args.methods, args.out = ["routed", "oracle"], str(tmp_path / "ev")  # which methods run is not in the signature
+    assert evaluate.run_signature(args, qs) == sig
+    assert evaluate.run_signature(argparse.Namespace(**{**vars(args), "topk": 5}), qs) != sig  # another flag
+    assert evaluate.run_signature(args, qs[:1]) != sig  # other questions
+    os.utime(model / "model.safetensors", ns=(1, 1))  # the checkpoint rewritten
+    assert evaluate.run_signature(args, qs) != sig
+    (tmp_path / "ev" / "method-routed.json").write_text('{"signature": ')  # half a file: run the method again
+    assert evaluate.method_done(args.out, "routed", sig) is None
+
+
 def test_confusion_is_empty_for_no_trajectories():
     assert confusion([])["counts"] == [[0] * 5 for _ in range(4)]
 

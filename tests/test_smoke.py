@@ -48,6 +48,16 @@ def test_synth_sft_stepgrpo_evaluate_end_to_end(tmp_path, tiny_model_dir, tiny_i
         "--n_questions", "6", "--methods", "routed", "--retriever", "bm25", "--protocol", "released",
         "--out", tmp_path / "sampled" / "grpo")
     assert json.loads((tmp_path / "sampled" / "grpo" / "results.json").read_text())["grpo/routed+released"]["n"] == 6
+    # a rerun into the same folder with one more method reuses the finished one (an interrupted evaluation resumes)
+    routed = tmp_path / "eval" / "sft" / "trajectories-routed.jsonl"
+    before = routed.stat().st_mtime_ns
+    out = cli("evaluate.py", "--model", tmp_path / "sft" / "final", "--name", "sft", "--data", tiny_index, "--split",
+              "test", "--n_questions", "6", "--methods", "routed", "no_retrieval", "--retriever", "bm25",
+              "--out", tmp_path / "eval" / "sft")
+    res = json.loads((tmp_path / "eval" / "sft" / "results.json").read_text())
+    assert "routed: its scores reused" in out and routed.stat().st_mtime_ns == before
+    assert res["sft/no_retrieval"]["n"] == 6 and res["sft/routed"] == json.loads(
+        (tmp_path / "eval" / "sft" / "method-routed.json").read_text())["results"]["sft/routed"]
     out = cli("evaluate.py", "--paired", tmp_path / "eval" / "sft" / "trajectories-routed.jsonl",
               tmp_path / "eval" / "grpo" / "trajectories-routed.jsonl")
     assert "F1-Recall" in out or "f1_recall" in out
