@@ -45,22 +45,8 @@ case ${TEACHER:=sampled} in
 esac
 OUT=out/teacher${HOLDOUT:+-no$HOLDOUT}$suffix
 start=$(date +%s)
-dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --data $DATA --split dev --n_questions $DEV_N \
-  --out $2; }
-pick() { $PY -c "import json, sys; r = [next(iter(json.load(open(f)).values())) for f in sys.argv[2:]]
-s = [(x['f1_recall'] + x['routing_acc']) / 2 for x in r]; i = s.index(max(s)); print(sys.argv[1].split()[i], s[i])" "$@"; }
 arms() { test $FROM = sft && echo $1 || echo $1/from-$FROM; }  # where a seed's Step-GRPO arms and their control go
-continue_sft() {  # START OUT SEED: SFT-continued from START (MORE steps, a checkpoint every EVERY), dev-picked -> OUT/best
-  local k files=() cands
-  k=$(basename "$(readlink -f $1)")
-  cands=$(seq $(( ${k#step_} + EVERY )) $EVERY $(( ${k#step_} + MORE )) | xargs)
-  PY=$PY bash runs/sft_continue.sh $1 $2 $MORE --data $TRAJ --grad_accum 4 --seed $3 --eval_every 0 \
-    --save_every $EVERY --keep $(wc -w <<< "$cands")
-  test -e $2/best && return  # the dev pick, the earliest of equal scores (as stepgrpo.py's <out>/best)
-  for k in $cands; do dev $2/step_$k $(dirname $2)/dev-sft-cont-$k; files+=($(dirname $2)/dev-sft-cont-$k/results.json); done
-  read k top <<< "$(pick "$cands" "${files[@]}")"
-  ln -sfn step_$k $2/best && echo "SFT-continued dev-picked: $2 step $k ($top)"
-}
+source runs/common.sh  # dev, pick, continue_sft (the SFT-continued control, dev-picked -> <out>/best)
 
 test -f $DATA/world.json || $PY corpus.py --world mini --out $DATA ${HOLDOUT:+--holdout $HOLDOUT}
 test -f $DATA/index/meta.json || $PY retrievers.py build --data $DATA
@@ -69,9 +55,12 @@ for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $TRAJ --seed $s --train_steps $SFT_STEPS --grad_accum 4 --eval_every 0 \
     --save_every $EVERY --keep 1 --out $d/sft --resume auto
-  continue_sft $d/sft/final $d/sft-cont $s
+  continue_sft $d/sft/final $d/sft-cont --data $TRAJ --grad_accum 4 --seed $s
   a=$(arms $d) from=$d/sft/final
-  if test $FROM = sft-cont; then from=$d/sft-cont/best; continue_sft $from $a/sft-cont $s; fi
+  if test $FROM = sft-cont; then
+    from=$d/sft-cont/best
+    continue_sft $from $a/sft-cont --data $TRAJ --grad_accum 4 --seed $s
+  fi
   for arm in $ARMS; do
     case $arm in
       dropped) how="--rollout onpolicy --dropped $TRAJ --step_reward labels" ;;

@@ -39,10 +39,7 @@ case $ARM in
 esac
 BASE=test-${START%/*}
 start=$(date +%s)
-dev() { test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --split dev --n_questions $DEV_N --out $2; }
-# the step whose dev results.json ($2 ...) has the best mean of F1-Recall and routing accuracy, the earliest of equals
-pick() { $PY -c "import json, sys; r = [next(iter(json.load(open(f)).values())) for f in sys.argv[2:]]
-s = [(x['f1_recall'] + x['routing_acc']) / 2 for x in r]; i = s.index(max(s)); print(sys.argv[1].split()[i], s[i])" "$@"; }
+source runs/common.sh  # dev, pick, continue_sft (the SFT-continued control, dev-picked -> <out>/best)
 for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $DATA/traj --seed $s --train_steps 216 --grad_accum 4 --decay_steps 36 \
@@ -51,16 +48,7 @@ for s in $SEEDS; do
     --seed $s --eval_every 0 --save_every 36 --keep 1
   test -e $d/grpo$X/final || $PY stepgrpo.py --data $DATA --model $d/$START --seed $s --train_steps 6 $G \
     --eval_questions $DEV_N --out $d/grpo$X --resume auto
-  k0=$(basename "$(readlink -f $d/$START)"); k0=${k0#step_}  # SFT-continued's candidates: every checkpoint it saves
-  CANDS="$(seq $(( (k0 / EVERY + 1) * EVERY )) $EVERY $(( k0 + MORE - 1 )) | xargs) $(( k0 + MORE ))"
-  PY=$PY bash runs/sft_continue.sh $d/$START $d/sft-cont$X $MORE --data $DATA/traj-all --grad_accum 4 --seed $s \
-    --eval_every 0 --save_every $EVERY --keep $(wc -w <<< "$CANDS")
-  if ! test -e $d/sft-cont$X/best; then  # the dev pick, the earliest of equal scores (as stepgrpo.py's <out>/best)
-    files=()
-    for k in $CANDS; do dev $d/sft-cont$X/step_$k $d/dev-sft-cont$X-$k; files+=($d/dev-sft-cont$X-$k/results.json); done
-    read best top <<< "$(pick "$CANDS" "${files[@]}")"
-    ln -sfn step_$best $d/sft-cont$X/best && echo "SFT-continued dev-picked: step $best ($top)"
-  fi
+  continue_sft $d/$START $d/sft-cont$X --data $DATA/traj-all --grad_accum 4 --seed $s
   arms=(sft-cont$X:best:routed grpo$X:best:routed)
   case $ARM in
     wide2) arms=(sft396:final:routed "${arms[@]}") ;;

@@ -238,6 +238,29 @@ def test_sft_continue_goes_on_where_the_run_stopped(tiny_model, traj_dir, tmp_pa
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert [x["step"] for x in read_log(cont)] == [3, 4]  # its own log: the steps it trained
 
+@pytest.mark.slow
+def test_sft_continued_control_is_dev_picked(tiny_model, traj_dir, tiny_index, tmp_path):
+    """runs/common.sh's continue_sft (the SFT-continued control of runs/teacher.sh and runs/vs_sft.sh): the SFT run
+    resumed for MORE steps with a checkpoint every EVERY, each scored on dev, <out>/best linked to the one with the
+    best mean of F1-Recall and routing accuracy (the earliest of equals); called again, it does nothing."""
+    args = ["--model", str(tiny_model), "--data", str(traj_dir), "--grad_accum", "4", "--save_every", "0",
+            "--eval_every", "0", *FAST, "--lr", "2e-5", "--min_lr_ratio", "1"]
+    sft.main([*args, "--train_steps", "2", "--out", str(tmp_path / "first")])
+    call = f"source runs/common.sh && continue_sft {tmp_path / 'first' / 'final'} {tmp_path / 'cont'} {' '.join(args[2:])}"
+    env = {**os.environ, "PY": sys.executable, "DATA": str(tiny_index), "DEV_N": "3", "MORE": "2", "EVERY": "1"}
+    r = subprocess.run(["bash", "-c", call], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    scores = {}
+    for k in (3, 4):  # the candidates: every checkpoint the continued run saved
+        res = next(iter(json.loads((tmp_path / f"dev-cont-{k}" / "results.json").read_text()).values()))
+        assert res["n"] == 3
+        scores[k] = (res["f1_recall"] + res["routing_acc"]) / 2
+    best = 3 if scores[3] >= scores[4] else 4
+    assert (tmp_path / "cont" / "best").resolve() == (tmp_path / "cont" / f"step_{best}").resolve()
+    assert f"dev-picked: {tmp_path / 'cont'} step {best}" in r.stdout
+    r = subprocess.run(["bash", "-c", call], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and "dev-picked" not in r.stdout, r.stderr[-2000:]
+
 VLLM_LOGPROBS = """
 import json, sys
 import engines
