@@ -49,7 +49,10 @@ import json
 import math
 import re
 import statistics
+import sys
+import time
 from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import corpus
@@ -480,7 +483,6 @@ def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, 
     """One method's trajectories. iters: IterRetGen's iterations; shots: few-shot conversation (few_shot_prefix) the
     step-format methods start from; bar: a tqdm bar the step-format methods advance a trajectory at a time."""
     import rollout
-    from dataclasses import replace
     if method in ("no_retrieval", "single_rag", "iterretgen"):
         kbs = () if method == "no_retrieval" else KBS
         return rollout.answer_directly(engine, retriever, questions, kbs, settings, seed, iters if method == "iterretgen" else 1)
@@ -551,18 +553,8 @@ def route_probe(engine, retriever, questions, settings, n=8, seed=0):
             "by_gold": {g: rate([i]) if sum(counts[i]) else None for i, g in enumerate(GOLD_LABELS)},
             "confusion": {"rows": list(GOLD_LABELS), "cols": list(PRED_LABELS), "counts": counts}}
 
-if __name__ == "__main__":
+def get_args(argv=None):
     import argparse
-    import sys
-    import time
-
-    from dataclasses import replace
-
-    import retrievers
-    import rollout
-    import transcript
-    from corpus import write_jsonl
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=prepare.DEFAULT_MODEL, help="HF causal LM folder")
     ap.add_argument("--name", default=None, help="label of the model in the table (default: folder name)")
@@ -603,39 +595,89 @@ if __name__ == "__main__":
     ap.add_argument("--paired", nargs="+", default=None, metavar="BASE NEW",
                     help="trajectories-*.jsonl of the same questions, BASE NEW [BASE NEW ...] (one pair per seed): "
                          "paired bootstrap of NEW - BASE, averaged over the pairs")
-    args = ap.parse_args()
-    if args.paired:
-        if len(args.paired) % 2:
-            sys.exit(f"error: --paired takes BASE NEW pairs: {len(args.paired)} files given")
+    return ap.parse_args(argv)
+
+
+def print_paired(paths):
+    """--paired BASE NEW [BASE NEW ...]: the paired bootstrap of NEW - BASE, overall and per question type."""
+    if len(paths) % 2:
+        sys.exit(f"error: --paired takes BASE NEW pairs: {len(paths)} files given")
+    try:
+        files = [corpus.read_jsonl(f) for f in paths]
+        p = paired(list(zip(files[::2], files[1::2])))
+    except KeyError as e:
+        sys.exit(f"error: --paired: a trajectory lacks {e}: give trajectories-*.jsonl written by evaluate.py")
+    except (corpus.DataError, OSError, ValueError) as e:
+        sys.exit(f"error: --paired: {e}")
+    pairs = [f"{n} - {b}" for b, n in zip(paths[::2], paths[1::2])]
+    print(f"{'; '.join(pairs)}, {p['n']} questions (paired bootstrap, 10000 resamples"
+          f"{f', averaged over {len(pairs)} pairs' if len(pairs) > 1 else ''}):")
+    for k in PAIRED:
+        each = f"; per pair {', '.join(f'{x:+.2f}' for x in p[k]['per_pair'])}" if len(pairs) > 1 else ""
+        print(f"  {k}: {p[k]['diff']:+.2f} (95% interval {p[k]['lo']:+.2f} .. {p[k]['hi']:+.2f}; "
+              f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples{each})")
+    for ty, q in p["by_type"].items():
+        print(f"  {ty} ({q['n']}): " + ", ".join(f"{k} {q[k]['diff']:+.2f} ({q[k]['lo']:+.2f} .. {q[k]['hi']:+.2f})"
+                                                for k in PAIRED))
+
+
+def combine(paths, out, title):
+    """--combine: results.json files merged into one report in out."""
+    results = {}
+    for f in paths:
         try:
-            files = [corpus.read_jsonl(f) for f in args.paired]
-            p = paired(list(zip(files[::2], files[1::2])))
-        except KeyError as e:
-            sys.exit(f"error: --paired: a trajectory lacks {e}: give trajectories-*.jsonl written by evaluate.py")
-        except (corpus.DataError, OSError, ValueError) as e:
-            sys.exit(f"error: --paired: {e}")
-        pairs = [f"{n} - {b}" for b, n in zip(args.paired[::2], args.paired[1::2])]
-        print(f"{'; '.join(pairs)}, {p['n']} questions (paired bootstrap, 10000 resamples"
-              f"{f', averaged over {len(pairs)} pairs' if len(pairs) > 1 else ''}):")
-        for k in PAIRED:
-            each = f"; per pair {', '.join(f'{x:+.2f}' for x in p[k]['per_pair'])}" if len(pairs) > 1 else ""
-            print(f"  {k}: {p[k]['diff']:+.2f} (95% interval {p[k]['lo']:+.2f} .. {p[k]['hi']:+.2f}; "
-                  f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples{each})")
-        for ty, q in p["by_type"].items():
-            print(f"  {ty} ({q['n']}): " + ", ".join(f"{k} {q[k]['diff']:+.2f} ({q[k]['lo']:+.2f} .. {q[k]['hi']:+.2f})"
-                                                    for k in PAIRED))
-        sys.exit(0)
-    if args.combine:
-        results = {}
-        for f in args.combine:
-            try:
-                part = json.loads(Path(f).read_text())
-                assert all("f1_recall" in v for v in part.values())
-            except (OSError, AttributeError, TypeError, AssertionError, json.JSONDecodeError) as e:
-                sys.exit(f"error: {f}: not a results.json written by evaluate.py ({type(e).__name__})")
-            results.update(part)
-        print_table(write_report(results, args.out or "out/eval/summary", title=f"{args.data} {' '.join(args.split)}"))
-        sys.exit(0)
+            part = json.loads(Path(f).read_text())
+            assert all("f1_recall" in v for v in part.values())
+        except (OSError, AttributeError, TypeError, AssertionError, json.JSONDecodeError) as e:
+            sys.exit(f"error: {f}: not a results.json written by evaluate.py ({type(e).__name__})")
+        results.update(part)
+    print_table(write_report(results, out, title=title))
+
+
+def settings_of(args):
+    """The step loop's settings for args, --protocol applied."""
+    import rollout
+    settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
+                                max_active=args.max_active, structure=args.structure, max_pairs=args.max_pairs,
+                                max_rets=args.max_rets, gold_think=args.gold_think)
+    if args.protocol != "strict":
+        settings = replace(settings, fallback=True)
+    if args.protocol == "released":
+        settings = replace(settings, temperature=1.0, top_k=20, topk=5, route_tries=5, answer_tries=3)
+    return settings
+
+
+def run_methods(args, engine, ret, qs, settings, shots, name, out):
+    """Each of args.methods on qs -> {row name: score}; a method's trajectories and its method-<method>.json go to
+    out as it finishes, and one an earlier run with the same signature finished is reused."""
+    from tqdm import tqdm
+    results, signature, split = {}, run_signature(args, qs), "+".join(args.split)
+    for method in args.methods:
+        if done := method_done(out, method, signature):
+            results.update(done)
+            print(f"{method}: its scores reused from {out}/method-{_slug(method)}.json (the same model, questions and flags)")
+            continue
+        t = time.perf_counter()
+        bar = tqdm(total=len(qs), desc=f"{name} {method} ({split})", unit="question")
+        trajs = run_method(method, engine, ret, qs, settings, args.seed, args.iters, shots, bar)
+        bar.update(len(qs) - bar.n)
+        bar.close()
+        label = method + (f"+{args.few_shot}shot" if shots and method in STEP_FORMAT else "") + \
+            (f"+{args.protocol}" if args.protocol != "strict" and method in STEP_FORMAT else "")
+        row = {f"{name}/{label}": dict(score(trajs), seconds=round(time.perf_counter() - t, 1))}
+        results.update(row)
+        corpus.write_jsonl(out / f"trajectories-{method}.jsonl",
+                           [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in trajs])
+        corpus.write_atomic(out / f"method-{_slug(method)}.json",  # after its trajectories: the mark of a finished method
+                            json.dumps({"signature": signature, "results": row}, indent=1, allow_nan=False) + "\n")
+    return results
+
+
+def main(args):
+    """Score args.methods (and the route probe) of one model; write the report to --out."""
+    import retrievers
+    import rollout
+    import transcript
     if not args.methods and not args.probe:
         sys.exit("error: nothing to do: give --methods and/or --probe N")
     name = args.name or run_name(args.model)
@@ -656,42 +698,16 @@ if __name__ == "__main__":
     rollout.check_multi_query(args)
     if err := transcript.check_format(args.model, args):
         sys.exit(f"error: {err}")
-    engine = engines.make_engine(args.backend, args.model, seed=args.seed, max_model_len=args.max_model_len,
-                                 max_pixels=args.max_pixels)
-    settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
-                                max_active=args.max_active, structure=args.structure, max_pairs=args.max_pairs,
-                                max_rets=args.max_rets, gold_think=args.gold_think)
-    if args.protocol != "strict":
-        settings = replace(settings, fallback=True)
-    if args.protocol == "released":
-        settings = replace(settings, temperature=1.0, top_k=20, topk=5, route_tries=5, answer_tries=3)
     if args.few_shot and args.structure == "released":
         sys.exit("error: --few_shot builds worked examples for --structure transcript only")
-    shots = None
+    engine = engines.make_engine(args.backend, args.model, seed=args.seed, max_model_len=args.max_model_len,
+                                 max_pixels=args.max_pixels)
+    settings, shots = settings_of(args), None
     if args.few_shot:
         examples = few_shot_examples(corpus.load_questions(args.data, "train"), args.few_shot)
         shots = rollout.few_shot_prefix(engine.tok, ret, examples, settings)
         print(f"--few_shot {args.few_shot}: {len(examples)} train questions as worked examples ({len(shots)} tokens)")
-    results = {}
-    from tqdm import tqdm
-    signature = run_signature(args, qs)
-    for method in args.methods:
-        if done := method_done(out, method, signature):
-            results.update(done)
-            print(f"{method}: its scores reused from {out}/method-{_slug(method)}.json (the same model, questions and flags)")
-            continue
-        t = time.perf_counter()
-        bar = tqdm(total=len(qs), desc=f"{name} {method} ({split})", unit="question")
-        trajs = run_method(method, engine, ret, qs, settings, args.seed, args.iters, shots, bar)
-        bar.update(len(qs) - bar.n)
-        bar.close()
-        label = method + (f"+{args.few_shot}shot" if shots and method in STEP_FORMAT else "") + \
-            (f"+{args.protocol}" if args.protocol != "strict" and method in STEP_FORMAT else "")
-        row = {f"{name}/{label}": dict(score(trajs), seconds=round(time.perf_counter() - t, 1))}
-        results.update(row)
-        write_jsonl(out / f"trajectories-{method}.jsonl", [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in trajs])
-        corpus.write_atomic(out / f"method-{_slug(method)}.json",  # after its trajectories: the mark of a finished method
-                            json.dumps({"signature": signature, "results": row}, indent=1, allow_nan=False) + "\n")
+    results = run_methods(args, engine, ret, qs, settings, shots, name, out)
     if args.probe:
         out.mkdir(parents=True, exist_ok=True)
         p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=args.model, split=split, questions=len(qs))
@@ -703,3 +719,13 @@ if __name__ == "__main__":
     if results:
         print_table(write_report(results, out, title=f"{name} on {args.data} {split} ({len(qs)} questions)"))
         print(f"report written to {out}/ ({', '.join(sorted(f.name for f in out.iterdir() if f.suffix in ('.json', '.md', '.png')))})")
+
+
+if __name__ == "__main__":
+    args = get_args()
+    if args.paired:
+        print_paired(args.paired)
+    elif args.combine:
+        combine(args.combine, args.out or "out/eval/summary", f"{args.data} {' '.join(args.split)}")
+    else:
+        main(args)
