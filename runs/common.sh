@@ -11,7 +11,7 @@ s = [(x['f1_recall'] + x['routing_acc']) / 2 for x in r]; i = s.index(max(s)); p
 }  # the earliest of equal scores, as stepgrpo.py's <out>/best
 continue_sft() {  # START OUT [sft.py flags]: the SFT run resumed for MORE steps (runs/sft_continue.sh), a checkpoint
   # every EVERY steps, each scored on dev (<dir of OUT>/dev-<name of OUT>-<step>) -> OUT/best, the dev pick
-  local start=$1 out=$2 k0 k files=() cands
+  local start=$1 out=$2 k0 k files=() cands dev_at=$(dirname $2)/dev-$(basename $2)
   shift 2
   k0=$(basename "$(readlink -f $start)"); k0=${k0#step_}
   cands="$(seq $(( (k0 / EVERY + 1) * EVERY )) $EVERY $(( k0 + MORE - 1 )) | xargs) $(( k0 + MORE ))"  # what it saves
@@ -19,8 +19,8 @@ continue_sft() {  # START OUT [sft.py flags]: the SFT run resumed for MORE steps
     --keep $(wc -w <<< "$cands")
   test -e $out/best && return
   for k in $cands; do
-    dev $out/step_$k $(dirname $out)/dev-$(basename $out)-$k
-    files+=($(dirname $out)/dev-$(basename $out)-$k/results.json)
+    dev $out/step_$k $dev_at-$k
+    files+=($dev_at-$k/results.json)
   done
   read k top <<< "$(pick "$cands" "${files[@]}")"
   ln -sfn step_$k $out/best && echo "SFT-continued dev-picked: $out step $k ($top)"
