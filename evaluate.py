@@ -380,10 +380,6 @@ def seed_table(results):
     return _table(["row", "seeds", "F1-Recall", "EM", "routing acc", "steps/q", "retrievals/q", "s/q"], rows)
 
 
-def print_table(md):
-    print(md)
-
-
 def _png(fig):
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
@@ -631,7 +627,7 @@ def combine(paths, out, title):
         except (OSError, AttributeError, TypeError, AssertionError, json.JSONDecodeError) as e:
             sys.exit(f"error: {f}: not a results.json written by evaluate.py ({type(e).__name__})")
         results.update(part)
-    print_table(write_report(results, out, title=title))
+    print(write_report(results, out, title=title))
 
 
 def settings_of(args):
@@ -717,7 +713,7 @@ def main(args):
               f"{p['choice_entropy']:.2f} bits; by gold decision: "
               + ", ".join(f"{g} {v:.1f}%" for g, v in p["by_gold"].items() if v is not None) + f"  ({out}/route_probe.json)")
     if results:
-        print_table(write_report(results, out, title=f"{name} on {args.data} {split} ({len(qs)} questions)"))
+        print(write_report(results, out, title=f"{name} on {args.data} {split} ({len(qs)} questions)"))
         print(f"report written to {out}/ ({', '.join(sorted(f.name for f in out.iterdir() if f.suffix in ('.json', '.md', '.png')))})")
 
 
