@@ -34,21 +34,20 @@ qid, sample, question, answers, type, gold_steps, steps [{sub_question, kb, retr
 step: the routing step it was asked in), final_answer,
 format_ok, error, n_policy_tokens, timings, ...). Use it from Python:
 
-    from evaluate import score, write_report
+    from evaluate import score
+    from report import write_report
     results = {"r1-router": score(trajs), "direct": score(direct_trajs)}   # one score dict per method
-    md = write_report(results, "out/eval_dev", title="mini-world dev")   # results.json, table.md, *.png
+    md = write_report(results, "out/eval_dev", title="mini-world dev")   # results.json, table.md, *.png (report.py)
     print(md)
 
     .venv/bin/python -m pytest tests/test_evaluate.py -q                  # the tests (~2 s)
 
-Outline: metrics (score, with their definitions in metrics() and decisions()) -> paired bootstrap -> report
-(tables, charts) -> methods and the route probe -> main.
+Outline: metrics (score, with their definitions in metrics() and decisions()) -> paired bootstrap -> methods and
+the route probe -> main. The report's tables and charts: report.py.
 """
-import io
 import json
 import math
 import re
-import statistics
 import sys
 import time
 from collections import Counter, defaultdict
@@ -58,13 +57,14 @@ from pathlib import Path
 import corpus
 import engines
 import prepare
+import report
 import reward
 from corpus import KBS  # ("text", "table", "image")
+from report import FAILURES, type_order, write_report
 
 STOP, MISSING = "stop", "missing"
 GOLD_LABELS = [*KBS, STOP]
 PRED_LABELS = [*KBS, STOP, MISSING]
-TYPES = ("none", "1hop", "2hop", "3hop", "comparison", "visual")  # display order; other types follow, sorted
 ANSWER_METRICS = {"f1_recall": reward.f1_recall, "em": reward.exact_match, "f1": reward.f1, "acc": reward.acc}
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,9 +132,6 @@ def gold_hits(x):
     anywhere = {d for s in steps for d in s["retrieved"]}
     return [s["doc_id"] in anywhere if not s.get("sub_question") else i < len(steps) and s["doc_id"] in steps[i]["retrieved"]
             for i, s in enumerate(x.get("gold_steps") or [])]
-
-
-FAILURES = ("format", "route", "retrieval", "step_answer", "final", "unattributed")
 
 
 def failure(x):
@@ -269,10 +266,6 @@ def metrics(trajs):
     return m
 
 
-def _type_order(types):
-    return [ty for ty in TYPES if ty in types] + sorted(ty for ty in types if ty not in TYPES)
-
-
 def score(trajs):
     """Score one method's trajectories: metrics() over all questions, plus the confusion matrix and by_type."""
     trajs = first_samples(trajs)
@@ -285,7 +278,7 @@ def score(trajs):
     groups = defaultdict(list)
     for x in trajs:
         groups[x.get("type") or "unknown"].append(x)
-    out["by_type"] = {ty: metrics(groups[ty]) for ty in _type_order(groups)}
+    out["by_type"] = {ty: metrics(groups[ty]) for ty in type_order(groups)}
     return out
 
 PAIRED = {"f1_recall": lambda x: 100 * answer_scores(x)["f1_recall"], "routing_acc": lambda x: 100 * routing_accuracy(x),
@@ -321,153 +314,7 @@ def paired(pairs, n_boot=10000, seed=0):
     types = defaultdict(list)
     for q in qids:
         types[sets[0][0][q].get("type") or "unknown"].append(q)
-    return dict(boot(qids), by_type={ty: boot(types[ty]) for ty in _type_order(types)})
-
-# ----------------------------------------------------------------------------------------------------------------
-# reporting
-
-
-def _fmt(x, digits=1):
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _table(header, rows):
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
-
-
-def markdown(results, title):
-    """The report as markdown: main table, routing details, F1-Recall per question type."""
-    main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "routing acc", "steps/q", "retrievals/q", "s/q",
-                   "format fail %", "overflow %"],
-                  [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc", "routing_acc")), _fmt(s.get("steps"), 2),
-                    _fmt(s["retrievals"], 2), _fmt(s["seconds"] / s["n"] if "seconds" in s else None, 3),
-                    _fmt(s["format_fail"]), _fmt(s.get("overflow"))] for m, s in results.items()])
-    # .get: --combine may read a results.json written before routing_macro and reask existed
-    routing = _table(["method", "routing macro", "macro, step 1", "info, step 1", "route exact %", "gold-doc hit %",
-                      *(f"{kb}/q" for kb in KBS), "re-ask %", "policy tokens/q"],
-                     [[m, _fmt(s.get("routing_macro")), _fmt(s.get("routing_macro0")), _fmt(s.get("route_info0")),
-                       _fmt(s["route_exact"]), _fmt(s["gold_hit"]),
-                       *(_fmt(s["retrievals_by_kb"][kb], 2) for kb in KBS), _fmt(s.get("reask")),
-                       _fmt(s["policy_tokens"], 0)]
-                      for m, s in results.items()])
-    lost = _table(["method", *FAILURES],  # only rows with "lost": --combine may read older results.json
-                  [[m, *(_fmt(s["lost"].get(k, 0.0)) for k in FAILURES)] for m, s in results.items() if "lost" in s])
-    types = _type_order({ty for s in results.values() for ty in s["by_type"]})
-    per_type = _table(["method", *types],
-                      [[m, *(_fmt(s["by_type"][ty]["f1_recall"]) if ty in s["by_type"] else "-" for ty in types)]
-                       for m, s in results.items()])
-    return "\n".join([f"# {title}", "", "All rates in %; answer metrics count a format failure as 0.", "", *main, "",
-                      "## Routing", "", *routing, "",
-                      "## Where F1-Recall is lost (points, the first failure of each question)", "", *lost, "",
-                      "## F1-Recall by question type", "", *per_type, ""])
-
-
-def seed_table(results):
-    """Rows named '<row>@s<seed>/<method>' (one training seed each) -> markdown of mean +- sample std over seeds."""
-    groups = defaultdict(list)
-    for name, s in results.items():
-        groups[re.sub(r"@s\d+", "", name)].append(s)
-    rows = []
-    for name, ss in groups.items():
-        cells = []
-        for k, digits in (("f1_recall", 1), ("em", 1), ("routing_acc", 1), ("steps", 2), ("retrievals", 2), ("s/q", 3)):
-            v = [x["seconds"] / x["n"] if k == "s/q" else x.get(k) for x in ss if k != "s/q" or "seconds" in x]
-            v = [y for y in v if y is not None]
-            sd = f" ± {_fmt(statistics.stdev(v), digits)}" if len(v) > 1 else ""
-            cells.append(_fmt(statistics.mean(v), digits) + sd if v else "-")
-        rows.append([name, len(ss), *cells])
-    return _table(["row", "seeds", "F1-Recall", "EM", "routing acc", "steps/q", "retrievals/q", "s/q"], rows)
-
-
-def _png(fig):
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", bbox_inches="tight")
-    return buf.getvalue()
-
-
-def _figure(figsize):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, no pyplot state: safe in any process
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=figsize, dpi=120)
-    FigureCanvasAgg(fig)
-    return fig, fig.subplots()
-
-
-CHART_METRICS = [("f1_recall", "F1-Recall"), ("em", "EM"), ("routing_acc", "routing acc")]
-
-
-def metrics_chart(results, title):
-    """Grouped bars: one group per method, one bar per metric of CHART_METRICS, value on each bar."""
-    import numpy as np
-    methods = list(results)
-    fig, ax = _figure((max(6.0, 1.9 * len(methods) + 2), 4.8))
-    x, width = np.arange(len(methods)), 0.8 / len(CHART_METRICS)
-    for i, (key, label) in enumerate(CHART_METRICS):
-        bars = ax.bar(x + (i - (len(CHART_METRICS) - 1) / 2) * width, [results[m][key] or 0 for m in methods],
-                      width, label=label)
-        ax.bar_label(bars, fmt="%.1f", padding=2, fontsize=8)
-    long_names = max(map(len, methods)) > 12
-    ax.set_xticks(x, methods, rotation=20 if long_names else 0, ha="right" if long_names else "center")
-    ax.set_ylim(0, 112)
-    ax.set_ylabel("score (%)")
-    ax.set_xlabel("method")
-    ax.set_title(f"{title}: answer quality and routing")
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="metric")
-    return _png(fig)
-
-
-def confusion_chart(conf, method, title):
-    """Heatmap of the routing confusion matrix: colour = share of the gold row, text = count and share."""
-    import numpy as np
-    counts = np.array(conf["counts"], dtype=float)
-    totals = counts.sum(axis=1, keepdims=True)
-    share = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
-    fig, ax = _figure((7.5, 5.2))
-    im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
-    for i, j in np.ndindex(counts.shape):
-        ax.text(j, i, f"{int(counts[i, j])}\n{100 * share[i, j]:.0f}%", ha="center", va="center", fontsize=9,
-                color="white" if share[i, j] > 0.55 else "black")
-    ax.set_xticks(range(len(conf["cols"])), conf["cols"])
-    ax.set_yticks(range(len(conf["rows"])), [f"{r} (n={int(t)})" for r, t in zip(conf["rows"], totals[:, 0])])
-    ax.set_xlabel("predicted decision  (missing = format failure or trajectory already ended)")
-    ax.set_ylabel("gold decision")
-    ax.set_title(f"{title}\nrouting confusion: {method}  (count, % of gold row)")
-    fig.colorbar(im, ax=ax, label="share of gold row")
-    return _png(fig)
-
-
-def _slug(name):
-    return re.sub(r"[^\w.-]+", "_", name).strip("_") or "method"
-
-
-def run_name(model):
-    """A model's row name: its folder, or for a checkpoint of a run (final, best, latest, step_N) the run's folder,
-    with the checkpoint unless it is the final one: out/sft/final -> sft, out/stepgrpo/best -> stepgrpo-best."""
-    p = Path(model)
-    if p.name in ("final", "best", "latest") or re.fullmatch(r"step_\d+", p.name):
-        return p.parent.name + ("" if p.name == "final" else f"-{p.name}")
-    return p.name
-
-
-def write_report(results, out_dir, title="R1-Router evaluation"):
-    """Write results.json, table.md, metrics.png and routing_confusion_<method>.png (for each method that made at
-    least one retrieval) into out_dir, each atomically; return the markdown."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    md = markdown(results, title)
-    if any(re.search(r"@s\d+", name) for name in results):  # training seeds: mean +- std first
-        md = "\n".join([f"# {title}: mean ± std over training seeds", "", *seed_table(results), "", md])
-    corpus.write_atomic(out / "results.json", json.dumps(results, indent=2, allow_nan=False) + "\n")
-    corpus.write_atomic(out / "table.md", md)
-    corpus.write_atomic(out / "metrics.png", metrics_chart(results, title))
-    for method, s in results.items():
-        if s["retrievals"] > 0:
-            corpus.write_atomic(out / f"routing_confusion_{_slug(method)}.png", confusion_chart(s["confusion"], method, title))
-    return md
-
+    return dict(boot(qids), by_type={ty: boot(types[ty]) for ty in type_order(types)})
 
 # ----------------------------------------------------------------------------------------------------------------
 # Running the methods
@@ -487,6 +334,15 @@ def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, 
     mode = {"routed": "model", "every_kb": "all", "oracle": "oracle"}[method]
     return rollout.rollout(engine, retriever, questions, 1, replace(settings, route_mode=mode), seed, shots=shots, bar=bar)
 
+def run_name(model):
+    """A model's row name: its folder, or for a checkpoint of a run (final, best, latest, step_N) the run's folder,
+    with the checkpoint unless it is the final one: out/sft/final -> sft, out/stepgrpo/best -> stepgrpo-best."""
+    p = Path(model)
+    if p.name in ("final", "best", "latest") or re.fullmatch(r"step_\d+", p.name):
+        return p.parent.name + ("" if p.name == "final" else f"-{p.name}")
+    return p.name
+
+
 def run_signature(args, questions):
     """What a method's scores depend on: every flag but where they go and which methods run, the checkpoint's weight
     files (a retrained model at the same path differs) and the questions. Two runs with equal signatures score a
@@ -502,7 +358,7 @@ def method_done(out, method, signature):
     """The scores {row name: score} of a method that an earlier run with the same signature finished into out
     (method-<method>.json, written after its trajectories), else None: an interrupted evaluation, or one given one
     more method, runs only what is missing."""
-    f = Path(out) / f"method-{_slug(method)}.json"
+    f = Path(out) / f"method-{report.slug(method)}.json"
     try:
         done = json.loads(f.read_text())
     except (OSError, json.JSONDecodeError):
@@ -651,7 +507,7 @@ def run_methods(args, engine, ret, qs, settings, shots, name, out):
     for method in args.methods:
         if done := method_done(out, method, signature):
             results.update(done)
-            print(f"{method}: its scores reused from {out}/method-{_slug(method)}.json (the same model, questions and flags)")
+            print(f"{method}: its scores reused from {out}/method-{report.slug(method)}.json (the same model, questions and flags)")
             continue
         t = time.perf_counter()
         bar = tqdm(total=len(qs), desc=f"{name} {method} ({split})", unit="question")
@@ -664,7 +520,7 @@ def run_methods(args, engine, ret, qs, settings, shots, name, out):
         results.update(row)
         corpus.write_jsonl(out / f"trajectories-{method}.jsonl",
                            [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in trajs])
-        corpus.write_atomic(out / f"method-{_slug(method)}.json",  # after its trajectories: the mark of a finished method
+        corpus.write_atomic(out / f"method-{report.slug(method)}.json",  # after its trajectories: the mark of a finished method
                             json.dumps({"signature": signature, "results": row}, indent=1, allow_nan=False) + "\n")
     return results
 
@@ -708,7 +564,7 @@ def main(args):
         out.mkdir(parents=True, exist_ok=True)
         p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=args.model, split=split, questions=len(qs))
         corpus.write_atomic(out / "route_probe.json", json.dumps(p, indent=2) + "\n")
-        corpus.write_atomic(out / "routing_confusion_probe.png", confusion_chart(p["confusion"], f"route probe ({args.probe} samples a prefix)", name))
+        corpus.write_atomic(out / "routing_confusion_probe.png", report.confusion_chart(p["confusion"], f"route probe ({args.probe} samples a prefix)", name))
         print(f"route probe: {p['probe_acc']:.1f}% of sampled routes take the gold KB, choice entropy "
               f"{p['choice_entropy']:.2f} bits; by gold decision: "
               + ", ".join(f"{g} {v:.1f}%" for g, v in p["by_gold"].items() if v is not None) + f"  ({out}/route_probe.json)")

@@ -1,5 +1,5 @@
 """evaluate.py: every metric, routing accuracy, route_exact, the confusion matrix and the per-type breakdown on
-hand-made trajectories with hand-computed values; write_report's files and atomic writing."""
+hand-made trajectories with hand-computed values; report.py's files, atomic writing and trajectory view."""
 import json
 
 import pytest
@@ -7,9 +7,8 @@ import pytest
 import corpus
 import evaluate
 import prepare
-from evaluate import (
-    confusion, decisions, first_samples, gold_hits, markdown, routing_accuracy, score, write_report,
-)
+from evaluate import confusion, decisions, first_samples, gold_hits, routing_accuracy, score
+from report import markdown, write_report
 
 approx = pytest.approx
 
@@ -386,3 +385,38 @@ def test_gold_steps_ceiling_takes_only_the_final_answer_from_the_model(tiny_inde
     assert [x["steps"] for x in trajs] == [x["steps"] for x in rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)]
     s = evaluate.score(trajs)
     assert s["f1_recall"] == 0 and s["routing_acc"] == 100
+
+
+def test_trajectory_view_shows_gold_and_each_models_steps_with_titles(tiny_world, tmp_path):
+    """report.show: the first question whose gold steps use the most KBs, its gold steps with their documents' titles,
+    each file's routed steps marked against the gold KB, and the final answer's F1-Recall; bad input: one line."""
+    import report
+    qs = corpus.load_questions(tiny_world, "test")
+    titles = {d["id"]: d["title"] for kb in corpus.KBS for d in corpus.load_kb(tiny_world, kb)}
+    first = max(qs[:12], key=lambda q: len({s["kb"] for s in q["steps"]}))
+    assert len({s["kb"] for s in first["steps"]}) > 1
+    g = first["steps"]
+
+    def row(q, kbs, final):
+        steps = [dict(sub_question=s["sub_question"], kb=kb, retrieved=[s["doc_id"]], answer=s["answer"], step=i)
+                 for i, (s, kb) in enumerate(zip(q["steps"], kbs))]
+        return dict(qid=q["id"], type=q["type"], question=q["question"], answers=q["answers"], gold_steps=q["steps"],
+                    steps=steps, final_answer=final, format_ok=True, error="")
+    one_kb = [q for q in qs[:12] if len({s["kb"] for s in q["steps"]}) == 1]
+    right = [row(q, [s["kb"] for s in q["steps"]], q["answers"][0]) for q in one_kb[:2] + [first]]
+    wrong = [row(q, ["table" if s["kb"] != "table" else "text" for s in q["steps"]], "nobody") for q in one_kb[:2] + [first]]
+    corpus.write_jsonl(tmp_path / "a.jsonl", right)
+    corpus.write_jsonl(tmp_path / "b.jsonl", wrong)
+    text = report.show([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tiny_world)
+    assert text.splitlines()[0].startswith(f"question {first['id']} ({first['type']}): {first['question']}")
+    for s in g:
+        assert f"evidence: {titles[s['doc_id']]}" in text and s["sub_question"] in text
+    a, b = text.split(f"{tmp_path / 'b.jsonl'}:")
+    assert a.count(" ok] ") == len(g) and " x] " not in a and "(F1-Recall 100)" in a
+    assert b.count(" x] ") == len(g) and " ok] " not in b and "final answer: nobody   (F1-Recall 0)" in b
+    assert report.pick_question(right, one_kb[1]["id"]) == one_kb[1]["id"]
+    with pytest.raises(SystemExit, match="error: --show: question 'q-none' is not in the trajectories"):
+        report.show([tmp_path / "a.jsonl"], tiny_world, "q-none")
+    (tmp_path / "c.jsonl").write_text("{broken\n")
+    with pytest.raises(SystemExit, match=r"error: --show: .*c\.jsonl"):
+        report.show([tmp_path / "a.jsonl", tmp_path / "c.jsonl"], tiny_world)

@@ -1,0 +1,220 @@
+"""
+report.py: evaluate.py's report (results.json, table.md, PNG charts) and the side-by-side view of one question's
+trajectories beside its gold steps. Imports nothing of evaluate.py: it reads score dicts and trajectory rows.
+
+    python report.py --show out/demo/eval/sft/trajectories-routed.jsonl out/demo/eval/stepgrpo/trajectories-routed.jsonl \
+        --data data/mini                        # the first question whose gold steps use the most KBs (--qid: another)
+
+    from report import write_report
+    md = write_report({"sft/routed": evaluate.score(trajs)}, "out/eval/x", title="mini-world dev")
+
+Outline: display orders -> tables -> charts -> write_report -> the trajectory view.
+"""
+import argparse
+import io
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import corpus
+import reward
+from corpus import KBS  # ("text", "table", "image")
+
+TYPES = ("none", "1hop", "2hop", "3hop", "comparison", "visual")  # display order; other types follow, sorted
+FAILURES = ("format", "route", "retrieval", "step_answer", "final", "unattributed")  # evaluate.failure's, in order
+
+
+def type_order(types):
+    return [ty for ty in TYPES if ty in types] + sorted(ty for ty in types if ty not in TYPES)
+
+
+def _fmt(x, digits=1):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+
+
+def markdown(results, title):
+    """The report as markdown: main table, routing details, F1-Recall per question type."""
+    main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "routing acc", "steps/q", "retrievals/q", "s/q",
+                   "format fail %", "overflow %"],
+                  [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc", "routing_acc")), _fmt(s.get("steps"), 2),
+                    _fmt(s["retrievals"], 2), _fmt(s["seconds"] / s["n"] if "seconds" in s else None, 3),
+                    _fmt(s["format_fail"]), _fmt(s.get("overflow"))] for m, s in results.items()])
+    # .get: --combine may read a results.json written before routing_macro and reask existed
+    routing = _table(["method", "routing macro", "macro, step 1", "info, step 1", "route exact %", "gold-doc hit %",
+                      *(f"{kb}/q" for kb in KBS), "re-ask %", "policy tokens/q"],
+                     [[m, _fmt(s.get("routing_macro")), _fmt(s.get("routing_macro0")), _fmt(s.get("route_info0")),
+                       _fmt(s["route_exact"]), _fmt(s["gold_hit"]),
+                       *(_fmt(s["retrievals_by_kb"][kb], 2) for kb in KBS), _fmt(s.get("reask")),
+                       _fmt(s["policy_tokens"], 0)]
+                      for m, s in results.items()])
+    lost = _table(["method", *FAILURES],  # only rows with "lost": --combine may read older results.json
+                  [[m, *(_fmt(s["lost"].get(k, 0.0)) for k in FAILURES)] for m, s in results.items() if "lost" in s])
+    types = type_order({ty for s in results.values() for ty in s["by_type"]})
+    per_type = _table(["method", *types],
+                      [[m, *(_fmt(s["by_type"][ty]["f1_recall"]) if ty in s["by_type"] else "-" for ty in types)]
+                       for m, s in results.items()])
+    return "\n".join([f"# {title}", "", "All rates in %; answer metrics count a format failure as 0.", "", *main, "",
+                      "## Routing", "", *routing, "",
+                      "## Where F1-Recall is lost (points, the first failure of each question)", "", *lost, "",
+                      "## F1-Recall by question type", "", *per_type, ""])
+
+
+def seed_table(results):
+    """Rows named '<row>@s<seed>/<method>' (one training seed each) -> markdown of mean +- sample std over seeds."""
+    groups = defaultdict(list)
+    for name, s in results.items():
+        groups[re.sub(r"@s\d+", "", name)].append(s)
+    rows = []
+    for name, ss in groups.items():
+        cells = []
+        for k, digits in (("f1_recall", 1), ("em", 1), ("routing_acc", 1), ("steps", 2), ("retrievals", 2), ("s/q", 3)):
+            v = [x["seconds"] / x["n"] if k == "s/q" else x.get(k) for x in ss if k != "s/q" or "seconds" in x]
+            v = [y for y in v if y is not None]
+            sd = f" ± {_fmt(statistics.stdev(v), digits)}" if len(v) > 1 else ""
+            cells.append(_fmt(statistics.mean(v), digits) + sd if v else "-")
+        rows.append([name, len(ss), *cells])
+    return _table(["row", "seeds", "F1-Recall", "EM", "routing acc", "steps/q", "retrievals/q", "s/q"], rows)
+
+
+def _png(fig):
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _figure(figsize):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, no pyplot state: safe in any process
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=figsize, dpi=120)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots()
+
+
+CHART_METRICS = [("f1_recall", "F1-Recall"), ("em", "EM"), ("routing_acc", "routing acc")]
+
+
+def metrics_chart(results, title):
+    """Grouped bars: one group per method, one bar per metric of CHART_METRICS, value on each bar."""
+    import numpy as np
+    methods = list(results)
+    fig, ax = _figure((max(6.0, 1.9 * len(methods) + 2), 4.8))
+    x, width = np.arange(len(methods)), 0.8 / len(CHART_METRICS)
+    for i, (key, label) in enumerate(CHART_METRICS):
+        bars = ax.bar(x + (i - (len(CHART_METRICS) - 1) / 2) * width, [results[m][key] or 0 for m in methods],
+                      width, label=label)
+        ax.bar_label(bars, fmt="%.1f", padding=2, fontsize=8)
+    long_names = max(map(len, methods)) > 12
+    ax.set_xticks(x, methods, rotation=20 if long_names else 0, ha="right" if long_names else "center")
+    ax.set_ylim(0, 112)
+    ax.set_ylabel("score (%)")
+    ax.set_xlabel("method")
+    ax.set_title(f"{title}: answer quality and routing")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="metric")
+    return _png(fig)
+
+
+def confusion_chart(conf, method, title):
+    """Heatmap of the routing confusion matrix: colour = share of the gold row, text = count and share."""
+    import numpy as np
+    counts = np.array(conf["counts"], dtype=float)
+    totals = counts.sum(axis=1, keepdims=True)
+    share = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+    fig, ax = _figure((7.5, 5.2))
+    im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
+    for i, j in np.ndindex(counts.shape):
+        ax.text(j, i, f"{int(counts[i, j])}\n{100 * share[i, j]:.0f}%", ha="center", va="center", fontsize=9,
+                color="white" if share[i, j] > 0.55 else "black")
+    ax.set_xticks(range(len(conf["cols"])), conf["cols"])
+    ax.set_yticks(range(len(conf["rows"])), [f"{r} (n={int(t)})" for r, t in zip(conf["rows"], totals[:, 0])])
+    ax.set_xlabel("predicted decision  (missing = format failure or trajectory already ended)")
+    ax.set_ylabel("gold decision")
+    ax.set_title(f"{title}\nrouting confusion: {method}  (count, % of gold row)")
+    fig.colorbar(im, ax=ax, label="share of gold row")
+    return _png(fig)
+
+
+def slug(name):
+    return re.sub(r"[^\w.-]+", "_", name).strip("_") or "method"
+
+
+def write_report(results, out_dir, title="R1-Router evaluation"):
+    """Write results.json, table.md, metrics.png and routing_confusion_<method>.png (for each method that made at
+    least one retrieval) into out_dir, each atomically; return the markdown."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md = markdown(results, title)
+    if any(re.search(r"@s\d+", name) for name in results):  # training seeds: mean +- std first
+        md = "\n".join([f"# {title}: mean ± std over training seeds", "", *seed_table(results), "", md])
+    corpus.write_atomic(out / "results.json", json.dumps(results, indent=2, allow_nan=False) + "\n")
+    corpus.write_atomic(out / "table.md", md)
+    corpus.write_atomic(out / "metrics.png", metrics_chart(results, title))
+    for method, s in results.items():
+        if s["retrievals"] > 0:
+            corpus.write_atomic(out / f"routing_confusion_{slug(method)}.png", confusion_chart(s["confusion"], method, title))
+    return md
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the trajectory view
+
+
+def pick_question(trajs, qid=None):
+    """qid, or the first question whose gold steps search the most KBs (routing decisions to see)."""
+    if qid is None:
+        return max(trajs, key=lambda x: len({g["kb"] for g in x.get("gold_steps") or []}))["qid"]
+    if qid not in {x["qid"] for x in trajs}:
+        raise ValueError(f"question {qid!r} is not in the trajectories")
+    return qid
+
+
+def step_lines(steps, titles, gold=None):
+    """One line per lookup: its sub-question, KB (x where it is not the gold step's), evidence titles, answer."""
+    lines = []
+    for t, st in enumerate(steps):
+        g = gold[t] if gold is not None and t < len(gold) else None
+        mark = "" if gold is None else (" ok" if g and g["kb"] == st["kb"] else " x")
+        found = st.get("retrieved", [st.get("doc_id")])
+        lines.append(f"  {t + 1}. [{st['kb']}{mark}] {st['sub_question']}\n"
+                     f"       evidence: {'; '.join(titles.get(d, d) for d in found if d)}\n"
+                     f"       answer: {st['answer']}")
+    return lines
+
+
+def show(paths, data, qid=None):
+    """The question's gold steps, then each file's trajectory for it: the routed steps and the final answer."""
+    try:
+        files = [{x["qid"]: x for x in corpus.read_jsonl(p)} for p in paths]
+        qid = pick_question(list(files[0].values()), qid)
+        titles = {d["id"]: d["title"] for kb in KBS for d in corpus.load_kb(data, kb)}
+        xs = [f[qid] for f in files]
+    except KeyError as e:
+        sys.exit(f"error: --show: question {e} is missing from one of {', '.join(map(str, paths))}")
+    except (corpus.DataError, OSError, ValueError) as e:
+        sys.exit(f"error: --show: {e}")
+    x0 = xs[0]
+    out = [f"question {qid} ({x0['type']}): {x0['question']}   gold answer: {' | '.join(x0['answers'])}",
+           "gold steps:", *step_lines(x0["gold_steps"], titles)]
+    for p, x in zip(paths, xs):
+        f1r = reward.f1_recall(x["final_answer"] or "", x["answers"])
+        out += [f"{p}:", *step_lines(x["steps"], titles, x["gold_steps"]),
+                f"  final answer: {x['final_answer']}   (F1-Recall {100 * f1r:.0f}{'' if x['format_ok'] else ', ' + x['error']})"]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--show", nargs="+", required=True, metavar="TRAJECTORIES", help="evaluate.py's trajectories-*.jsonl")
+    ap.add_argument("--data", default="data/mini", help="the world the questions come from (its KB titles)")
+    ap.add_argument("--qid", default=None, help="the question (default: the first whose gold steps search the most KBs)")
+    args = ap.parse_args()
+    print(show(args.show, args.data, args.qid))
