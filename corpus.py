@@ -131,7 +131,7 @@ def load_kb(data_dir, kb):
     rows = _load(path, kb)
     if kb == "image":
         for i, r in enumerate(rows, 1):
-            r["path"] = str(Path(data_dir) / "kb" / r["path"])
+            r["path"] = str(Path(data_dir).resolve() / "kb" / r["path"])  # absolute: the server sends it to every node
             if not Path(r["path"]).is_file():
                 raise DataError(f"{path}: row {i} (id {r['id']!r}): image file not found: {r['path']}")
     return rows
@@ -142,7 +142,7 @@ def load_questions(data_dir, split):
     rows = _load(path, "question")
     for i, q in enumerate(rows):
         if "image" in q:
-            q["image"] = str(Path(data_dir) / q["image"])
+            q["image"] = str(Path(data_dir).resolve() / q["image"])
             if not Path(q["image"]).is_file():
                 raise DataError(f"{path}: row {i + 1} (id {q['id']!r}): image file not found: {q['image']}")
     return rows

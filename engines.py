@@ -99,7 +99,7 @@ class VLLMEngine:
         self.dtype = ("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype  # bf16 on CPU degrades SmolLM2
         self.vis = VisionIO.load(model, max_pixels)  # None: a text-only policy
         # a VL transcript holds the question image and up to max_steps x topk evidence pictures (vLLM sizes its
-        # encoder cache for this many per prompt)
+        # encoder cache for this many a prompt and refuses more): the caller's rollout.Settings.max_images
         mm = dict(limit_mm_per_prompt={"image": max_images}) if self.vis else {}
         if self.vis and max_pixels:  # vLLM's processor expands a picture to as many tokens as the transcript holds
             mm["mm_processor_kwargs"] = {"max_pixels": max_pixels}
@@ -220,11 +220,17 @@ class HFEngine(Batched):
     against."""
     def __init__(self, model, dtype="auto", seed=0, batch_size=32, max_model_len=None, max_pixels=None, device=None):
         """max_model_len, max_pixels: as VLLMEngine's (None: no limit; the processor's cap)."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, GenerationConfig
         self.device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))  # the trainer's; None: CUDA if any
-        dt = {"auto": torch.bfloat16 if self.device == "cuda" else torch.float32}.get(dtype) or getattr(torch, dtype)
+        dt = hf_dtype(dtype, self.device)
         self.model = model if not isinstance(model, (str, Path)) else auto_model(model).from_pretrained(model, dtype=dt)
         self.model.to(self.device).eval()
+        # generate() fills every setting a call leaves unset from the checkpoint's generation_config (Qwen2.5-Instruct
+        # ships repetition_penalty 1.05, top_k 20, top_p 0.8), then from transformers' own defaults (top_k 50): keep
+        # only its token ids, as vLLM does, so the tokens come from the distribution whose logprobs generate returns
+        g = self.model.generation_config
+        self.model.generation_config = GenerationConfig(bos_token_id=g.bos_token_id, eos_token_id=g.eos_token_id,
+                                                        pad_token_id=g.pad_token_id)
         self.dtype = str(self.model.dtype).removeprefix("torch.")  # as VLLMEngine's: "float32" or "bfloat16"
         self.tok = AutoTokenizer.from_pretrained(self.model.name_or_path)
         self.vis = VisionIO.load(self.model.name_or_path, max_pixels)
@@ -246,16 +252,16 @@ class HFEngine(Batched):
             am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=self.device)
             pix = self.vis.pixels(images[s:s + self.batch_size], self.device, x) \
                 if self.vis else {}
-            out = self.model.generate(input_ids=x, attention_mask=am, **pix, max_new_tokens=max_tokens, do_sample=temperature > 0,
-                                      temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
-                                      top_k=top_k or None, stop_strings=list(stop) or None, tokenizer=self.tok, pad_token_id=pad,
-                                      suppress_tokens=self.vis.special_ids if self.vis else None,
-                                      output_logits=True, return_dict_in_generate=True)
+            sample = temperature > 0  # sampling: every setting explicit (top_k 0: off), none left to defaults
+            knobs = dict(temperature=temperature, top_p=top_p, top_k=top_k) if sample else {}  # greedy: no warper runs
+            out = self.model.generate(input_ids=x, attention_mask=am, **pix, **knobs, max_new_tokens=max_tokens,
+                                      do_sample=sample, stop_strings=list(stop) or None, tokenizer=self.tok,
+                                      pad_token_id=pad, suppress_tokens=self.vis.special_ids if self.vis else None,
+                                      output_scores=True, return_dict_in_generate=True)
             new = out.sequences[:, L:]  # [b, t]
-            logits = torch.stack(out.logits, 1).float() / (temperature or 1.0)  # [b, t, V], tempered as sampled
-            if self.vis:  # the distribution sampled from: image tokens suppressed
-                logits[..., self.vis.special_ids] = float("-inf")
-            lps = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [b, t]
+            # the scores after every processor and warper (temperature, top-k, top-p, image tokens suppressed): the
+            # distribution each token was drawn from (greedy: the logits, of which it is the argmax)
+            lps = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [b, t]
             for i in range(len(batch)):
                 res.append(truncate(self.tok, new[i].tolist(), lps[i].tolist(), stop, self.tok.eos_token_id))
         return res
@@ -293,6 +299,13 @@ def auto_model(model):
     config = AutoConfig.from_pretrained(model) if isinstance(model, (str, Path)) else model
     return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
 
-def make_engine(backend, model, **kw):
-    """backend vllm | hf; kw: the settings both engines take (dtype, seed, max_model_len, max_pixels, device)."""
-    return (VLLMEngine if backend == "vllm" else HFEngine)(model, **kw)
+def hf_dtype(dtype, device):
+    """The HF engine's weights: auto is bf16 on any CUDA device (cuda, cuda:N), fp32 elsewhere, as vLLM's."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+def make_engine(backend, model, max_images=16, **kw):
+    """backend vllm | hf; kw: the settings both engines take (dtype, seed, max_model_len, max_pixels, device);
+    max_images: a VL vLLM engine's pictures a prompt (rollout.Settings.max_images; HF takes any number)."""
+    return VLLMEngine(model, max_images=max_images, **kw) if backend == "vllm" else HFEngine(model, **kw)

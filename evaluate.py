@@ -552,9 +552,9 @@ def main(args):
         sys.exit(f"error: {err}")
     if args.few_shot and args.structure == "released":
         sys.exit("error: --few_shot builds worked examples for --structure transcript only")
-    engine = engines.make_engine(args.backend, args.model, seed=args.seed, max_model_len=args.max_model_len,
-                                 max_pixels=args.max_pixels)
     settings, shots = settings_of(args), None
+    engine = engines.make_engine(args.backend, args.model, seed=args.seed, max_model_len=args.max_model_len,
+                                 max_pixels=args.max_pixels, max_images=settings.max_images)
     if args.few_shot:
         examples = few_shot_examples(corpus.load_questions(args.data, "train"), args.few_shot)
         shots = rollout.few_shot_prefix(engine.tok, ret, examples, settings)

@@ -332,6 +332,12 @@ class Settings:
     gold_think: str = "kb_last"  # GoldPolicy's routing <think>: kb_last names no KB (the KB is chosen at <ret>, after
                                 # the sub-question), kb_first names it before the sub-question is written
 
+    @property
+    def max_images(self):
+        """Pictures one prompt can hold: the question's and every evidence document of every step (a VL engine is
+        built for this many: vLLM refuses a prompt with more than its limit_mm_per_prompt)."""
+        return 1 + self.max_steps * self.topk * self.max_pairs * self.max_rets
+
 def check_multi_query(args):
     """One-line errors for --max_pairs / --max_rets (every script that takes them)."""
     if args.max_pairs < 1 or args.max_rets < 1:
@@ -671,10 +677,10 @@ if __name__ == "__main__":
         sys.exit(f"error: {e}")
     if not (Path(args.model) / "config.json").exists():
         sys.exit(f"error: {args.model}: not a model folder (run `python prepare.py` for the default)")
-    engine = make_engine(args.backend, args.model, seed=args.seed)
-    t = time.perf_counter()
     s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=args.structure,
                  max_pairs=args.max_pairs, max_rets=args.max_rets)
+    engine = make_engine(args.backend, args.model, seed=args.seed, max_images=s.max_images)
+    t = time.perf_counter()
     trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
     dt = time.perf_counter() - t
     for x in trajs:

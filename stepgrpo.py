@@ -542,7 +542,8 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     else:
         trainutil.check_gpu_budget(model, opt, engines.VLLMEngine.GPU_FRACTION)
         engine = engines.VLLMEngine(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
-                                    seed=args.seed + rank, device=device)  # each rank owns one engine
+                                    max_images=settings(args).max_images, seed=args.seed + rank,
+                                    device=device)  # each rank owns one engine
     if lora:  # the engine holds the base: give it the policy (resumed adapters; a quantised base as the trainer sees it)
         engine.sync_weights(trainutil.policy_params(model))
     return model, ref, opt, step, dev_hist, engine

@@ -282,7 +282,8 @@ if __name__ == "__main__":
         ret = retrievers.make_retriever(args.retriever, args.data)
         guideline = args.teacher == "guideline"
         engine = engines.make_engine(args.backend, args.teacher, seed=args.seed, max_model_len=args.max_model_len,
-                                     max_pixels=args.max_pixels) if args.teacher and not guideline else None
+                                     max_pixels=args.max_pixels, max_images=settings.max_images) \
+            if args.teacher and not guideline else None
         for split in args.splits:
             qs = corpus.load_questions(args.data, split)
             qs = qs[args.offset:args.offset + args.limit] if args.limit else qs[args.offset:]

@@ -4,6 +4,8 @@ expansion of an image in a chat turn (what the trainer sees), the bare placehold
 instead, and the pixel inputs of a batch. `VisionIO.load` returns None for a text-only policy, and every caller then
 leaves images out. Used by transcript.py (chat turns with images) and engines.py (prompts with images).
 """
+import socket
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +59,9 @@ class VisionIO:
         from PIL import Image
         if path is None:
             return Image.new("RGB", (224, 224), "white")
-        if path not in self._pixels and not Path(path).is_file():
-            raise FileNotFoundError(f"image file not found: {path}")
+        if path not in self._pixels and not Path(path).is_file():  # e.g. a retrieval server's folder this node lacks
+            sys.exit(f"error: image file not found on {socket.gethostname()}: {path} (on several nodes, serve and train "
+                     "from a data folder every node mounts at the same path)")
         return self._cached(self._pixels, path, lambda: Image.open(path).convert("RGB"))
 
     def expand(self, path):

@@ -6,9 +6,10 @@
 set -euo pipefail
 log=$1 name=$2
 shift 2
-# seconds each stage took on the reference CPU: 2-core Intel Xeon, AVX512F, no AVX512-BF16 (fp32 training)
+# seconds each stage took on the reference CPU, a fresh clone (docs/LOG.md, 2026-11-29): 2-core Intel Xeon, AVX512F,
+# no AVX512-BF16 (fp32 training)
 ORDER=(world index data sft eval-sft sft-cont eval-sft-cont stepgrpo eval-stepgrpo report)
-REF=(10 45 20 900 240 240 220 420 220 30)
+REF=(5 38 18 797 277 278 271 487 289 10)
 mkdir -p "$(dirname $log)"
 test -s $log || echo "start $(date +%s)" > $log
 t=$(date +%s)

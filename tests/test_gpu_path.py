@@ -168,8 +168,44 @@ def launch_commands(path):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split(" #")[0].strip()
             if line and not line.startswith("#"):
-                cmds.append(shlex.split(line))
+                words = shlex.split(line)
+                while "&&" in words:  # `a && b`: two commands
+                    cmds.append(words[:words.index("&&")])
+                    words = words[words.index("&&") + 1:]
+                cmds.append(words)
     return cmds
+
+def test_every_folder_a_gpu_command_reads_is_made_by_an_earlier_line():
+    # docs/gpu.md's blocks, read top to bottom as a user runs them: a model, data folder or checkpoint a line reads was
+    # downloaded, generated, trained or copied by an earlier line; a local index exists for every line that retrieves
+    # without a server; the retrieval server serves the folder both nodes mount, whose picture paths every node opens
+    from pathlib import Path
+    cmds = launch_commands(Path(__file__).resolve().parents[1] / "docs" / "gpu.md")
+    made, indexed, served = set(), set(), []
+    under = lambda p, folders: any(p == f or p.startswith(f + "/") for f in folders)  # noqa: E731
+    for c in cmds:
+        script = next((a for a in c if a.endswith(".py")), None)
+        flag = lambda f: c[c.index(f) + 1] if f in c else None  # noqa: E731
+        reads = [flag(f) for f in ("--model", "--data") if flag(f)] + (c[-3:-1] if c[0] == "cp" else [])
+        reads = [p for p in reads if not p.startswith("-")]
+        for p in reads:
+            assert under(p, made), f"{' '.join(c)}: reads {p}, which no earlier line makes"
+        if script in ("synth.py", "stepgrpo.py", "evaluate.py") or "serve" in c:
+            assert (flag("--retriever") or "").startswith("http") or under(flag("--data"), indexed), \
+                f"{' '.join(c)}: no index of {flag('--data')} is built before it"
+        if "serve" in c:
+            served.append(flag("--data"))
+        if c[:2] == ["hf", "download"]:
+            made.add(flag("--local-dir"))
+        if c[0] == "cp":
+            made.add(c[-1])
+            if under(c[-2], indexed):
+                indexed.add(c[-1])
+        if script in ("corpus.py", "synth.py", "sft.py", "stepgrpo.py"):
+            made.add(flag("--out"))
+        if script == "retrievers.py" and "build" in c:
+            indexed.add(flag("--data"))
+    assert served and all(p.startswith("$SHARED/") for p in served)
 
 def test_the_gpu_launch_commands_run_as_written():
     # docs/gpu.md holds the one copy of the GPU commands: every --model is a local folder (a Hub name only after an
@@ -199,7 +235,9 @@ def test_the_gpu_launch_commands_run_as_written():
             assert synthesised.get(flag("--data")) == model, f"sft.py --data {flag('--data')} is not synthesised with {model}"
         if script in ("sft.py", "stepgrpo.py"):
             seen.add(script)
-            parsers[script[:-3]]([a.replace("$", "") for a in args])  # every flag exists (argparse exits if not)
+            parsed = parsers[script[:-3]]([a.replace("$", "") for a in args])  # every flag exists (argparse exits if not)
+            # a 7B model's learning rate, not the 135M default (sft.py's 2e-4 is 10-20x a 7B full fine-tune's)
+            assert "--lr" in args and parsed.lr < parsers[script[:-3]]([]).lr / 4, f"{' '.join(c)}: the 135M learning rate"
     assert seen == {"sft.py", "stepgrpo.py"}
     gpu = lambda c: "torchrun" in c and ("--nnodes" in c or int(c[c.index("--nproc_per_node") + 1]) > 2)  # noqa: E731
     assert any(gpu(c) for c in cmds) and not any(gpu(c) for c in launch_commands(root / "README.md"))

@@ -477,3 +477,55 @@ def test_a_route_with_more_pairs_than_allowed_is_a_format_failure(tiny_index, re
     x = rollout.rollout(rollout.GoldPolicy(tok, [q]), retriever, [q], s=rollout.Settings(max_rets=2))[0]
     assert x["format_ok"] and [(st["kb"], st["step"]) for st in x["steps"]] == [("text", 0), ("table", 0)]
     assert "<ret>Text Retriever, Table Retriever</ret>" in tok.decode(x["ids"])
+
+def test_hf_engine_samples_from_the_distribution_its_logprobs_describe(tmp_path):
+    """A tiny model of its own whose generation_config, as Qwen2.5-Instruct's does, sets a repetition penalty and a
+    top-k (and no top-k at all: transformers' default is 50). Greedy, the HF engine writes the argmax of the plain
+    logits at every step; sampled at T 1 with top-k off, it draws beyond any top-k; with top_k 5, from the 5 best, and
+    every returned logprob is that token's under exactly the distribution drawn from."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(SMOL)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               repetition_penalty=3.0, top_k=3, top_p=0.5, temperature=0.3, do_sample=True)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    engine = engines.HFEngine(tmp_path / "m")
+    prompt = tok.encode("Which country is Uldoria in? The answer is")
+
+    def logits_after(ids):  # [len(ids) - len(prompt), V]: the plain logits at each generated position
+        with torch.no_grad():
+            return engine.model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+
+    (ids, lps), = engine.generate([prompt], 16, temperature=0)
+    z = logits_after(ids)
+    assert ids == z.argmax(-1).tolist() and len(set(ids)) < len(ids)  # a repetition the penalty would have forbidden
+    assert torch.allclose(torch.tensor(lps), z.log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0], atol=1e-4)
+    first = lambda k: engine.generate([prompt] * 64, 1, temperature=1.0, top_k=k, seed=1)
+    drawn = first(0)
+    z = logits_after([])[0]
+    assert len({i[0] for i, _ in drawn}) > 5  # top-k off: not the model's 3, nor transformers' 50 in effect
+    assert all(abs(lp[0] - z.log_softmax(-1)[i[0]].item()) < 1e-4 for i, lp in drawn)
+    top5 = z.topk(5)
+    renorm = dict(zip(top5.indices.tolist(), top5.values.log_softmax(-1).tolist()))
+    drawn = first(5)
+    assert all(i[0] in renorm and abs(lp[0] - renorm[i[0]]) < 1e-4 for i, lp in drawn)
+
+
+def test_the_hf_engine_takes_bf16_on_any_cuda_device():
+    assert engines.hf_dtype("auto", "cuda:3") == engines.hf_dtype("auto", "cuda") == torch.bfloat16
+    assert engines.hf_dtype("auto", "cpu") == torch.float32 and engines.hf_dtype("float32", "cuda:0") == torch.float32
+
+
+def test_a_vl_engine_is_built_for_as_many_pictures_as_a_prompt_can_hold():
+    # the question's picture and every evidence picture of every step: vLLM refuses a prompt with more than the
+    # engine's limit_mm_per_prompt, so a fixed 16 refused --topk 5 --max_steps 4 (21) at input processing
+    import evaluate
+    assert rollout.Settings().max_images == 10 and rollout.Settings(max_steps=4, topk=5).max_images == 21
+    assert rollout.Settings(max_pairs=2, max_rets=2).max_images == 37
+    args = evaluate.get_args(["--max_steps", "4", "--topk", "2", "--protocol", "released"])  # released: top-5 evidence
+    assert evaluate.settings_of(args).max_images == 21

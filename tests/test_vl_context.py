@@ -101,3 +101,22 @@ def test_sft_and_the_hf_engine_take_the_cap(tiny_vl, tiny_index, tmp_path, proce
     processor_kwargs.clear()
     engines.HFEngine(tmp_path / "sft" / "final", max_pixels=401408)
     assert processor_kwargs == [{"max_pixels": 401408}]
+
+
+def test_picture_paths_are_absolute_and_a_missing_one_is_one_line_naming_it_and_the_node(tiny_vl, tiny_index,
+                                                                                         monkeypatch):
+    # a retrieval server sends its KB's `path` to every node, and a VL policy opens it there: relative to the server's
+    # working folder it named no file on another node; a picture that is not there exits in one line
+    import socket
+
+    import corpus
+    monkeypatch.chdir(tiny_index.parent)
+    rel = tiny_index.name
+    assert all(os.path.isabs(d["path"]) for d in corpus.load_kb(rel, "image"))
+    assert all(os.path.isabs(q["image"]) for q in corpus.load_questions(rel, "visual_dev"))
+    vis = vision.VisionIO.load(tiny_vl)
+    with pytest.raises(SystemExit) as e:
+        vis.image("/shared/mini/kb/images/portrait-0.png")
+    msg = str(e.value.code)
+    assert msg.startswith(f"error: image file not found on {socket.gethostname()}: /shared/mini/kb/images/portrait-0.png")
+    assert "\n" not in msg
