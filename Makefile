@@ -103,7 +103,8 @@ baselines: $(BASE)/prompt-only/results.json $(BASE)/sft/results.json
 test: .venv/.stamp $(MODEL)/config.json
 	$(PY) -m pytest -q
 
-# The edit loop's tier: unit tests and one end-to-end smoke (tests/test_smoke.py), the slow-marked runs left out
+# The edit loop's tier: unit tests and in-process runs; the slow-marked end-to-end runs (the main job's own command among
+# them, tests/test_smoke.py) left out
 test-fast: .venv/.stamp $(MODEL)/config.json
 	$(PY) -m pytest -q -m "not slow"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The teacher condition's data (README "Results"; docs/results.md), R1-Router's procedure at this scale, shared by
-# `make demo` and runs/teacher.sh:
+# The teacher condition's data (README "Results"; docs/results.md), R1-Router's procedure at this scale, for
+# runs/teacher.sh (`make teacher`):
 #   the teacher   the prompt-only policy after SFT on the golden trajectories of the first 48 training questions
 #                 (36 steps x 4; imperfect the way a sampled LLM teacher is)   -> OUT/teacher/final
 #   its data      one trajectory a question (R1-Router: temperature 1, top-k 20, a step that does not parse tried

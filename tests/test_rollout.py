@@ -507,7 +507,7 @@ def test_hf_engine_samples_from_the_distribution_its_logprobs_describe(tmp_path)
     assert torch.allclose(torch.tensor(lps), z.log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0], atol=1e-4)
     first = lambda k: engine.generate([prompt] * 64, 1, temperature=1.0, top_k=k, seed=1)
     drawn = first(0)
-    z = logits_after([])[0]
+    z = logits_after([0])[0]  # the logits before the first new token (a causal model: the appended 0 is not seen)
     assert len({i[0] for i, _ in drawn}) > 5  # top-k off: not the model's 3, nor transformers' 50 in effect
     assert all(abs(lp[0] - z.log_softmax(-1)[i[0]].item()) < 1e-4 for i, lp in drawn)
     top5 = z.topk(5)

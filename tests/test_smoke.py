@@ -4,12 +4,14 @@ the three evaluated -> the report (table, paired intervals, one question's traje
 timed by runs/stage.sh; a rerun skips every built stage. Then the pieces the main job leaves to the claim runs, from
 its checkpoints: the SFT checkpoint as a teacher sampling through the loop with R1-Router's filter (synth.py
 --teacher), sampled evaluation (--protocol released), an evaluation's resume, and a format mismatch refused in one
-line. The fast tier's smoke test (`make test-fast`)."""
+line. In `make test` only (slow: the main job's command, ~4 min here); `make test-fast` leaves it out."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +33,7 @@ def make_demo(tmp_path, model, data):
     return out, r.stdout
 
 
+@pytest.mark.slow
 def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_dir, tiny_index):
     out, text = make_demo(tmp_path, tiny_model_dir, tiny_index)
     for stage in ("data", "sft", "eval-sft", "sft-cont", "eval-sft-cont", "stepgrpo", "eval-stepgrpo", "report"):
