@@ -19,7 +19,7 @@ cat <<TXT
 
 What this table can show: the whole procedure, run end to end, and what each arm does on these $N test questions.
 What it cannot: which arm is better. It is one seed on $N questions with final checkpoints and no dev pick; the
-paired 95% interval of Step-GRPO - SFT-continued is $w F1-Recall points wide, wider than any gain expected between
-them. That comparison, every arm dev-picked, over seeds on all 500 test questions beside the ceilings, is README
+paired 95% interval of Step-GRPO - SFT-continued is $w F1-Recall points wide: a smaller difference between them is
+noise here. That comparison, every arm dev-picked, over seeds on all 500 test questions beside the ceilings, is README
 "Results" (\`make vs-sft\`, \`make teacher\`). Curves of the Step-GRPO run: $OUT/stepgrpo/curves.png.
 TXT
