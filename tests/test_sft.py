@@ -226,13 +226,16 @@ def test_sft_continue_goes_on_where_the_run_stopped(tiny_model, traj_dir, tmp_pa
     args = ["--model", str(tiny_model), "--data", str(traj_dir), "--grad_accum", "4", "--save_every", "0",
             "--eval_every", "0", *FAST, "--lr", "2e-5", "--min_lr_ratio", "1"]
     straight, first, cont = tmp_path / "straight", tmp_path / "first", tmp_path / "cont"
-    sft.main([*args, "--train_steps", "4", "--out", str(straight)])
-    sft.main([*args, "--train_steps", "2", "--out", str(first)])
+    # all three in fresh processes of one environment (one thread): the comparison is bitwise, and a pytest process
+    # that imported vLLM earlier, or a second thread, rounds differently (4-7e-9 on AVX512 machines)
+    env = {**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"}
+    for steps, out in ((4, straight), (2, first)):
+        r = subprocess.run([sys.executable, "sft.py", *args, "--train_steps", str(steps), "--out", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
     before = load_file(first / "step_2" / "model.safetensors")
     r = subprocess.run(["bash", "runs/sft_continue.sh", str(first / "final"), str(cont), "2", *args[2:]], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"})  # as the in-process runs: one
-    # thread (an AVX512 Xeon's matmuls round differently with two, ~4e-9 here, and this comparison is bitwise)
+                       capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert max_diff(straight / "step_4", cont / "final") == 0.0
     assert max_diff(first / "step_2", cont / "final") > 1e-6
