@@ -11,6 +11,7 @@ memory: people, cities, countries, organisations and books with attributes and r
         {id, question, answers: [answer, *aliases], type, pattern, steps: [{sub_question, kb, doc_id, answer}]}
     data/<name>/questions/visual_{train,dev,test}.jsonl   the same + image: "questions/images/vq12.png" (relative
         to the data folder), a flag, logo or portrait of the image KB re-drawn; step 1 asks the image KB who is shown
+    data/<name>/questions/test_heldout.jsonl   with --holdout_pairs only: 2-hop questions of the held-out pairs
 
 Each attribute lives in exactly one KB (birthplaces in text, currencies in tables, hair colours in portraits, ...),
 so routing is learnable from *what* a sub-question asks, while every entity type (and words like "year", "city",
@@ -20,6 +21,10 @@ Run:
     python corpus.py --world mini --out data/mini                 # ~4k documents, 5k + 900 visual questions, seconds
     python corpus.py --world mini --out data/big --n_people 5000 --n_train 20000
     python corpus.py --world mini --out data/mini-no3hop --holdout 3hop   # no 3-hop chains in train and dev
+    python corpus.py --world mini --out data/mini-pairs --holdout_pairs 4 # 4 relation pairs composed in no train or
+        # dev chain (each of their relations in other pairs of train), and questions/test_heldout.jsonl: 300 2-hop
+        # questions of those pairs (--n_test_heldout; `evaluate.py --data data/mini-pairs --split test_heldout`).
+        # Or name the pairs: --holdout_pairs 'born_in>founded_city' 'hq>temperature'
     python corpus.py --check data/mini                            # validate every file, report path:line errors
 
 The public benchmarks (HotpotQA, 2WikiMultihopQA, MuSiQue, WikiTableQuestions, TabFact, ...) come into the same layout
@@ -32,8 +37,10 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 
 KBS = ("text", "table", "image")
@@ -372,6 +379,30 @@ RELATIONS = {
     "flag_emblem": ("country", None, "image", "What symbol is in the centre of the flag of {s}?", None),
 }
 
+def _template_re(tpl):
+    """A sub-question template as a regex: {s} any name, {year} a number, {month} a month's name."""
+    months = "(?:" + "|".join(MONTHS) + ")"
+    return re.compile(re.escape(tpl).replace(r"\{s\}", ".+").replace(r"\{year\}", r"\d+").replace(r"\{month\}", months) + "$")
+
+SUB_QUESTION_RE = {rel: _template_re(v[3]) for rel, v in RELATIONS.items()}
+
+def relations(q):
+    """The relation of each step of a question, read off its sub-question (the question files do not name them)."""
+    out = []
+    for s in q["steps"]:
+        hits = [rel for rel, pat in SUB_QUESTION_RE.items() if pat.match(s["sub_question"])]
+        if len(hits) != 1:
+            raise DataError(f"question {q.get('id')}: sub-question {s['sub_question']!r} fits {len(hits)} relation templates, not 1")
+        out.append(hits[0])
+    return out
+
+def chain_pairs(q):
+    """The compositions (relation, next relation) a 2-hop or 3-hop chain question makes; none for other types."""
+    if q["type"] not in ("2hop", "3hop"):
+        return set()
+    rels = relations(q)
+    return set(zip(rels, rels[1:]))
+
 def apply(w, rel, etype, e, rng, year=None):
     """Follow relation `rel` from entity index `e`: (object index or [answer, *aliases], doc id, template params), or None."""
     year, month = year or rng.choice(YEARS), rng.randrange(12)
@@ -445,12 +476,16 @@ def chain_question(w, hops, rng):
     while len(rels) < hops:  # prepend an entity-valued relation whose object is the next hop's subject
         options = [r for r, v in RELATIONS.items() if v[1] == RELATIONS[rels[0]][0]]
         rels.insert(0, rng.choice(options))
-    for _ in range(50):  # retry start entities until every hop applies
+    return chain(w, rels, rng)
+
+def chain(w, rels, rng):
+    """A question along the relations `rels` from a random start entity, retried until every hop applies (or None)."""
+    for _ in range(50):
         etype = RELATIONS[rels[0]][0]
         e = rng.randrange(len(entities(w)[etype]))
         if out := follow(w, rels, etype, e, entity_name(w, etype, e), rng):
             question, answers, steps = out
-            return dict(question=question, answers=answers, type=f"{hops}hop", steps=steps)
+            return dict(question=question, answers=answers, type=f"{len(rels)}hop", steps=steps)
     return None
 
 # kind of image-KB picture -> (entity type, sub-question of the image step, how the question names the entity shown)
@@ -538,29 +573,97 @@ def no_retrieval_question(rng):
     shape, n = rng.choice([("triangle", 3), ("square", 4), ("pentagon", 5), ("hexagon", 6), ("octagon", 8)])
     return dict(question=f"How many sides does a {shape} have?", answers=[str(n)], type="none", steps=[])
 
-def make_questions(w, n, rng, seen=None, skip=(), first_id=0):
-    """n questions of the mix, none of whose text is in `seen` (updated) or whose type is in `skip`."""
+def make_questions(w, n, rng, seen=None, skip=(), first_id=0, pairs=()):
+    """n questions of the mix, none of whose text is in `seen` (updated), whose type is in `skip` or whose chain
+    composes one of the relation `pairs`."""
     mix = [("none", 0.1), (1, 0.3), (2, 0.3), (3, 0.15), ("comparison", 0.15)]
     out, seen = [], set() if seen is None else seen
     while len(out) < n:
         kind = rng.choices([m for m, _ in mix], weights=[p for _, p in mix])[0]
         q = (no_retrieval_question(rng) if kind == "none" else comparison_question(w, rng) if kind == "comparison"
              else chain_question(w, kind, rng))
-        if q is None or q["question"] in seen or q["type"] in skip:
+        if q is None or q["question"] in seen or q["type"] in skip or (pairs and chain_pairs(q) & set(pairs)):
             continue
         seen.add(q["question"])
         q["pattern"] = ">".join(s["kb"] for s in q["steps"]) or "none"
         out.append(dict(id=f"q{first_id + len(out)}", **q))
     return out
 
-def hold_out(w, qs, n_train, n_dev, held, rng):
-    """--holdout: the question types `held` left out of train and dev (a shape the policy never trains on), each
-    dropped question replaced by a new one of another type; the test split stays the default world's, question for
-    question, so its held-out rows and the rest compare with every default-world result."""
-    keep = [q for q in qs[:n_train + n_dev] if q["type"] not in held]
-    more = make_questions(w, n_train + n_dev - len(keep), rng, {q["question"] for q in qs}, held, first_id=len(qs))
+def hold_out(w, qs, n_train, n_dev, held, rng, pairs=()):
+    """--holdout / --holdout_pairs: the question types `held`, and the chains composing one of the relation `pairs`,
+    left out of train and dev (a shape or a composition the policy never trains on), each dropped question replaced
+    by a new one; the test split stays the default world's, question for question, so its held-out rows and the
+    rest compare with every default-world result."""
+    keep = [q for q in qs[:n_train + n_dev] if q["type"] not in held and not chain_pairs(q) & set(pairs)]
+    more = make_questions(w, n_train + n_dev - len(keep), rng, {q["question"] for q in qs}, held, first_id=len(qs),
+                          pairs=pairs)
     both = keep + more
     return both[:n_train], both[n_train:]
+
+def two_hop_pairs(qs, exclude=()):
+    """{(relation 1, relation 2): count} over the 2-hop questions of qs, the pairs in `exclude` left out."""
+    return Counter(p for q in qs if q["type"] == "2hop" for p in chain_pairs(q) if p not in exclude)
+
+def pick_pairs(spec, train, rng):
+    """--holdout_pairs: ['N'] -> N pairs of the train split's 2-hop chains in a seeded shuffle's order, skipping a
+    pair that would leave one of the held relations without another pair in train; ['rel1>rel2', ...] -> those."""
+    if len(spec) == 1 and spec[0].isdigit():
+        order = sorted(two_hop_pairs(train))
+        rng.shuffle(order)
+        held = []
+        for pair in order:
+            if len(held) < int(spec[0]) and not unseen_relations(train, held + [pair]):
+                held.append(pair)
+        if len(held) < int(spec[0]):
+            raise DataError(f"--holdout_pairs {spec[0]}: only {len(held)} pairs can be held out with each relation "
+                            f"still in another pair of train")
+        return held
+    held = []
+    for s in spec:
+        a, _, b = s.partition(">")
+        if a not in RELATIONS or b not in RELATIONS or RELATIONS[a][1] is None or RELATIONS[a][1] != RELATIONS[b][0] \
+                or RELATIONS[b][1] is not None:
+            raise DataError(f"--holdout_pairs: {s!r} is not a 2-hop chain rel1>rel2 of RELATIONS (an entity relation, "
+                            f"then a value relation of its object)")
+        held.append((a, b))
+    return held
+
+def unseen_relations(train, held):
+    """The held relations train lacks in another pair: a first hop not first in another 2-hop pair, a second hop
+    not second in one (what makes a held pair a new composition of known hops, not a new hop)."""
+    seen = two_hop_pairs(train, held)
+    firsts, seconds = {a for a, _ in seen}, {b for _, b in seen}
+    return sorted({a for a, _ in held if a not in firsts} | {b for _, b in held if b not in seconds})
+
+def heldout_questions(w, pairs, n, rng, seen):
+    """n 2-hop questions of the held-out `pairs` (each draw a pair at random), none of whose text is in `seen`."""
+    out = []
+    for _ in range(200 * n):  # bounded: a pair from a small entity type holds only so many distinct questions
+        if len(out) == n:
+            break
+        q = chain(w, list(rng.choice(pairs)), rng)
+        if q is None or q["question"] in seen:
+            continue
+        seen.add(q["question"])
+        q["pattern"] = ">".join(s["kb"] for s in q["steps"])
+        out.append(dict(id=f"hp{len(out)}", **q))
+    if len(out) < n:
+        raise DataError(f"only {len(out)} distinct questions of the held-out pairs, {n} asked for; lower --n_test_heldout")
+    return out
+
+def held_out_splits(w, qs, splits, args, rng):
+    """--holdout / --holdout_pairs: new train and dev splits in `splits`, and with held-out pairs their test_heldout
+    split; returns the held-out pairs."""
+    held_rng = random.Random(args.seed + 3)  # its own stream: the pick and the held-out split move nothing else
+    pairs = pick_pairs(args.holdout_pairs, splits["train"], held_rng) if args.holdout_pairs else []
+    splits["train"], splits["dev"] = hold_out(w, qs, args.n_train, args.n_dev, set(args.holdout), rng, pairs)
+    if missing := unseen_relations(splits["train"], pairs):
+        raise DataError(f"--holdout_pairs: {', '.join(missing)} in no other pair of train: a held-out pair would be "
+                        f"a new relation, not a new composition")
+    if pairs:
+        seen = {q["question"] for sp in splits.values() for q in sp}  # test's too: test_heldout repeats no question
+        splits["test_heldout"] = heldout_questions(w, pairs, args.n_test_heldout, held_rng, seen)
+    return pairs
 
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -571,8 +674,7 @@ def generate_mini(args):
     rng = random.Random(args.seed + 1)
     qs = make_questions(w, args.n_train + args.n_dev + args.n_test, rng)
     splits = {"train": qs[:args.n_train], "dev": qs[args.n_train:args.n_train + args.n_dev], "test": qs[args.n_train + args.n_dev:]}
-    if args.holdout:
-        splits["train"], splits["dev"] = hold_out(w, qs, args.n_train, args.n_dev, set(args.holdout), rng)
+    pairs = held_out_splits(w, qs, splits, args, rng) if args.holdout or args.holdout_pairs else []
     ents = {"portrait": w["people"], "flag": w["countries"], "logo": w["orgs"]}
     pictures = {}  # (kind, entity index) -> its image-KB picture, in KB order
     for doc in tqdm(kbs["image"], desc="drawing images", disable=args.quiet):
@@ -603,7 +705,8 @@ def generate_mini(args):
         write_jsonl(tmp / "kb" / f"{kb}.jsonl", kbs[kb])
     for split, rows in splits.items():
         write_jsonl(tmp / "questions" / f"{split}.jsonl", rows)
-    (tmp / "world.json").write_text(json.dumps(dict(seed=args.seed, args=vars(args)), indent=1))
+    held = {"heldout_pairs": [">".join(p) for p in pairs]} if pairs else {}
+    (tmp / "world.json").write_text(json.dumps(dict(seed=args.seed, args=vars(args), **held), indent=1))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -641,6 +744,11 @@ if __name__ == "__main__":
     ap.add_argument("--n_visual_test", type=int, default=200)
     ap.add_argument("--holdout", nargs="+", default=[], choices=["1hop", "2hop", "3hop", "comparison", "none"],
                     help="question types left out of train and dev (a held-out shape; test unchanged: hold_out)")
+    ap.add_argument("--holdout_pairs", nargs="+", default=[], metavar="N | REL1>REL2",
+                    help="2-hop relation pairs left out of train and dev (a held-out composition; test unchanged): N "
+                         "drawn by a seeded rule (pick_pairs), or named, e.g. 'born_in>founded_city'; writes "
+                         "questions/test_heldout.jsonl")
+    ap.add_argument("--n_test_heldout", type=int, default=300, help="questions of the held-out pairs in test_heldout")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
     try:
@@ -652,3 +760,5 @@ if __name__ == "__main__":
         sys.exit(f"error: {e}")
     print(f"wrote {args.out}: " + ", ".join(f"{len(v)} {k} docs" for k, v in kbs.items()) + "; "
           + ", ".join(f"{len(v)} {k} questions" for k, v in splits.items()))
+    if "test_heldout" in splits:
+        print(f"held out of train and dev: {', '.join('>'.join(p) for p in sorted(two_hop_pairs(splits['test_heldout'])))}")

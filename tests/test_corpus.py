@@ -62,6 +62,69 @@ def test_a_held_out_shape_leaves_train_and_dev_and_keeps_test(tmp_path, tiny_wor
     default = [q for q in corpus.load_questions(tiny_world, "train") if q["type"] != "3hop"]
     assert train[:len(default)] == default
 
+# sha256 of the tiny default world's JSONL files (kb and questions; the PNGs' bytes depend on the PIL build), as
+# generated before held-out pairs existed
+TINY_WORLD_JSONL = "359db5f304ffcdfa75de57f8ba605f413254c458eccd1002f705876b3339ef70"
+
+def jsonl_digest(folder):
+    h = hashlib.sha256()
+    for p in sorted(Path(folder).rglob("*.jsonl")):
+        h.update(str(p.relative_to(folder)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+def test_no_held_out_pairs_leaves_the_default_world_as_it_was(tmp_path, tiny_world):
+    a = tiny_world_args(tmp_path / "zero")  # the tiny world's sizes through the command line, --holdout_pairs 0
+    sizes = [f"--{k}={getattr(a, k)}" for k in ("n_people", "n_cities", "n_countries", "n_orgs", "n_works", "n_train",
+                                                 "n_dev", "n_test", "n_visual_train", "n_visual_dev", "n_visual_test")]
+    subprocess.run([sys.executable, str(ROOT / "corpus.py"), "--out", a.out, *sizes, "--holdout_pairs", "0", "--quiet"],
+                   check=True, capture_output=True)
+    assert jsonl_digest(tiny_world) == jsonl_digest(tmp_path / "zero") == TINY_WORLD_JSONL
+    assert tree_digest(tmp_path / "zero") == tree_digest(tiny_world)
+    assert not (tiny_world / "questions" / "test_heldout.jsonl").exists()
+
+def test_relations_are_read_off_the_sub_questions(tiny_world):
+    qs = [q for s in ("train", "dev", "test") for q in corpus.load_questions(tiny_world, s) if q["type"].endswith("hop")]
+    for q in qs:
+        rels = corpus.relations(q)
+        for i, (rel, s) in enumerate(zip(rels, q["steps"])):
+            assert corpus.RELATIONS[rel][2] == s["kb"]
+            if i:  # a chain: each relation starts where the one before it ends
+                assert corpus.RELATIONS[rels[i - 1]][1] == corpus.RELATIONS[rel][0]
+        assert corpus.chain_pairs(q) == (set(zip(rels, rels[1:])) if q["type"] != "1hop" else set())
+    assert len(corpus.two_hop_pairs(qs)) > 10
+
+def test_held_out_pairs_leave_train_and_dev_and_fill_their_own_test_split(tmp_path, tiny_world):
+    out = tmp_path / "pairs"
+    corpus.generate_mini(tiny_world_args(out, holdout_pairs=["2"], n_test_heldout=30))
+    held = {tuple(p.split(">")) for p in json.loads((out / "world.json").read_text())["heldout_pairs"]}
+    assert len(held) == 2
+    assert tree_digest(out / "kb") == tree_digest(tiny_world / "kb")
+    assert (out / "questions" / "test.jsonl").read_bytes() == (tiny_world / "questions" / "test.jsonl").read_bytes()
+    train, dev, test = (corpus.load_questions(out, s) for s in ("train", "dev", "test"))
+    assert (len(train), len(dev)) == (120, 40)
+    assert not any(corpus.chain_pairs(q) & held for q in train + dev)  # 3-hop chains composing a held pair too
+    assert any(corpus.chain_pairs(q) & held for q in corpus.load_questions(tiny_world, "train"))  # some were dropped
+    seen = corpus.two_hop_pairs(train)  # each held relation composed in train, in its place, with another relation
+    for a, b in held:
+        assert any(x == a and (x, y) not in held for x, y in seen) and any(y == b and (x, y) not in held for x, y in seen)
+    heldout = corpus.load_questions(out, "test_heldout")
+    assert len(heldout) == 30 and corpus.check(out)["test_heldout"] == 30
+    assert all(q["type"] == "2hop" and corpus.chain_pairs(q) <= held for q in heldout)
+    assert set(corpus.two_hop_pairs(heldout)) == held
+    texts = [q["question"] for q in train + dev + test + heldout]
+    ids = [q["id"] for q in train + dev + test + heldout]
+    assert len(set(texts)) == len(texts) and len(set(ids)) == len(ids)
+    # named pairs; a pair that would leave a relation in no other pair of train fails in one line
+    named = tmp_path / "named"
+    corpus.generate_mini(tiny_world_args(named, holdout_pairs=["hq>founded_city"], n_test_heldout=5))
+    assert [corpus.relations(q) for q in corpus.load_questions(named, "test_heldout")] == [["hq", "founded_city"]] * 5
+    with pytest.raises(corpus.DataError, match="continent in no other pair of train"):  # in_country's only value
+        corpus.generate_mini(tiny_world_args(tmp_path / "x", holdout_pairs=["in_country>continent"]))
+    r = subprocess.run([sys.executable, str(ROOT / "corpus.py"), "--out", str(tmp_path / "y"), "--holdout_pairs",
+                        "born_in>hair"], capture_output=True, text=True)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "'born_in>hair' is not a 2-hop chain" in r.stderr
+
 def test_files_follow_the_schema(tiny_world):
     counts = corpus.check(tiny_world)
     assert counts["train"] == 120 and counts["dev"] == 40 and counts["test"] == 40
