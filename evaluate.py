@@ -5,6 +5,8 @@ evaluate.py: score R1-Router trajectories and write the report (results.json, ta
     python evaluate.py --methods routed oracle --n_questions 100 --backend hf --out out/eval/quick
     python evaluate.py --model out/sft/final --methods --probe 8 --n_questions 100    # the route probe alone
     python evaluate.py --paired out/eval/sft-test/trajectories-routed.jsonl out/eval/grpo-test/trajectories-routed.jsonl
+    python evaluate.py --paired s1/sft/trajectories-routed.jsonl s1/grpo/trajectories-routed.jsonl \
+        s2/sft/trajectories-routed.jsonl s2/grpo/trajectories-routed.jsonl    # a pair per seed: two-level intervals too
     python evaluate.py ... --structure released --protocol released   # R1-Router's released step structure and evaluation
     python evaluate.py --model out/sft-k2/final --methods routed --max_pairs 2   # multi-query steps (RAG-R1)
 
@@ -89,6 +91,11 @@ def answer_scores(x):
     if not x["format_ok"]:
         return dict.fromkeys(ANSWER_METRICS, 0.0)
     return {k: fn(x["final_answer"] or "", x["answers"]) for k, fn in ANSWER_METRICS.items()}
+
+
+def answer_words(x):
+    """Words (split at whitespace) of a trajectory's final answer as written; a format failure's answer counts as ""."""
+    return len((x["final_answer"] or "").split()) if x["format_ok"] else 0
 
 
 def decisions(x):
@@ -206,6 +213,9 @@ def metrics(trajs):
     counts. All rates are percentages (x100), as the paper reports F1-Recall:
       f1_recall, em, f1, acc  R1-Router's F1-Recall and the HotpotQA EM / F1 / Acc of reward.py, max over gold + aliases.
                               A trajectory with format_ok False scores 0 on all four (its final answer counts as "").
+      answer_words            mean length of the final answer in words (split at whitespace, as written: not
+                              normalised; a format failure's counts as 0): F1-Recall rewards recall, so a longer
+                              answer can raise it where EM and F1 fall
       format_fail             % of trajectories with format_ok False
       overflow                % of trajectories cut off because their next step did not fit the engine's context
                               (every span they wrote parsed; no final answer, so the answer metrics are 0)
@@ -243,6 +253,7 @@ def metrics(trajs):
     by_kb = Counter(s["kb"] for x in trajs for s in x["steps"])
     m = {"n": n}
     m.update({k: 100 * _mean(a[k] for a in answers) for k in ANSWER_METRICS})
+    m["answer_words"] = _mean(map(answer_words, trajs))
     m["format_fail"] = 100 * _mean(not x["format_ok"] for x in trajs)
     m["overflow"] = 100 * _mean(bool(x.get("overflow")) for x in trajs)
     m["routing_acc"] = 100 * _mean(racc)
@@ -281,39 +292,65 @@ def score(trajs):
     out["by_type"] = {ty: metrics(groups[ty]) for ty in type_order(groups)}
     return out
 
-PAIRED = {"f1_recall": lambda x: 100 * answer_scores(x)["f1_recall"], "routing_acc": lambda x: 100 * routing_accuracy(x),
-          "steps": lambda x: len(reward.by_step(x["steps"])), "retrievals": lambda x: len(x["steps"])}
+PAIRED = ("f1_recall", "em", "f1", "answer_words", "routing_acc", "steps", "retrievals")
+
+def paired_values(x):
+    """The PAIRED metrics of one trajectory (its answer scored once: F1-Recall is the slow one)."""
+    a = answer_scores(x)
+    return {"f1_recall": 100 * a["f1_recall"], "em": 100 * a["em"], "f1": 100 * a["f1"], "answer_words": answer_words(x),
+            "routing_acc": 100 * routing_accuracy(x), "steps": len(reward.by_step(x["steps"])), "retrievals": len(x["steps"])}
+
+def two_level(d, n_boot, seed):
+    """Two-level bootstrap of d [metrics, pairs, Q] (new - base per metric, pair and question) -> [metrics, n_boot].
+    Each resample draws the pairs (training seeds) with replacement, then for each drawn pair, independently, its
+    questions with replacement; its mean is the mean over the drawn pairs of the mean over their drawn questions.
+    Both arms of a pair stay paired by question, and one resample serves every metric. With one pair it is the
+    question-level bootstrap (in distribution: its own draws)."""
+    import numpy as np
+    rng = np.random.default_rng([seed, 2])  # not the question-level stream: its figures stay as they were
+    n_metrics, n_pairs, n_q = d.shape
+    drawn = rng.integers(0, n_pairs, size=(n_boot, n_pairs))  # [n_boot, pairs]
+    total = np.zeros((n_metrics, n_boot))
+    for k in range(n_pairs):  # one drawn pair at a time: n_boot x Q indices in memory, not n_boot x pairs x Q
+        within = rng.integers(0, n_q, size=(n_boot, n_q))
+        for m in range(n_metrics):
+            total[m] += d[m][drawn[:, k, None], within].mean(1)
+    return total / n_pairs
 
 def paired(pairs, n_boot=10000, seed=0):
-    """Paired bootstrap over questions of new - base. pairs: [(base, new), ...], each two methods' trajectories of the
-    same questions (by qid), one pair per training seed. For each PAIRED metric (f1_recall and routing_acc x100;
-    routing steps and retrieval calls a question): a question's difference is new - base averaged over the pairs; the
-    mean of it, the 2.5 and 97.5 percentiles of that mean over n_boot resamples of the questions (a 95% interval; one
-    resample serves every seed, so seeds stay paired by question), the fraction of resamples where new is not above
-    base, and each pair's own mean difference (per_pair); the same per question type in by_type."""
+    """Paired bootstrap of new - base. pairs: [(base, new), ...], each two methods' trajectories of the same
+    questions (by qid), one pair per training seed. For each PAIRED metric (f1_recall, em, f1 and routing_acc x100;
+    answer words, routing steps and retrieval calls a question): a question's difference is new - base averaged over
+    the pairs; the mean of it, the 2.5 and 97.5 percentiles of that mean over n_boot resamples of the questions (the
+    question-level 95% interval; one resample serves every seed, so seeds stay paired by question, and the spread
+    between seeds is not in it), the fraction of resamples where new is not above base, and each pair's own mean
+    difference (per_pair); two_level: the same interval and fraction from two_level(), which resamples the seeds,
+    then the questions within each; the same per question type in by_type."""
     import numpy as np
     sets = [[{x["qid"]: x for x in first_samples(trajs)} for trajs in pair] for pair in pairs]
     qids = sorted(sets[0][0])
+    types = defaultdict(list)
+    for q in qids:
+        types[sets[0][0][q].get("type") or "unknown"].append(q)
     for i, (a, b) in enumerate(sets):
         for side in (a, b):
             if side.keys() != set(qids):
                 raise ValueError(f"paired: pair {i + 1}'s trajectories hold other questions than pair 1's base "
                                  f"({len(side.keys() ^ set(qids))} unmatched)")
+    values = [[{q: paired_values(x) for q, x in side.items()} for side in pair] for pair in sets]
+    interval = lambda boots: {"lo": float(np.percentile(boots, 2.5)), "hi": float(np.percentile(boots, 97.5)),
+                              "p_not_above": float((boots <= 0).mean())}
 
     def boot(qs):
         idx = np.random.default_rng(seed).integers(0, len(qs), size=(n_boot, len(qs)))  # [n_boot, Q]
+        d = np.array([[[b[q][k] - a[q][k] for q in qs] for a, b in values] for k in PAIRED],
+                     dtype=np.float64)  # [metrics, pairs, Q]
         out = {"n": len(qs)}
-        for key, fn in PAIRED.items():
-            d = np.array([[fn(b[q]) - fn(a[q]) for q in qs] for a, b in sets], dtype=np.float64)  # [pairs, Q]
-            boots = d.mean(0)[idx].mean(1)  # [n_boot]
-            out[key] = {"diff": float(d.mean()), "lo": float(np.percentile(boots, 2.5)),
-                        "hi": float(np.percentile(boots, 97.5)), "p_not_above": float((boots <= 0).mean()),
-                        "per_pair": [float(x) for x in d.mean(1)]}
+        for key, dk, two in zip(PAIRED, d, two_level(d, n_boot, seed)):
+            out[key] = {"diff": float(dk.mean()), **interval(dk.mean(0)[idx].mean(1)),
+                        "per_pair": [float(x) for x in dk.mean(1)], "two_level": interval(two)}
         return out
 
-    types = defaultdict(list)
-    for q in qids:
-        types[sets[0][0][q].get("type") or "unknown"].append(q)
     return dict(boot(qids), by_type={ty: boot(types[ty]) for ty in type_order(types)})
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -446,12 +483,14 @@ def get_args(argv=None):
     ap.add_argument("--combine", nargs="+", default=None, help="merge these results.json files into one report (--out)")
     ap.add_argument("--paired", nargs="+", default=None, metavar="BASE NEW",
                     help="trajectories-*.jsonl of the same questions, BASE NEW [BASE NEW ...] (one pair per seed): "
-                         "paired bootstrap of NEW - BASE, averaged over the pairs")
+                         "paired bootstrap of NEW - BASE, averaged over the pairs: the question-level interval "
+                         "and the two-level one (seeds, then questions)")
     return ap.parse_args(argv)
 
 
 def print_paired(paths):
-    """--paired BASE NEW [BASE NEW ...]: the paired bootstrap of NEW - BASE, overall and per question type."""
+    """--paired BASE NEW [BASE NEW ...]: the paired bootstrap of NEW - BASE, overall and per question type, with its
+    question-level and two-level (seeds, then questions) intervals."""
     if len(paths) % 2:
         sys.exit(f"error: --paired takes BASE NEW pairs: {len(paths)} files given")
     try:
@@ -464,13 +503,21 @@ def print_paired(paths):
     pairs = [f"{n} - {b}" for b, n in zip(paths[::2], paths[1::2])]
     print(f"{'; '.join(pairs)}, {p['n']} questions (paired bootstrap, 10000 resamples"
           f"{f', averaged over {len(pairs)} pairs' if len(pairs) > 1 else ''}):")
+    print("  question-level: resamples the questions, each question's difference averaged over the pairs (not the "
+          "spread between seeds)\n  two-level: resamples the pairs (seeds), then the questions within each drawn pair"
+          + (" (one pair: the question-level interval, in distribution)" if len(pairs) == 1 else ""))
     for k in PAIRED:
         each = f"; per pair {', '.join(f'{x:+.2f}' for x in p[k]['per_pair'])}" if len(pairs) > 1 else ""
-        print(f"  {k}: {p[k]['diff']:+.2f} (95% interval {p[k]['lo']:+.2f} .. {p[k]['hi']:+.2f}; "
-              f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples{each})")
+        two = p[k]["two_level"]
+        print(f"  {k}: {p[k]['diff']:+.2f} (question-level 95% interval {p[k]['lo']:+.2f} .. {p[k]['hi']:+.2f}; "
+              f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples{each})\n"
+              f"      two-level 95% interval {two['lo']:+.2f} .. {two['hi']:+.2f}; not above base in "
+              f"{100 * two['p_not_above']:.1f}% of resamples")
+    print("  per question type: difference (question-level interval | two-level interval)")
     for ty, q in p["by_type"].items():
-        print(f"  {ty} ({q['n']}): " + ", ".join(f"{k} {q[k]['diff']:+.2f} ({q[k]['lo']:+.2f} .. {q[k]['hi']:+.2f})"
-                                                for k in PAIRED))
+        print(f"  {ty} ({q['n']}): " + ", ".join(
+            f"{k} {q[k]['diff']:+.2f} ({q[k]['lo']:+.2f} .. {q[k]['hi']:+.2f} | {q[k]['two_level']['lo']:+.2f} .. "
+            f"{q[k]['two_level']['hi']:+.2f})" for k in PAIRED))
 
 
 def combine(paths, out, title):

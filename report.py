@@ -41,13 +41,14 @@ def _table(header, rows):
 
 
 def markdown(results, title):
-    """The report as markdown: main table, routing details, F1-Recall per question type."""
-    main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "routing acc", "steps/q", "retrievals/q", "s/q",
-                   "format fail %", "overflow %"],
-                  [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc", "routing_acc")), _fmt(s.get("steps"), 2),
+    """The report as markdown: main table, routing details, F1-Recall and answer words per question type."""
+    main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "answer words", "routing acc", "steps/q",
+                   "retrievals/q", "s/q", "format fail %", "overflow %"],
+                  [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc")), _fmt(s.get("answer_words"), 2),
+                    _fmt(s["routing_acc"]), _fmt(s.get("steps"), 2),
                     _fmt(s["retrievals"], 2), _fmt(s["seconds"] / s["n"] if "seconds" in s else None, 3),
                     _fmt(s["format_fail"]), _fmt(s.get("overflow"))] for m, s in results.items()])
-    # .get: --combine may read a results.json written before routing_macro and reask existed
+    # .get: --combine may read a results.json written before answer_words, routing_macro and reask existed
     routing = _table(["method", "routing macro", "macro, step 1", "info, step 1", "route exact %", "gold-doc hit %",
                       *(f"{kb}/q" for kb in KBS), "re-ask %", "policy tokens/q"],
                      [[m, _fmt(s.get("routing_macro")), _fmt(s.get("routing_macro0")), _fmt(s.get("route_info0")),
@@ -58,13 +59,15 @@ def markdown(results, title):
     lost = _table(["method", *FAILURES],  # only rows with "lost": --combine may read older results.json
                   [[m, *(_fmt(s["lost"].get(k, 0.0)) for k in FAILURES)] for m, s in results.items() if "lost" in s])
     types = type_order({ty for s in results.values() for ty in s["by_type"]})
-    per_type = _table(["method", *types],
-                      [[m, *(_fmt(s["by_type"][ty]["f1_recall"]) if ty in s["by_type"] else "-" for ty in types)]
-                       for m, s in results.items()])
-    return "\n".join([f"# {title}", "", "All rates in %; answer metrics count a format failure as 0.", "", *main, "",
+    by_type = lambda k, digits: _table(["method", *types], [[m, *(_fmt(s["by_type"][ty].get(k), digits)
+                                                                  if ty in s["by_type"] else "-" for ty in types)]
+                                                            for m, s in results.items()])
+    return "\n".join([f"# {title}", "", "All rates in %; answer metrics count a format failure as 0; answer words: "
+                      "the mean length of the final answer in words (a format failure's: 0).", "", *main, "",
                       "## Routing", "", *routing, "",
                       "## Where F1-Recall is lost (points, the first failure of each question)", "", *lost, "",
-                      "## F1-Recall by question type", "", *per_type, ""])
+                      "## F1-Recall by question type", "", *by_type("f1_recall", 1), "",
+                      "## Answer words by question type", "", *by_type("answer_words", 2), ""])
 
 
 def seed_table(results):
@@ -75,13 +78,15 @@ def seed_table(results):
     rows = []
     for name, ss in groups.items():
         cells = []
-        for k, digits in (("f1_recall", 1), ("em", 1), ("routing_acc", 1), ("steps", 2), ("retrievals", 2), ("s/q", 3)):
+        for k, digits in (("f1_recall", 1), ("em", 1), ("f1", 1), ("answer_words", 2), ("routing_acc", 1), ("steps", 2),
+                          ("retrievals", 2), ("s/q", 3)):
             v = [x["seconds"] / x["n"] if k == "s/q" else x.get(k) for x in ss if k != "s/q" or "seconds" in x]
             v = [y for y in v if y is not None]
             sd = f" ± {_fmt(statistics.stdev(v), digits)}" if len(v) > 1 else ""
             cells.append(_fmt(statistics.mean(v), digits) + sd if v else "-")
         rows.append([name, len(ss), *cells])
-    return _table(["row", "seeds", "F1-Recall", "EM", "routing acc", "steps/q", "retrievals/q", "s/q"], rows)
+    return _table(["row", "seeds", "F1-Recall", "EM", "F1", "answer words", "routing acc", "steps/q", "retrievals/q",
+                   "s/q"], rows)
 
 
 def _png(fig):

@@ -156,6 +156,15 @@ def test_first_decision_confusion_balanced_accuracy_and_information():
     assert evaluate.route_information(confusion([PERFECT], step=0)) is None
 
 
+def test_answer_words_overall_and_per_type():
+    # final answers of SET: 1, 1, 2 ("blue shirt"), 1, 1, a format failure (0), 1 words
+    s = score(SET)
+    assert s["answer_words"] == approx(1) and s["by_type"]["3hop"]["answer_words"] == 2
+    assert s["by_type"]["1hop"]["answer_words"] == 0
+    assert evaluate.answer_words(dict(FORMAT_FAIL, final_answer="the blue shirt")) == 0  # as F1-Recall sees it: ""
+    assert evaluate.answer_words(dict(FORMAT_FAIL, final_answer=" the  blue shirt ", format_ok=True)) == 3
+
+
 def test_per_type_breakdown():
     by = score(SET)["by_type"]
     assert list(by) == ["none", "1hop", "2hop", "3hop", "comparison"]
@@ -212,8 +221,9 @@ def results():
 def test_markdown_tables():
     md = markdown(results(), "mini dev")
     assert md.startswith("# mini dev\n")
-    assert "| method | n | F1-Recall | EM | F1 | Acc | routing acc | steps/q | retrievals/q | s/q | format fail % |" in md
-    assert "| r1-router | 7 | 50.0 | 28.6 | 47.6 | 42.9 | 63.1 | 1.29 | 1.29 | 0.500 | 14.3 |" in md  # 3.5 s / 7
+    assert "| method | n | F1-Recall | EM | F1 | Acc | answer words | routing acc | steps/q | retrievals/q | s/q | " \
+           "format fail % |" in md
+    assert "| r1-router | 7 | 50.0 | 28.6 | 47.6 | 42.9 | 1.00 | 63.1 | 1.29 | 1.29 | 0.500 | 14.3 |" in md  # 3.5 s / 7
     # routing macro, its first decision's and that decision's information (both checked by hand above), route exact,
     # gold hit, text/table/image, re-ask %, tokens
     assert "| r1-router | 51.8 | 83.3 | 62.6 | 42.9 | 70.0 | 1.00 | 0.29 | 0.00 | 0.0 | 60 |" in md
@@ -221,6 +231,7 @@ def test_markdown_tables():
     assert "| r1-router | 14.3 | 28.6 | 0.0 | 0.0 | 7.1 | 0.0 |" in md
     assert "| method | none | 1hop | 2hop | 3hop | comparison |" in md
     assert "| r1-router | 50.0 | 0.0 | 50.0 | 100.0 | 50.0 |" in md
+    assert md.split("## Answer words by question type")[1].count("| r1-router | 1.00 | 0.00 | 1.00 | 2.00 | 1.00 |") == 1
     assert "| direct answer | 7 |" in md
 
 
@@ -297,8 +308,9 @@ def test_seed_table_mean_and_sample_std_over_training_seeds(tmp_path):
     a["seconds"], b["seconds"] = 7.0, 14.0  # 1 and 2 s a question
     md = write_report({"sft@s1/routed": a, "sft@s2/routed": b, "prompt-only/routed": base}, tmp_path, title="t")
     assert md.startswith("# t: mean ± std over training seeds")
-    assert "| sft/routed | 2 | 15.0 ± 7.1 | 28.6 ± 0.0 | 50.0 ± 0.0 | 1.29 ± 0.00 | 1.29 ± 0.00 | 1.500 ± 0.707 |" in md
-    assert "| prompt-only/routed | 1 | 50.0 | 28.6 | 63.1 | 1.29 | 1.29 | - |" in md
+    assert "| sft/routed | 2 | 15.0 ± 7.1 | 28.6 ± 0.0 | 47.6 ± 0.0 | 1.00 ± 0.00 | 50.0 ± 0.0 | 1.29 ± 0.00 | " \
+           "1.29 ± 0.00 | 1.500 ± 0.707 |" in md
+    assert "| prompt-only/routed | 1 | 50.0 | 28.6 | 47.6 | 1.00 | 63.1 | 1.29 | 1.29 | - |" in md
     assert "| sft@s1/routed | 7 |" in md  # the per-seed rows stay in the main table
 
 
@@ -346,7 +358,9 @@ def test_paired_bootstrap_by_hand():
     back = evaluate.paired([(new, SET)])
     assert back["f1_recall"]["diff"] == approx(-100 / 7) and back["f1_recall"]["p_not_above"] == 1
     assert p["by_type"]["2hop"]["n"] == 2 and p["by_type"]["2hop"]["f1_recall"]["diff"] == approx(100 / 2)
-    assert p["by_type"]["comparison"]["f1_recall"] == {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1, "per_pair": [0]}
+    nothing = {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1, "per_pair": [0],
+               "two_level": {"lo": 0, "hi": 0, "p_not_above": 1}}
+    assert p["by_type"]["comparison"]["f1_recall"] == nothing
     # the same lookups in one routing step instead of two: one step fewer, as many retrieval calls, same routing
     multi = traj("g", "comparison", ["Zan Jumar"], ["text", "text"], ["text", "text"], "Jumar", step=[0, 0])
     p = evaluate.paired([(SET, [multi if t["qid"] == "g" else t for t in SET])])
@@ -354,7 +368,7 @@ def test_paired_bootstrap_by_hand():
     assert p["by_type"]["comparison"]["steps"]["diff"] == -1 and score([multi])["steps"] == 1
     assert score(SET)["steps"] == score(SET)["retrievals"] == approx(9 / 7)
     same = evaluate.paired([(SET, SET)])
-    assert same["routing_acc"] == {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1, "per_pair": [0]}
+    assert same["routing_acc"] == nothing
     with pytest.raises(ValueError, match="other questions"):
         evaluate.paired([(SET, SET[1:])])
     # two seeds, the fix in one of them: each question's difference is the mean over the seeds, resampled together
@@ -363,6 +377,59 @@ def test_paired_bootstrap_by_hand():
     assert two["f1_recall"]["lo"] == 0 and two["f1_recall"]["p_not_above"] == approx((6 / 7) ** 7, abs=0.02)
     with pytest.raises(ValueError, match="pair 2"):
         evaluate.paired([(SET, new), (SET[1:], SET[1:])])
+
+def test_paired_em_f1_and_answer_words():
+    # NEW fixes WRONG_ROUTE (Mireth -> Suldor) and pads PREMATURE's answer (blue shirt -> a blue shirt today): F1-Recall
+    # keeps its 1 there, F1 falls from 2/3 to 1/2 (precision 1/3), and the answer is 2 words longer
+    new = [dict(t, final_answer={"b": "Suldor", "c": "a blue shirt today"}.get(t["qid"], t["final_answer"])) for t in SET]
+    p = evaluate.paired([(SET, new)])
+    assert p["f1_recall"]["diff"] == approx(100 / 7) and p["em"]["diff"] == approx(100 / 7)
+    assert p["f1"]["diff"] == approx(100 * (1 + 1 / 2 - 2 / 3) / 7)
+    assert p["answer_words"]["diff"] == approx(2 / 7) and p["by_type"]["3hop"]["answer_words"]["diff"] == 2
+
+
+def words(qid, n):
+    """A 1-hop trajectory whose final answer is n words long."""
+    return traj(qid, "1hop", ["Suldor"], ["text"], ["text"], " ".join(["Suldor"] * n))
+
+
+def test_two_level_interval_counts_the_spread_between_seeds():
+    base = [words(f"q{i}", 4) for i in range(20)]
+    shorter, longer = [words(f"q{i}", 1) for i in range(20)], [words(f"q{i}", 7) for i in range(20)]
+    # seed 1's NEW is 3 words shorter on every question, seed 2's 3 words longer: each question's difference averaged
+    # over the seeds is 0, so the question-level interval is 0 .. 0; the two-level one draws both seeds' worth of
+    # seed 1 (-3) or of seed 2 (+3) a quarter of the time each
+    p = evaluate.paired([(base, shorter), (base, longer)])["answer_words"]
+    assert p["diff"] == 0 and p["per_pair"] == [-3, 3] and (p["lo"], p["hi"], p["p_not_above"]) == (0, 0, 1)
+    assert (p["two_level"]["lo"], p["two_level"]["hi"]) == (-3, 3)
+    assert p["two_level"]["p_not_above"] == approx(3 / 4, abs=0.02)  # only seed 2 drawn twice is above
+    # every question's difference the same constant in every seed: both intervals are that constant
+    q = evaluate.paired([(base, [words(f"q{i}", 6) for i in range(20)])] * 3)["answer_words"]
+    assert q["diff"] == q["lo"] == q["hi"] == 2 and q["two_level"] == {"lo": 2, "hi": 2, "p_not_above": 0}
+
+
+def test_two_level_interval_of_one_pair_is_the_question_level_one():
+    # one pair: the seed level draws that pair every time, so the two intervals differ only by their random draws
+    base = [words(f"q{i}", 2) for i in range(60)]
+    new = [words(f"q{i}", 2 + i % 5) for i in range(60)]  # 0..4 words longer, 2 on average
+    p = evaluate.paired([(base, new)])["answer_words"]
+    assert p["diff"] == 2 and p["lo"] < 2 < p["hi"]
+    assert p["two_level"]["lo"] == approx(p["lo"], abs=0.05) and p["two_level"]["hi"] == approx(p["hi"], abs=0.05)
+
+
+def test_paired_cli_prints_both_intervals_labelled(tmp_path, capsys):
+    base, new = [words(f"q{i}", 4) for i in range(5)], [words(f"q{i}", 5) for i in range(5)]
+    files = []
+    for name, rows in (("b1", base), ("n1", new), ("b2", base), ("n2", new)):
+        corpus.write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        files.append(str(tmp_path / f"{name}.jsonl"))
+    evaluate.print_paired(files)
+    out = capsys.readouterr().out
+    assert "  answer_words: +1.00 (question-level 95% interval +1.00 .. +1.00; not above base in 0.0% of resamples; " \
+           "per pair +1.00, +1.00)\n      two-level 95% interval +1.00 .. +1.00; not above base in 0.0% of resamples" in out
+    assert "two-level: resamples the pairs (seeds), then the questions within each drawn pair\n" in out
+    assert "  1hop (5): f1_recall +0.00 (+0.00 .. +0.00 | +0.00 .. +0.00), em +0.00" in out
+
 
 def test_gold_steps_ceiling_takes_only_the_final_answer_from_the_model(tiny_index):
     """gold_steps: the gold trajectory (its KBs, evidence and intermediate answers) up to the final answer, which
