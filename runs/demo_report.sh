@@ -14,7 +14,8 @@ for base in sft sft-cont; do
 done
 echo; echo "One test question, routed by SFT and by Step-GRPO (ok / x: the gold step's KB or not):"
 $PY report.py --show $OUT/eval/{sft,stepgrpo}/$T --data $DATA
-w=$(awk '/f1_recall:/ { gsub(/[;(]/, " "); print $6 - $4 }' $OUT/results/paired-sft-cont.txt)
+w=$(awk '/^  f1_recall:/ { for (i = 1; i < NF; i++) if ($i == "interval") { print $(i + 3) - $(i + 1); exit } }' \
+  $OUT/results/paired-sft-cont.txt)  # the question-level interval: hi - lo
 cat <<TXT
 
 What this table can show: the whole procedure, run end to end, and what each arm does on these $N test questions.
