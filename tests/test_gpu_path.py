@@ -301,6 +301,20 @@ def test_the_memory_check_gives_the_same_verdict_fresh_and_resumed(tiny_model_di
         if own:
             torch.distributed.destroy_process_group()
 
+def test_each_gpu_test_builds_its_vllm_engine_in_a_process_of_its_own(monkeypatch, tmp_path):
+    # vLLM's sleep mode allows one engine a process (tests/test_gpu.py's in_own_process says where): the GPU tests that
+    # build one do it in a child Python, never in the pytest process (here the children are recorded, not run)
+    import subprocess
+
+    import test_gpu
+    children = []
+    monkeypatch.setattr(engines, "VLLMEngine", lambda *a, **k: pytest.fail("a vLLM engine in the pytest process"))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **k: children.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the VL test's 2-GPU torchrun part: not here
+    test_gpu.test_engine_sleeps_and_follows_a_bf16_sync(tmp_path / "model")
+    test_gpu.test_vl_engine_on_gpu_sleeps_syncs_and_trains(tmp_path, tmp_path / "model", tmp_path / "index")
+    assert [c[:2] for c in children] == [[sys.executable, "-c"]] * 2
+
 def test_device_cpu_keeps_every_part_off_a_gpu(monkeypatch, tiny_model_dir, tiny_index):
     # one device decision (trainutil.env_rank's), passed down: on a machine with CUDA, --device cpu puts the HF engine,
     # the retrieval encoder and the memory readings on the CPU, and refuses vLLM (whose CUDA build runs on the GPU)
