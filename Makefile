@@ -115,7 +115,8 @@ test-gpu:
 	$(GPU_PY) -m pytest -q -rs tests/test_gpu.py
 
 # Does training work on this one-GPU machine? Offline, no downloaded weights, under 10 min: tiny random Qwen2 and
-# Qwen2.5-VL through SFT (bf16, save, exact resume), Step-GRPO (HF engine, both rollouts; vLLM where installed), LoRA,
+# Qwen2.5-VL through SFT (bf16, save, exact resume with the 7B commands' --activation_checkpointing), Step-GRPO (HF
+# engine, both rollouts; vLLM where installed), LoRA,
 # QLoRA (where bitsandbytes is installed) and the visual path; one table with peak memory (runs/gpu_check.py). DRY=1: the same on the CPU in fp32, with the venv's Python.
 .PHONY: gpu-check
 gpu-check:

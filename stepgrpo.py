@@ -367,6 +367,15 @@ def micro_batches(rows, args, pad_id, device, vis=None):
     dist.all_reduce(denom)
     return micro, denom.clamp(min=1).item(), 1 - len(live) / max(1, len(rows))
 
+def update_tokens(args):
+    """The most policy tokens a micro-batch can hold, the N of the loss's [N, vocabulary] logits (the memory check's):
+    --micro_batch rows, each the n completions of one step (teacher_prefix, a packed group) or a whole trajectory
+    (onpolicy), at the generation budgets (a multi-query routing step may write max_pairs pairs: rollout.route_stop)."""
+    route = ROUTE_TOKENS * args.max_pairs
+    row = args.group_size * max(route, ANSWER_TOKENS) if args.rollout == "teacher_prefix" else \
+        args.max_steps * route + ANSWER_TOKENS
+    return args.micro_batch * row
+
 def add_stats(sums, weight, loss, kl, clipped, entropy):
     """sums[k] += weight x this micro-batch's loss and its per-token sums (float64 scalars on the data's device)."""
     for k, v in (("loss", loss.detach()), ("kl", kl.sum()), ("clipped", clipped.sum()), ("entropy", entropy.sum()),
@@ -540,7 +549,7 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
         engine = engines.HFEngine(weights, seed=args.seed + rank, max_model_len=args.max_model_len,
                                   max_pixels=args.max_pixels, device=device)
     else:
-        trainutil.check_gpu_budget(model, opt, engines.VLLMEngine.GPU_FRACTION)
+        trainutil.check_gpu_budget(model, opt, engines.VLLMEngine.GPU_FRACTION, world, update_tokens(args))
         engine = engines.VLLMEngine(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
                                     max_images=settings(args).max_images, seed=args.seed + rank,
                                     device=device)  # each rank owns one engine

@@ -244,18 +244,43 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
         model.requires_grad_(False)
     return model
 
-def gpu_budget_error(total, allocated, shards, engine_fraction, device=0):
-    """The one-line error when the rollout phase cannot fit on a device of `total` bytes, else None: the vLLM engine's
-    share (weights + KV cache) beside what the trainer holds then, i.e. what is `allocated` at start-up (the policy's
-    fp32 shards, a reference) plus the Adam state the first step adds (2 x the `shards` bytes). The update phase needs
-    less: the engine sleeps through it."""
-    engine, trainer = engine_fraction * total, allocated + 2 * shards
-    if engine + trainer <= total:
-        return None
-    gib = lambda b: f"{b / 2**30:.1f} GiB"
-    return (f"error: GPU {device} ({gib(total)}) cannot hold the vLLM engine ({engine_fraction:.0%}: {gib(engine)}) beside "
-            f"the trainer ({gib(trainer)}: policy shards and reference {gib(allocated)} + Adam state {gib(2 * shards)}); "
-            f"use more GPUs (the shards shrink with the world size)")
+GIB = 2**30
+# What a rank's GPU holds outside torch's allocator, in every phase (estimates; torch.cuda.memory_allocated sees neither):
+CUDA_CONTEXT = GIB // 2  # the process's CUDA context, one for the trainer and its in-process engine: 287 MB bare with
+                         # CUDA's lazy module loading, 667 MB without (pytorch/pytorch#86509), more as kernels load
+NCCL_BUFFERS = GIB  # the trainer's NCCL communicator on 2+ ranks (FSDP2's 1-D mesh reuses the default group:
+                    # torch/distributed/device_mesh.py, "Append the default pg"): 688 MB for one over 4 A100s' NVLink
+                    # (NVIDIA/nccl#964), linear in the channels, which NCCL opens more of on H100s (NVIDIA/nccl#986)
+LOSS_COPIES = 5  # fp32 [N, V] tensors alive at once in grpo.token_logprobs' forward: logits / temperature,
+                 # log_softmax, and the entropy's exp, masked_fill and their product (a backward holds 3; measured
+                 # by tests/test_gpu_path.py)
+
+def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab):
+    """{phase: {part: bytes}} of one rank's GPU of `total` bytes in Step-GRPO beside an in-process vLLM engine.
+    rollout: the engine's share (gpu_memory_utilization: its weights, KV cache and CUDA graphs, whose pool vLLM 0.32
+    estimates into the share: model_budget_error) beside what the trainer keeps: what is `allocated` at start-up (the
+    policy's fp32 shards, a reference) and the Adam state of the `trainable` shard bytes. update (the engine asleep,
+    its graph pool offloaded too: vllm/device_allocator/sleep_mode_backend.py, CuMemBackend.suspend): that, the fp32
+    gradients and the loss's LOSS_COPIES fp32 [tokens, vocab] logits (tokens: a micro-batch's policy tokens); the
+    layers' activations and FSDP2's gathered bf16 units are not counted. Both: the CUDA context and NCCL's buffers, in
+    use before the engine starts, so outside its share (vLLM counts what it allocates after its start-up snapshot:
+    vllm/v1/worker/gpu_worker.py, init_device)."""
+    outside = {"CUDA context": CUDA_CONTEXT, "NCCL buffers": NCCL_BUFFERS if world > 1 else 0}
+    kept = {"policy shards and reference": allocated, "Adam state": 2 * trainable}
+    return {"rollout": {f"vLLM engine ({engine_fraction:.0%})": engine_fraction * total, **kept, **outside},
+            "update": {**kept, "gradients": trainable,
+                       f"fp32 logits ({LOSS_COPIES} x {tokens} tokens x {vocab})": LOSS_COPIES * 4 * tokens * vocab,
+                       **outside}}
+
+def gpu_budget_error(total, allocated, trainable, engine_fraction, world, tokens, vocab, device=0):
+    """The one-line error naming a phase of gpu_budget that does not fit and its parts, else None."""
+    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    for phase, parts in gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab).items():
+        if sum(parts.values()) > total:
+            return (f"error: GPU {device} ({gib(total)}) cannot hold the {phase} phase ({gib(sum(parts.values()))}: " +
+                    ", ".join(f"{k} {gib(v)}" for k, v in parts.items() if v) + "); use more GPUs (the shards shrink "
+                    "with the world size)" + (" or a smaller --micro_batch" if phase == "update" else ""))
+    return None
 
 def optimizer_bytes(opt):
     """Bytes of the optimizer state already allocated: 0 before the first step, Adam's two moments after a resume."""
@@ -263,15 +288,28 @@ def optimizer_bytes(opt):
     return sum(local(v).numel() * local(v).element_size() for st in opt.state.values() for v in st.values()
                if torch.is_tensor(v))
 
-def check_gpu_budget(model, opt, engine_fraction):
-    """At start-up, before the engine exists: exit with gpu_budget_error's line if this rank's GPU is too small. The
-    Adam state a resume has loaded is taken out of what is allocated, since gpu_budget_error adds it (the same
-    verdict fresh and resumed). Only for a policy on a GPU (--device cpu on a GPU host: nothing to check)."""
+def model_budget_error(model, opt, total, allocated, engine_fraction, world, tokens, device=0):
+    """gpu_budget_error for this rank's sharded `model` and its `opt` on a GPU of `total` bytes of which torch has
+    `allocated` (check_gpu_budget reads both from CUDA). The Adam state a resume has loaded is taken out of
+    `allocated`, since the budget adds it: the same verdict fresh and resumed. Adam is kept for the trainable weights
+    alone (LoRA: the adapters). The budget counts vLLM's CUDA graphs inside its share, where vLLM 0.32 puts them by
+    default (vllm/envs.py: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1; gpu_worker.py takes the estimate
+    out of the KV cache's room); with the variable 0 their pool would come on top, of a size known only once captured."""
+    if not int(os.environ.get("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "1")):
+        return ("error: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 puts vLLM's CUDA graphs outside its share of the GPU, "
+                "where the trainer's memory is: unset it")
+    trainable = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return gpu_budget_error(total, allocated - optimizer_bytes(opt), trainable, engine_fraction, world, tokens, vocab,
+                            device)
+
+def check_gpu_budget(model, opt, engine_fraction, world, tokens):
+    """At start-up, before the engine exists: exit with model_budget_error's line if this rank's GPU is too small.
+    Only for a policy on a GPU (--device cpu on a GPU host: nothing to check)."""
     device = next(model.parameters()).device
-    if device.type == "cuda":  # Adam state is kept for the trainable weights alone (LoRA: the adapters)
-        shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        error = gpu_budget_error(torch.cuda.mem_get_info(device)[1], torch.cuda.memory_allocated(device) - optimizer_bytes(opt),
-                                 shards, engine_fraction, device.index)
+    if device.type == "cuda":
+        error = model_budget_error(model, opt, torch.cuda.mem_get_info(device)[1], torch.cuda.memory_allocated(device),
+                                   engine_fraction, world, tokens, device.index)
         if error:
             sys.exit(error)
 

@@ -6,13 +6,15 @@ route reward), a tiny world (corpus.py) with BM25 indexes (retrievers.py) and go
 scripts' main() in this process:
     cuda       the device, a bf16 matmul
     sft        SFT 2 steps in bf16, a checkpoint after each
-    resume     SFT 1 step, then --resume to 2: the weights equal the straight run's
+    resume     SFT 1 step, then --resume to 2, with --activation_checkpointing (the documented 7B commands'): the
+               weights equal the straight run's (without it; recomputing the forward changes nothing)
     grpo-hf    Step-GRPO 2 steps, --engine hf, the engine checked against the trainer after every sync
     grpo-vllm  the same with the vLLM engine (skipped where vllm does not import)
     onpolicy   Step-GRPO 1 step over the policy's own trajectories (--rollout onpolicy, --engine hf)
     lora       Step-GRPO 1 step with LoRA adapters (the merged weights synced and checked)
     qlora      the same on an nf4 base (skipped where bitsandbytes does not import)
-    visual     the VL policy: SFT 2 steps on visual questions, then Step-GRPO 1 step (--engine hf)
+    visual     the VL policy: SFT 2 steps on visual questions, then Step-GRPO 1 step (--engine hf), both with
+               --activation_checkpointing, as docs/gpu.md's 7B VL commands
 and prints one table: each check's result, seconds and peak memory. --dry: the same on the CPU in fp32 (the cuda
 check and bf16 skipped, with a line saying so); tests/test_gpu_check.py runs it. Needs torch, transformers, peft,
 bm25s, pillow, psutil and matplotlib; vllm, bitsandbytes and faiss are optional (a numpy flat index stands in for
@@ -142,6 +144,7 @@ def sentence_encoder(out, tok):
     tok.save_pretrained(out)
     return out
 
+CKPT = "--activation_checkpointing"  # every documented 7B command passes it (docs/gpu.md), so resume and visual do
 CAP = 2 * 56 * 56  # the VL policy's picture cap (--max_pixels): above the tiny processor's own, so a checkpoint whose
                    # processor carries it got it from the flag
 
@@ -208,11 +211,11 @@ def checks(c):
         return f"{c.dtype}, loss {loss[0]:.3f} -> {loss[1]:.3f}"
 
     def resume():
-        tune(c.text, W / "traj", W / "resumed", 1)
-        tune(c.text, W / "traj", W / "resumed", 2, "--resume")
+        tune(c.text, W / "traj", W / "resumed", 1, CKPT)
+        tune(c.text, W / "traj", W / "resumed", 2, CKPT, "--resume")
         d = max_diff(W / "sft" / "final", W / "resumed" / "final")
         assert d <= 1e-5, f"resumed weights differ from the straight run's by {d:.2e}"
-        return f"max |straight - resumed| {d:.1e}"
+        return f"activation checkpointing; max |straight - resumed| {d:.1e}"
 
     def step_grpo(model, engine, out, steps, *extra):
         def check():
@@ -225,13 +228,14 @@ def checks(c):
 
     def visual():
         import vision
-        tune(c.vl, W / "vltraj", W / "visual-sft", 2)
-        note = step_grpo(W / "visual-sft" / "final", "hf", "visual-grpo", 1, "--split", "visual_train", "--max_pixels", CAP)()
+        tune(c.vl, W / "vltraj", W / "visual-sft", 2, CKPT)
+        note = step_grpo(W / "visual-sft" / "final", "hf", "visual-grpo", 1, "--split", "visual_train",
+                         "--max_pixels", CAP, CKPT)()
         if c.vl_name.startswith("Qwen"):  # sft.py takes the cap from the trajectories, stepgrpo.py from the flag; each saves it
             caps = [vision.VisionIO(W / d / "final").proc.image_processor.size["longest_edge"] for d in ("visual-sft", "visual-grpo")]
             assert caps == [CAP, CAP], f"saved processors' max_pixels {caps}, not {CAP}"
             note += f", max_pixels {CAP} saved"
-        return f"{c.vl_name}; " + note
+        return f"{c.vl_name}, activation checkpointing; " + note
 
     return [("cuda", None if c.dry else cuda, "dry run"),
             ("sft", sft_run, None),

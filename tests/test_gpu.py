@@ -1,6 +1,8 @@
 """GPU tests: skipped without CUDA; on a GPU machine with requirements-gpu.txt installed, `make test-gpu` runs them (the
 2-GPU ones need 2 GPUs). They check what the CPU suite cannot: each rank's vLLM engine on its own device, sleep mode,
-the bf16 weight sync, NCCL equality of 1 and 2 ranks, Step-GRPO steps and sharded resume on GPUs, faiss on GPU."""
+the bf16 weight sync, NCCL equality of 1 and 2 ranks, Step-GRPO steps and sharded resume on GPUs, the memory budget's
+update phase against torch's measured peak, faiss on GPU. Each vLLM engine is built in a process of its own
+(in_own_process says why)."""
 import importlib.util
 import json
 import subprocess
@@ -57,17 +59,27 @@ def test_ivfpq_index_loads_onto_the_gpu_and_searches_like_cpu(tmp_path):
     (dc, ic), (dg, ig) = index.search(queries, 10), gpu.search(queries, 10)
     assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ic, ig)]) > 0.95 and np.allclose(dc, dg, atol=1e-2)
 
-@needs_vllm
-def test_engine_sleeps_and_follows_a_bf16_sync(tiny_model_dir):
-    # sleep gives the KV cache's memory back; after a sync the engine scores like the new weights at bf16 tolerance
+def in_own_process(fn, *args):
+    """Run fn(*args), a function of this module, in a fresh Python. vLLM's sleep mode allows one engine a process: an
+    engine loads its weights into the process's one CuMemAllocator (vllm/device_allocator/cumem.py, get_instance: "a
+    singleton") after `assert allocator.get_current_usage() == 0, "CuMem allocator can only be used for one instance
+    per process."` (vllm/v1/worker/gpu_worker.py, _maybe_get_memory_pool_context), so a second engine in the pytest
+    process would fail there. One engine a child process, as stepgrpo.py has one a rank."""
+    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; import test_gpu; "
+            f"test_gpu.{fn.__name__}(*sys.argv[1:])")
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+def engine_sleeps_and_follows_a_bf16_sync(model_dir):
+    """sleep gives the KV cache's memory back; after a sync the engine scores like the new weights at bf16 tolerance"""
     from transformers import AutoModelForCausalLM
-    engine = engines.VLLMEngine(tiny_model_dir, gpu_memory_utilization=0.3)
+    engine = engines.VLLMEngine(model_dir, gpu_memory_utilization=0.3)
     ids = engine.tok.encode("The mayor of Felo is Ly Normi, and the capital is Uldoria.")
     old = torch.tensor(engine.prompt_logprobs(ids))
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep()
     assert torch.cuda.mem_get_info()[0] - free_awake > 0.2 * torch.cuda.mem_get_info()[1]
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -78,6 +90,44 @@ def test_engine_sleeps_and_follows_a_bf16_sync(tiny_model_dir):
     new = torch.tensor(engine.prompt_logprobs(ids))
     assert (new - want).abs().max() < 0.1 and (new - old).abs().max() > 0.5
     engine.close()
+
+@needs_vllm
+def test_engine_sleeps_and_follows_a_bf16_sync(tiny_model_dir):
+    in_own_process(engine_sleeps_and_follows_a_bf16_sync, tiny_model_dir)
+
+def test_the_budgets_update_phase_is_the_measured_peak(tiny_model_dir):
+    # trainutil.gpu_budget's update phase, the parts torch allocates, against torch.cuda.max_memory_allocated over a
+    # real Step-GRPO update (bf16, one rank, the second step: Adam's state allocated) of one micro-batch of
+    # stepgrpo.update_tokens' size: 2 packed groups of 8 routing completions, 1024 policy tokens x 49152 (the tiny
+    # model's vocabulary), so the loss's fp32 copies (~1 GB) dominate. Tolerance 10%: the budget leaves out the
+    # activations and FSDP2's gathered bf16 units (~15 MB here) and counts the gradients (~13 MB), which never
+    # coexist with the forward's copies; one copy more or less is 19%.
+    import grpo
+    import stepgrpo
+    import trainutil
+    device = torch.device("cuda", 0)
+    own = trainutil.init_group(1, device=device)
+    try:
+        model = trainutil.load_sharded(tiny_model_dir, device, 1, bf16=True, tree_mask=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        args = stepgrpo.get_args(["--dtype", "bf16"])
+        group = [(list(range(300 + i, 300 + i + 64)), [-2.0] * 64) for i in range(8)]
+        rows = [grpo.pack_group(list(range(5, 105)), group, [1.0, -1.0] * 4) for _ in range(args.micro_batch)]
+        micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, device)
+        assert len(micro) == 1 and len(micro[0].old) == stepgrpo.update_tokens(args) == 1024
+        stepgrpo.update(model, None, opt, micro, denom, args)  # the first step allocates Adam's state, cuBLAS's workspace
+        allocated = torch.cuda.memory_allocated(device) - trainutil.optimizer_bytes(opt)  # as model_budget_error does
+        torch.cuda.reset_peak_memory_stats(device)
+        stepgrpo.update(model, None, opt, micro, denom, args)
+        measured = torch.cuda.max_memory_allocated(device)
+        trainable = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        parts = trainutil.gpu_budget(torch.cuda.mem_get_info(device)[1], allocated, trainable, 0.5, 1, 1024,
+                                     model.get_output_embeddings().weight.shape[0])["update"]
+        predicted = sum(v for k, v in parts.items() if k not in ("CUDA context", "NCCL buffers"))  # outside torch's
+        assert abs(measured - predicted) < 0.1 * predicted, (measured / 2**20, parts)
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
 
 PROBE = """
 import os, torch, torch.distributed as dist
@@ -147,17 +197,16 @@ def test_two_gpu_resume_from_a_sharded_checkpoint(tmp_path, tiny_model_dir, tiny
     a, b = (load_file(d / "final" / "model.safetensors") for d in (straight, resumed))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
-@needs_vllm
-def test_vl_engine_on_gpu_sleeps_syncs_and_trains(tmp_path, tiny_model_dir, tiny_index):
-    # the VL path on CUDA: a bf16 VL engine with images asleep and woken around a sync, scoring a prompt with pictures
-    # like the new weights (vision tower included) at bf16 tolerance; then VL Step-GRPO on 2 GPUs with --check_sync
+def vl_engine_sleeps_and_syncs(model_dir, index_dir, vl):
+    """a bf16 VL engine with images asleep and woken around a sync, scoring a prompt with pictures like the new
+    weights (vision tower included) at bf16 tolerance; the VL policy is made at `vl`"""
     import corpus
     import retrievers
     import rollout
-    vl = prepare.prepare_vl(tmp_path / "vl", text_model=tiny_model_dir)
+    vl = prepare.prepare_vl(Path(vl), text_model=Path(model_dir))
     vis = vision.VisionIO.load(vl)
-    qs = corpus.load_questions(tiny_index, "visual_train")[:2]
-    _, prefixes = rollout.golden_prefixes(vis.tok, retrievers.Retriever(tiny_index, "bm25"), qs, vis=vis)
+    qs = corpus.load_questions(Path(index_dir), "visual_train")[:2]
+    _, prefixes = rollout.golden_prefixes(vis.tok, retrievers.Retriever(Path(index_dir), "bm25"), qs, vis=vis)
     ids, images = next((p, im) for _, _, p, im in prefixes if len(im) > 1)
     engine = engines.VLLMEngine(vl, gpu_memory_utilization=0.3)
     old = torch.tensor(engine.prompt_logprobs(ids, images))
@@ -175,6 +224,12 @@ def test_vl_engine_on_gpu_sleeps_syncs_and_trains(tmp_path, tiny_model_dir, tiny
     new = torch.tensor(engine.prompt_logprobs(ids, images))
     assert (new - want).abs().max() < 0.1 and (new - old).abs().max() > 0.1
     engine.close()
+
+@needs_vllm
+def test_vl_engine_on_gpu_sleeps_syncs_and_trains(tmp_path, tiny_model_dir, tiny_index):
+    # the VL path on CUDA: the engine's sync (in a process of its own); then VL Step-GRPO on 2 GPUs with --check_sync
+    vl = tmp_path / "vl"
+    in_own_process(vl_engine_sleeps_and_syncs, tiny_model_dir, tiny_index, vl)
     if torch.cuda.device_count() >= 2:
         out = tmp_path / "grpo"
         torchrun(ROOT / "stepgrpo.py", ["--model", str(vl), "--data", str(tiny_index), "--split", "visual_train", "--out",

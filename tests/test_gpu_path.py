@@ -280,26 +280,111 @@ def test_each_rank_restores_its_own_cuda_generator(monkeypatch):
     assert calls == [] and trainutil.device_rng(torch.nn.Linear(2, 2)) is None
 
 def test_the_memory_check_gives_the_same_verdict_fresh_and_resumed(tiny_model_dir):
-    # memory_allocated() counts the parameters and, once a resume has loaded it, the Adam state, which
-    # gpu_budget_error adds on its own: taken out first, the verdict of a 7B job on 4 x 80 GB does not flip on resume
+    # memory_allocated() counts the parameters and, once a resume has loaded it, the Adam state, which the budget adds
+    # on its own: taken out first, the verdict of a 7B job on 4 x 80 GB does not flip on resume. The check's own
+    # function, with the model on the CPU and the allocated bytes a GPU would report.
     own = trainutil.init_group(1)
     try:
         model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        allocated = lambda: shards + trainutil.optimizer_bytes(opt)  # noqa: E731  (a patched torch.cuda.memory_allocated)
-        total = (allocated() + 2 * shards) / 0.5 + 1  # fits fresh, with a byte to spare
-        fresh = trainutil.gpu_budget_error(total, allocated() - trainutil.optimizer_bytes(opt), shards, 0.5)
-        assert trainutil.optimizer_bytes(opt) == 0
+        allocated = lambda: shards + trainutil.optimizer_bytes(opt)  # noqa: E731  (torch.cuda.memory_allocated's)
+        total = 2 * (shards + 2 * shards + trainutil.CUDA_CONTEXT)  # the rollout phase's edge: it just fits fresh
+        verdict = lambda o: trainutil.model_budget_error(model, o, total, allocated(), 0.5, 1, 16)  # noqa: E731
+        assert verdict(opt) is None and trainutil.optimizer_bytes(opt) == 0
         sum(p.sum() for p in model.parameters()).backward()
         opt.step()  # what a resume's load leaves: Adam's moments allocated
         assert trainutil.optimizer_bytes(opt) >= 2 * shards
-        resumed = trainutil.gpu_budget_error(total, allocated() - trainutil.optimizer_bytes(opt), shards, 0.5)
-        assert fresh is None and resumed is None
-        assert trainutil.gpu_budget_error(total, allocated(), shards, 0.5) is not None  # counted twice: refused
+        assert verdict(opt) is None  # resumed: the same verdict
+        assert "cannot hold the rollout phase" in verdict(torch.optim.AdamW(model.parameters()))  # Adam counted twice
     finally:
         if own:
             torch.distributed.destroy_process_group()
+
+def logits(budget):
+    """The update phase's fp32 logits part of a trainutil.gpu_budget."""
+    return next(v for k, v in budget["update"].items() if k.startswith("fp32 logits"))
+
+def test_each_part_of_the_gpu_budget_decides_at_its_edge(monkeypatch):
+    # the parts torch's allocator does not see (CUDA context, NCCL), the loss's fp32 logits, vLLM's CUDA graphs: each
+    # turns a verdict at the edge of its phase; the line names every part, on one line
+    gib = 2**30
+    kw = dict(allocated=2 * gib, trainable=gib, engine_fraction=0.5, world=2, tokens=1024, vocab=152064)
+    parts = trainutil.gpu_budget(80 * gib, **kw)
+    assert logits(parts) == 1024 * 152064 * 4 * trainutil.LOSS_COPIES
+    edge = 2 * (sum(parts["rollout"].values()) - 40 * gib)  # the engine takes half: twice what is beside it
+    error = lambda total, **k: trainutil.gpu_budget_error(total, **dict(kw, **k))  # noqa: E731
+    assert error(edge) is None and error(edge - 2).startswith(f"error: GPU 0 ({(edge - 2) / gib:.1f} GiB) cannot hold "
+                                                              "the rollout phase")
+    assert all(name in error(edge - 2) for name in parts["rollout"]) and "\n" not in error(edge - 2)
+    nccl = edge - 2 * trainutil.NCCL_BUFFERS
+    assert error(nccl) is not None and error(nccl, world=1) is None  # one rank: no communicator with peers
+    context = edge - 2 * trainutil.CUDA_CONTEXT
+    assert error(context) is not None
+    with monkeypatch.context() as m:
+        m.setattr(trainutil, "CUDA_CONTEXT", 0)
+        assert error(context) is None
+    # 4096 tokens a micro-batch: the update phase is the larger; it fits with its logits at its sum, not a byte less
+    update = sum(trainutil.gpu_budget(0, **dict(kw, tokens=4096))["update"].values())
+    assert error(update, tokens=4096) is None and error(update - 1, tokens=0) is None
+    assert "cannot hold the update phase" in error(update - 1, tokens=4096)
+    assert "or a smaller --micro_batch" in error(update - 1, tokens=4096)
+    monkeypatch.setenv("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "0")  # graphs outside vLLM's share: refused
+    assert "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0" in trainutil.model_budget_error(None, None, edge, 0, 0.5, 1, 1)
+
+def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(tiny_model_dir):
+    # trainutil.LOSS_COPIES, measured: torch's profiler records every allocation and free on the CPU, in order; the
+    # live bytes of grpo.token_logprobs, grpo_loss and their backward peak at LOSS_COPIES fp32 [N, V] tensors, plus
+    # the tiny model's own activations (hidden size 64 against a 49152 vocabulary: under a quarter of a copy)
+    import itertools
+
+    import grpo
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    N, V = 256, model.config.vocab_size
+    ids = torch.randint(5, V, (1, N + 1), generator=torch.Generator().manual_seed(0))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logp, entropy = grpo.token_logprobs(model, ids, torch.ones(1, N + 1), torch.ones(1, N, dtype=torch.bool))
+        loss = grpo.grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(N), torch.zeros(N, dtype=torch.long), 0.2,
+                              0.0, "token", N, entropy)[0]
+        loss.backward()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())  # nbytes: + an allocation, - a free
+    copies = max(itertools.accumulate(e.nbytes() for e in events)) / (N * V * 4)
+    assert trainutil.LOSS_COPIES <= copies < trainutil.LOSS_COPIES + 0.25, copies
+    assert logits(trainutil.gpu_budget(0, 0, 0, 0.5, 1, N, V)) == trainutil.LOSS_COPIES * N * V * 4
+
+def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_dir, monkeypatch):
+    # the loss's N: --micro_batch rows of n packed completions (teacher_prefix) or of whole trajectories (onpolicy)
+    assert stepgrpo.update_tokens(stepgrpo.get_args([])) == 2 * 8 * 64
+    assert stepgrpo.update_tokens(stepgrpo.get_args(["--rollout", "onpolicy"])) == 2 * (3 * 64 + 48)
+    assert stepgrpo.update_tokens(stepgrpo.get_args(["--max_pairs", "2", "-n", "4"])) == 2 * 4 * 2 * 64
+    calls = []
+    monkeypatch.setattr(trainutil, "check_gpu_budget", lambda *a: calls.append(a) or sys.exit("checked"))
+    own = trainutil.init_group(1)
+    try:
+        args = stepgrpo.get_args(["--model", str(tiny_model_dir), "--micro_batch", "3"])  # --engine vllm, the default
+        with pytest.raises(SystemExit, match="checked"):  # before the engine is built
+            stepgrpo.setup_policy(args, tiny_model_dir, tiny_model_dir, False, None, 0, 1, torch.device("cpu"), print)
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+    assert calls[0][2:] == (engines.VLLMEngine.GPU_FRACTION, 1, 3 * 8 * 64)
+
+def test_each_gpu_test_builds_its_vllm_engine_in_a_process_of_its_own(monkeypatch, tmp_path):
+    # vLLM's sleep mode allows one engine a process (tests/test_gpu.py's in_own_process says where): the GPU tests that
+    # build one do it in a child Python, never in the pytest process (here the children are recorded, not run)
+    import subprocess
+
+    import test_gpu
+    children = []
+    monkeypatch.setattr(engines, "VLLMEngine", lambda *a, **k: pytest.fail("a vLLM engine in the pytest process"))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **k: children.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the VL test's 2-GPU torchrun part: not here
+    test_gpu.test_engine_sleeps_and_follows_a_bf16_sync(tmp_path / "model")
+    test_gpu.test_vl_engine_on_gpu_sleeps_syncs_and_trains(tmp_path, tmp_path / "model", tmp_path / "index")
+    assert [c[:2] for c in children] == [[sys.executable, "-c"]] * 2
 
 def test_device_cpu_keeps_every_part_off_a_gpu(monkeypatch, tiny_model_dir, tiny_index):
     # one device decision (trainutil.env_rank's), passed down: on a machine with CUDA, --device cpu puts the HF engine,

@@ -336,13 +336,14 @@ def test_bad_input_exits_with_one_line_naming_the_problem(tiny_model, traj_dir, 
     assert r.returncode == 1 and r.stderr.strip() == f"error: {d / 'train.jsonl'}: file not found"
 
 def test_gpu_budget_of_a_7b_run():
-    """The start-up memory check on the 7B budget worked out in README: a ~7.6B-parameter policy in fp32 shards over 8
-    H100s of 80 GiB (3.8 GB of shards, 7.6 GB of Adam state each) fits beside an engine taking half of each GPU; over 2
-    GPUs (15.2 GB of shards + 30.4 GB of Adam) it does not, and the line says which part takes how much."""
-    gib, P = 2**30, 7.6e9
-    assert trainutil.gpu_budget_error(80 * gib, 4 * P / 8, 4 * P / 8, 0.5) is None
-    error = trainutil.gpu_budget_error(80 * gib, 4 * P / 2, 4 * P / 2, 0.5, device=1)
-    assert error.startswith("error: GPU 1 (80.0 GiB) cannot hold the vLLM engine (50%: 40.0 GiB)") and "Adam state 28.3 GiB" in error
+    """The start-up memory check on docs/gpu.md's 7B budget: a ~7.6B-parameter policy in fp32 shards over 8 H100s of
+    80 GiB (3.8 GB of shards, 7.6 GB of Adam state each) fits beside an engine taking half of each GPU; over 2 GPUs
+    (15.2 GB of shards + 30.4 GB of Adam) it does not, and the line says which part takes how much."""
+    gib, P, V = 2**30, 7.6e9, 152064  # Qwen2.5-7B's vocabulary; 1024: stepgrpo.update_tokens at the defaults
+    assert trainutil.gpu_budget_error(80 * gib, 4 * P / 8, 4 * P / 8, 0.5, 8, 1024, V) is None
+    error = trainutil.gpu_budget_error(80 * gib, 4 * P / 2, 4 * P / 2, 0.5, 2, 1024, V, device=1)
+    assert error.startswith("error: GPU 1 (80.0 GiB) cannot hold the rollout phase (84.0 GiB: vLLM engine (50%) 40.0 GiB")
+    assert "Adam state 28.3 GiB, CUDA context 0.5 GiB, NCCL buffers 1.0 GiB)" in error
 
 def test_a_released_structure_trajectory_gives_one_row_a_chat(tiny_index, tok, tmp_path):
     # synth.py --structure released writes each trajectory with its chats' boundaries: sft trains on each chat alone
