@@ -15,6 +15,18 @@ def tiny_world_args(out, seed=0, n_visual=(30, 10, 10), holdout=(), holdout_pair
                               n_visual_dev=n_visual[1], n_visual_test=n_visual[2], holdout=list(holdout),
                               holdout_pairs=list(holdout_pairs), n_test_heldout=n_test_heldout, quiet=True)
 
+def interrupted_copy(run, step, dest):
+    """dest: the run folder `run` as a job killed right after its checkpoint step_<step> leaves it (that checkpoint,
+    `latest` naming it, the log; nothing later), for a resume to go on from: compared with `run`'s own later steps,
+    an exact resume needs no second uninterrupted run."""
+    import shutil
+    from pathlib import Path
+    run, dest = Path(run), Path(dest)
+    shutil.copytree(run / f"step_{step}", dest / f"step_{step}")
+    shutil.copy(run / "log.jsonl", dest / "log.jsonl")  # the resumed run keeps its records up to step_<step>
+    (dest / "latest").write_text(f"step_{step}\n")
+    return dest
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module's in-process training runs: on a shared 2-core machine two OMP threads were up

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import interrupted_copy
 
 import engines
 import prepare
@@ -207,23 +208,28 @@ def grpo(model, data, out, *extra, nproc=1):
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(l) for l in open(Path(out) / "log.jsonl")]
 
+@pytest.fixture(scope="module")
+def lora_grpo(lora_run, tiny_index, tmp_path_factory):
+    """2-rank Step-GRPO from the SFT-LoRA checkpoint, 2 steps, the engine checked after every sync: (folder, log)."""
+    out = tmp_path_factory.mktemp("lora-grpo") / "run"
+    return out, grpo(lora_run / "final", tiny_index, out, "--train_steps", "2", "--check_sync", nproc=2)
+
 @pytest.mark.slow
-def test_lora_step_grpo_from_an_sft_lora_checkpoint_keeps_the_engine_equal_to_the_trainer(lora_run, tiny_index, tmp_path):
-    recs = grpo(lora_run / "final", tiny_index, tmp_path / "run", "--train_steps", "2", "--check_sync", nproc=2)
+def test_lora_step_grpo_from_an_sft_lora_checkpoint_keeps_the_engine_equal_to_the_trainer(lora_run, lora_grpo):
+    out, recs = lora_grpo
     assert [r["step"] for r in recs] == [1, 2]
     assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # the engine samples from the merged adapted policy
     assert recs[1]["kl"] > 0  # moved away from the start (the SFT-LoRA checkpoint's merged weights, adapters off)
-    start, final = load_file(lora_run / "final" / "model.safetensors"), load_file(tmp_path / "run" / "final" / "model.safetensors")
+    start, final = load_file(lora_run / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert max((start[k] - final[k]).abs().max().item() for k in start) > 1e-4
 
 @pytest.mark.slow
-def test_lora_step_grpo_resumes_exactly(lora_run, tiny_index, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    a = grpo(lora_run / "final", tiny_index, straight, "--train_steps", "2")
-    grpo(lora_run / "final", tiny_index, resumed, "--train_steps", "1")
-    b = grpo(lora_run / "final", tiny_index, resumed, "--train_steps", "2", "--resume")
+def test_lora_step_grpo_resumes_exactly(lora_run, lora_grpo, tiny_index, tmp_path):
+    (straight, a), resumed = lora_grpo, interrupted_copy(lora_grpo[0], 1, tmp_path / "resumed")
+    b = grpo(lora_run / "final", tiny_index, resumed, "--train_steps", "2", "--check_sync", "--resume", nproc=2)
     assert adapter_diff(straight / "step_2", resumed / "step_2") == 0.0
     assert adapter_diff(straight / "step_2", straight / "step_1") > 1e-4
+    assert [r["step"] for r in b] == [1, 2]
     for key in ("loss", "kl", "entropy", "tokens", "grad_norm"):
         assert a[1][key] == pytest.approx(b[1][key], rel=1e-6, abs=1e-9), key
 

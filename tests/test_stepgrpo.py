@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import interrupted_copy
 
 import prepare
 import reward
@@ -293,16 +294,35 @@ def common(model, data, out):
 def records(out):
     return [json.loads(l) for l in open(Path(out) / "log.jsonl")]
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_model_dir, tiny_index):
+    """One 2-rank teacher_prefix run of 3 steps (fp32, the engine checked against the trainer after every sync, a
+    checkpoint a step): the sync test's teacher_prefix case and the killed-rank test's uninterrupted run."""
+    out = tmp_path_factory.mktemp("two-ranks") / "run"
+    run(common(tiny_model_dir, tiny_index, out) + TWO_RANKS, nproc=2)
+    return out
+
+TWO_RANKS = ["--train_steps", "3", "--dtype", "fp32", "--check_sync"]
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_model_dir, tiny_index):
+    """One single-process run of 3 steps: the resume and the dev-eval tests' uninterrupted run."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    run(common(tiny_model_dir, tiny_index, out) + ["--train_steps", "3"])
+    return out
+
 @pytest.mark.parametrize("mode,structure", [("teacher_prefix", "transcript"), ("onpolicy", "transcript"),
                                             ("onpolicy", "released")])
 @pytest.mark.slow
-def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_index, mode, structure):
-    out = tmp_path / "run"
-    run(common(tiny_model_dir, tiny_index, out) + ["--rollout", mode, "--structure", structure, "--train_steps", "2",
-                                                   "--check_sync", "--dtype", "fp32"],
-        nproc=2)
+def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_index, mode, structure, request):
+    if mode == "teacher_prefix":  # the default rollout: the shared 2-rank run
+        out, steps = request.getfixturevalue("two_ranks"), [1, 2, 3]
+    else:
+        out, steps = tmp_path / "run", [1, 2]
+        run(common(tiny_model_dir, tiny_index, out) + ["--rollout", mode, "--structure", structure, "--train_steps",
+                                                       "2", "--check_sync", "--dtype", "fp32"], nproc=2)
     recs = records(out)
-    assert [r["step"] for r in recs] == [1, 2]
+    assert [r["step"] for r in recs] == steps
     assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # the engine scores exactly like the trainer after each sync
     assert recs[1]["kl"] > 0  # the policy moved away from the frozen reference
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
@@ -337,28 +357,25 @@ def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(tmp_path, tiny_mod
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 @pytest.mark.slow
-def test_resume_continues_exactly(tmp_path, tiny_model_dir, tiny_index):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(common(tiny_model_dir, tiny_index, straight) + ["--train_steps", "2"])
-    run(common(tiny_model_dir, tiny_index, resumed) + ["--train_steps", "1"])
-    run(common(tiny_model_dir, tiny_index, resumed) + ["--train_steps", "2", "--resume"])
+def test_resume_continues_exactly(straight, tmp_path, tiny_model_dir, tiny_index):
+    resumed = interrupted_copy(straight, 1, tmp_path / "resumed")
+    run(common(tiny_model_dir, tiny_index, resumed) + ["--train_steps", "3", "--resume"])
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = records(straight), records(resumed)
-    assert [r["step"] for r in rb] == [1, 2]
-    for key in ("loss", "kl", "entropy", "tokens", "grad_norm"):
-        assert ra[1][key] == pytest.approx(rb[1][key], rel=1e-6, abs=1e-9), key
+    assert [r["step"] for r in rb] == [1, 2, 3]
+    for i in (1, 2):
+        for key in ("loss", "kl", "entropy", "tokens", "grad_norm"):
+            assert ra[i][key] == pytest.approx(rb[i][key], rel=1e-6, abs=1e-9), key
 
 @pytest.mark.slow
-def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(tmp_path, tiny_model_dir, tiny_index):
+def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(two_ranks, tmp_path, tiny_model_dir, tiny_index):
     # kill -9 one worker of a 2-rank job after its first checkpoint: torchrun --max-restarts 1 restarts both ranks,
     # --resume auto picks up the newest whole checkpoint, and the job ends with the weights of an uninterrupted run
     import psutil
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    args = ["--train_steps", "3", "--dtype", "fp32"]
-    run(common(tiny_model_dir, tiny_index, straight) + args, nproc=2)
+    killed = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
-           str(ROOT / "stepgrpo.py")] + common(tiny_model_dir, tiny_index, killed) + args + ["--resume", "auto"]
+           str(ROOT / "stepgrpo.py")] + common(tiny_model_dir, tiny_index, killed) + TWO_RANKS + ["--resume", "auto"]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     with open(tmp_path / "job.log", "w") as f:
         job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -371,7 +388,7 @@ def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(tmp_path, tiny_
         assert job.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
     text = (tmp_path / "job.log").read_text()
     assert "exitcode: -9" in text and "resuming from" in text and "at step 3" not in text  # restarted mid-run
-    a, b = load_file(straight / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
+    a, b = load_file(two_ranks / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["step"] for r in records(killed)] == [1, 2, 3]
 
@@ -568,9 +585,8 @@ def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_
         assert r.returncode != 0 and last.startswith("error: ") and words in last, r.stderr[-2000:]
 
 @pytest.mark.slow
-def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(tmp_path, tiny_model_dir, tiny_index):
-    plain, evald = tmp_path / "plain", tmp_path / "eval"
-    run(common(tiny_model_dir, tiny_index, plain) + ["--train_steps", "3"])
+def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(straight, tmp_path, tiny_model_dir, tiny_index):
+    plain, evald = straight, tmp_path / "eval"
     r = run(common(tiny_model_dir, tiny_index, evald) + ["--train_steps", "3", "--keep", "1", "--eval_questions", "3"])
     a, b = load_file(plain / "final" / "model.safetensors"), load_file(evald / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the greedy dev rollouts do not disturb training
