@@ -5,6 +5,7 @@ models/SmolLM2-135M-Instruct's tokenizer (a Qwen2 text policy, a Qwen2.5-VL poli
 route reward), a tiny world (corpus.py) with BM25 indexes (retrievers.py) and golden trajectories, then runs the
 scripts' main() in this process:
     cuda       the device, a bf16 matmul
+    budget     a Step-GRPO update's measured peak within 10% of the memory budget's update phase (update_peak)
     sft        SFT 2 steps in bf16, a checkpoint after each
     resume     SFT 1 step, then --resume to 2, with --activation_checkpointing (the documented 7B commands'): the
                weights equal the straight run's (without it; recomputing the forward changes nothing)
@@ -184,6 +185,38 @@ def max_diff(a, b):
     x, y = load_file(Path(a) / "model.safetensors"), load_file(Path(b) / "model.safetensors")
     return max((x[k].float() - y[k].float()).abs().max().item() for k in x)
 
+def update_peak(model_dir, device):
+    """(measured, predicted) bytes of a Step-GRPO update on `device`: torch.cuda.max_memory_allocated over a real update
+    (bf16, one rank, the second step: Adam's state allocated) of one micro-batch of stepgrpo.update_tokens' size (2
+    packed groups of 8 routing completions, 1024 policy tokens), against trainutil.gpu_budget's update phase less the
+    parts outside torch's allocator. The budget leaves out the activations and FSDP2's gathered bf16 units and counts
+    the gradients, which never coexist with the loss's fp32 copies: with a vocabulary of ~50k the copies dominate, and
+    one copy more or less is ~19% of the whole."""
+    import grpo
+    import stepgrpo
+    import trainutil
+    own = trainutil.init_group(1, device=device)
+    try:
+        model = trainutil.load_sharded(model_dir, device, 1, bf16=True, tree_mask=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        args = stepgrpo.get_args(["--dtype", "bf16"])
+        group = [(list(range(300 + i, 300 + i + 64)), [-2.0] * 64) for i in range(8)]
+        rows = [grpo.pack_group(list(range(5, 105)), group, [1.0, -1.0] * 4) for _ in range(args.micro_batch)]
+        micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, device)
+        assert len(micro) == 1 and len(micro[0].old) == stepgrpo.update_tokens(args) == 1024
+        stepgrpo.update(model, None, opt, micro, denom, args)  # the first step allocates Adam's state, cuBLAS's workspace
+        allocated = torch.cuda.memory_allocated(device) - trainutil.optimizer_bytes(opt)  # as model_budget_error does
+        torch.cuda.reset_peak_memory_stats(device)
+        stepgrpo.update(model, None, opt, micro, denom, args)
+        measured = torch.cuda.max_memory_allocated(device)
+        trainable = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        parts = trainutil.gpu_budget(torch.cuda.mem_get_info(device)[1], allocated, trainable, 0.5, 1, 1024,
+                                     model.get_output_embeddings().weight.shape[0])["update"]
+        return measured, sum(v for k, v in parts.items() if k not in ("CUDA context", "NCCL buffers"))
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+
 def checks(c):
     """[(name, function -> note, or None to skip with `why`)] over the setup `c`."""
     import sft
@@ -203,6 +236,11 @@ def checks(c):
         x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
         assert torch.isfinite(x @ x).all()
         return f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
+
+    def budget():
+        measured, predicted = update_peak(c.text, torch.device("cuda", 0))
+        assert abs(measured - predicted) < 0.1 * predicted, f"measured {measured / 2**20:.0f} MiB, budget {predicted / 2**20:.0f}"
+        return f"update peak {measured / 2**20:.0f} MiB, budget {predicted / 2**20:.0f} MiB (within 10%)"
 
     def sft_run():
         tune(c.text, W / "traj", W / "sft", 2)
@@ -238,6 +276,7 @@ def checks(c):
         return f"{c.vl_name}, activation checkpointing; " + note
 
     return [("cuda", None if c.dry else cuda, "dry run"),
+            ("budget", None if c.dry else budget, "dry run"),
             ("sft", sft_run, None),
             ("resume", resume, None),
             ("grpo-hf", step_grpo(sft_final, "hf", "grpo-hf", 2), None),
@@ -316,7 +355,7 @@ def main():
     c.data = world(c.work, c.text, c.vl)
     print(f"gpu_check: models, world and trajectories in {time.perf_counter() - t:.0f} s", flush=True)
     if c.dry:
-        print("dry run: CPU, fp32; skipped (GPU only): the cuda check, bf16 compute, GPU memory (peaks are this "
+        print("dry run: CPU, fp32; skipped (GPU only): the cuda and budget checks, bf16 compute, GPU memory (peaks are this "
               "process's RSS)", flush=True)
     rows = [run_check(name, fn) if fn else (name, "skip", 0.0, 0.0, why) for name, fn, why in checks(c)]
     vllm = sys.modules["vllm"].__version__ if "vllm" in sys.modules else "none"
