@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher decision released visual lora multiquery real real-eval clean
+.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout decision released visual lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -152,6 +152,12 @@ vs-sft: $(DATA)/traj/train.jsonl $(DATA)/traj-all/train.jsonl
 TEACHER_SEEDS ?= 0 1
 teacher: $(DATA)/index/meta.json $(MODEL)/config.json
 	SEEDS="$(TEACHER_SEEDS)" PY=$(PY) bash runs/teacher.sh
+
+# H5's first stage, a composition held out of training (runs/heldout.sh, docs/LOG.md): 4 relation pairs composed in no
+# train or dev chain and 300 test questions of them; SFT at the main job's budget, routed beside the oracle-KB and
+# gold-steps ceilings, held out and in distribution (~35 min here)
+heldout: $(MODEL)/config.json
+	MODEL=$(MODEL) PY=$(PY) bash runs/heldout.sh
 
 # Does the SFT router read the question? The golden <think> naming the KB first (kb_first) against naming none, the KB
 # chosen at <ret> after the sub-question (kb_last): SFT seeds 0 and 1 at the main job's budgets, scored on 200 dev

@@ -5,16 +5,16 @@
 # passage a search; SFT at the main job's budget; then, from that SFT, the routed policy beside its two ceilings (gold
 # KBs: oracle; gold steps, the model writing the final answer only: gold_steps), greedy, on the held-out questions
 # and on DEV_N in-distribution dev questions. Resumable: a stage whose output exists is skipped.
-#   bash runs/heldout.sh                 # PAIRS=4 N=300 DEV_N=100 DATA=data/mini-pairs OUT=out/heldout
+#   bash runs/heldout.sh                 # PAIRS=4 N=300 DEV_N=100 DATA=data/mini-pairs OUT=out/heldout (make heldout)
 set -euo pipefail
-PY=${PY:-.venv/bin/python} DATA=${DATA:-data/mini-pairs} OUT=${OUT:-out/heldout}
+PY=${PY:-.venv/bin/python} MODEL=${MODEL:-models/SmolLM2-135M-Instruct} DATA=${DATA:-data/mini-pairs} OUT=${OUT:-out/heldout}
 PAIRS=${PAIRS:-4} N=${N:-300} DEV_N=${DEV_N:-100}
 test -f $DATA/world.json || $PY corpus.py --world mini --out $DATA --holdout_pairs $PAIRS --n_test_heldout $N
 test -f $DATA/index/meta.json || $PY retrievers.py build --data $DATA
 test -f $DATA/traj-top1/train.jsonl || $PY synth.py --data $DATA --out $DATA/traj-top1 --limit 400 --topk 1
 if ! test -f $OUT/sft/final/config.json; then
   rm -rf $OUT/sft  # interrupted: sft.py refuses a folder that holds a run
-  $PY sft.py --model models/SmolLM2-135M-Instruct --data $DATA/traj-top1 --train_steps 96 --grad_accum 2 --lr 4e-4 \
+  $PY sft.py --model $MODEL --data $DATA/traj-top1 --train_steps 96 --grad_accum 2 --lr 4e-4 \
     --eval_every 0 --save_every 0 --keep 1 --out $OUT/sft
 fi
 for split in test_heldout:$N dev:$DEV_N; do
