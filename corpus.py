@@ -12,6 +12,8 @@ memory: people, cities, countries, organisations and books with attributes and r
     data/<name>/questions/visual_{train,dev,test}.jsonl   the same + image: "questions/images/vq12.png" (relative
         to the data folder), a flag, logo or portrait of the image KB re-drawn; step 1 asks the image KB who is shown
     data/<name>/questions/test_heldout.jsonl   with --holdout_pairs only: 2-hop questions of the held-out pairs
+    data/<name>/questions/test_{worded,reworded}.jsonl   with --reworded only: the same new 2-hop questions, worded
+        as the training questions are and with a second wording of each noun phrase (REWORDED)
 
 Each attribute lives in exactly one KB (birthplaces in text, currencies in tables, hair colours in portraits, ...),
 so routing is learnable from *what* a sub-question asks, while every entity type (and words like "year", "city",
@@ -25,6 +27,8 @@ Run:
         # dev chain (each of their relations in other pairs of train), and questions/test_heldout.jsonl: 300 2-hop
         # questions of those pairs (--n_test_heldout; `evaluate.py --data data/mini-pairs --split test_heldout`).
         # Or name the pairs: --holdout_pairs 'born_in>founded_city' 'hq>temperature'
+    python corpus.py --world mini --out data/mini-rw --reworded 300   # questions/test_worded.jsonl: 300 new 2-hop
+        # questions; questions/test_reworded.jsonl: the same with each noun phrase worded as no training question is
     python corpus.py --check data/mini                            # validate every file, report path:line errors
 
 The public benchmarks (HotpotQA, 2WikiMultihopQA, MuSiQue, WikiTableQuestions, TabFact, ...) come into the same layout
@@ -384,6 +388,14 @@ def _template_re(tpl):
     months = "(?:" + "|".join(MONTHS) + ")"
     return re.compile(re.escape(tpl).replace(r"\{s\}", ".+").replace(r"\{year\}", r"\d+").replace(r"\{month\}", months) + "$")
 
+# A second noun phrase for each entity-valued relation, for questions worded otherwise than any training question
+# (--reworded); the sub-questions stay RELATIONS', so a reworded chain asks for the steps the policy was trained on
+REWORDED = {"born_in": "the birthplace of {s}", "works_for": "the employer of {s}",
+            "spouse": "the person {s} is married to", "mayor": "the person who is mayor of {s}",
+            "in_country": "the country containing {s}", "founder": "the person who founded {s}",
+            "hq": "the city hosting the headquarters of {s}", "author": "the writer of {s}",
+            "capital": "the capital city of {s}", "book_in": "the book {s} released in {year}"}
+
 SUB_QUESTION_RE = {rel: _template_re(v[3]) for rel, v in RELATIONS.items()}
 
 def relations(q):
@@ -451,9 +463,10 @@ def entity_name(w, etype, e):
     ent = entities(w)[etype][e]
     return ent.get("name") or ent["title"]
 
-def follow(w, rels, etype, e, phrase, rng):
+def follow(w, rels, etype, e, phrase, rng, reworded=False):
     """Walk the relations `rels` from entity `e`, which the question calls `phrase`: (question, answers, steps), or None
-    when a hop does not apply (e.g. the person has no spouse)."""
+    when a hop does not apply (e.g. the person has no spouse). reworded: each hop's noun phrase from REWORDED (the
+    same draws from rng, so the same entities, steps and answers)."""
     steps = []
     for rel in rels:
         out = apply(w, rel, etype, e, rng)
@@ -465,25 +478,25 @@ def follow(w, rels, etype, e, phrase, rng):
         steps.append(dict(sub_question=sub_tpl.format(s=entity_name(w, etype, e), **params), kb=kb, doc_id=doc,
                           answer=answers[0]))
         question = sub_tpl.format(s=phrase, **params)
-        phrase = np_tpl.format(s=phrase, **params) if np_tpl else None
+        phrase = (REWORDED[rel] if reworded else np_tpl).format(s=phrase, **params) if np_tpl else None
         etype, e = otype, obj
     return question, answers, steps
 
-def chain_question(w, hops, rng):
+def chain_question(w, hops, rng, reworded=False):
     """A question of `hops` relations: pick the last (value) relation, then walk backwards to a start entity."""
     kb = rng.choice(KBS)  # choose the KB of the final hop first, so the three KBs are equally represented
     rels = [rng.choice([r for r, v in RELATIONS.items() if v[2] == kb and v[1] is None])]
     while len(rels) < hops:  # prepend an entity-valued relation whose object is the next hop's subject
         options = [r for r, v in RELATIONS.items() if v[1] == RELATIONS[rels[0]][0]]
         rels.insert(0, rng.choice(options))
-    return chain(w, rels, rng)
+    return chain(w, rels, rng, reworded)
 
-def chain(w, rels, rng):
+def chain(w, rels, rng, reworded=False):
     """A question along the relations `rels` from a random start entity, retried until every hop applies (or None)."""
     for _ in range(50):
         etype = RELATIONS[rels[0]][0]
         e = rng.randrange(len(entities(w)[etype]))
-        if out := follow(w, rels, etype, e, entity_name(w, etype, e), rng):
+        if out := follow(w, rels, etype, e, entity_name(w, etype, e), rng, reworded):
             question, answers, steps = out
             return dict(question=question, answers=answers, type=f"{len(rels)}hop", steps=steps)
     return None
@@ -651,6 +664,25 @@ def heldout_questions(w, pairs, n, rng, seen):
         raise DataError(f"only {len(out)} distinct questions of the held-out pairs, {n} asked for; lower --n_test_heldout")
     return out
 
+def reworded_questions(w, n, rng, seen):
+    """--reworded: n new 2-hop chain questions twice, (worded as every training question, reworded): the same ids,
+    steps and answers, the second with each noun phrase from REWORDED. Their paired difference is what the wording
+    alone costs a policy. None of either text is in `seen`."""
+    worded, reworded = [], []
+    for _ in range(200 * n):  # bounded: the world holds only so many distinct 2-hop questions
+        if len(worded) == n:
+            break
+        draw = rng.getrandbits(64)  # the same draws for both wordings: the same chain
+        a, b = (chain_question(w, 2, random.Random(draw), k) for k in (False, True))
+        if a is None or a["question"] in seen or b["question"] in seen:
+            continue
+        seen.update((a["question"], b["question"]))
+        for q, out in ((a, worded), (b, reworded)):
+            out.append(dict(id=f"wq{len(out)}", **q, pattern=">".join(s["kb"] for s in q["steps"])))
+    if len(worded) < n:
+        raise DataError(f"only {len(worded)} distinct reworded questions, {n} asked for; lower --reworded")
+    return worded, reworded
+
 def held_out_splits(w, qs, splits, args, rng):
     """--holdout / --holdout_pairs: new train and dev splits in `splits`, and with held-out pairs their test_heldout
     split; returns the held-out pairs."""
@@ -675,6 +707,9 @@ def generate_mini(args):
     qs = make_questions(w, args.n_train + args.n_dev + args.n_test, rng)
     splits = {"train": qs[:args.n_train], "dev": qs[args.n_train:args.n_train + args.n_dev], "test": qs[args.n_train + args.n_dev:]}
     pairs = held_out_splits(w, qs, splits, args, rng) if args.holdout or args.holdout_pairs else []
+    if args.reworded:  # its own stream: the other splits do not move
+        seen = {q["question"] for sp in splits.values() for q in sp}
+        splits["test_worded"], splits["test_reworded"] = reworded_questions(w, args.reworded, random.Random(args.seed + 4), seen)
     ents = {"portrait": w["people"], "flag": w["countries"], "logo": w["orgs"]}
     pictures = {}  # (kind, entity index) -> its image-KB picture, in KB order
     for doc in tqdm(kbs["image"], desc="drawing images", disable=args.quiet):
@@ -749,6 +784,10 @@ if __name__ == "__main__":
                          "drawn by a seeded rule (pick_pairs), or named, e.g. 'born_in>founded_city'; writes "
                          "questions/test_heldout.jsonl")
     ap.add_argument("--n_test_heldout", type=int, default=300, help="questions of the held-out pairs in test_heldout")
+    ap.add_argument("--reworded", type=int, default=0, metavar="N",
+                    help="N new 2-hop questions worded as in training (questions/test_worded.jsonl) and the same "
+                         "questions reworded, each noun phrase a second wording no training question uses "
+                         "(questions/test_reworded.jsonl)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
     try:

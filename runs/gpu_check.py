@@ -163,7 +163,7 @@ def world(out, text, vl):
     corpus.generate_mini(argparse.Namespace(world="mini", out=str(data), seed=0, n_people=60, n_cities=12, n_countries=4,
                                             n_orgs=15, n_works=40, n_train=40, n_dev=8, n_test=8, n_visual_train=16,
                                             n_visual_dev=4, n_visual_test=4, holdout=[], holdout_pairs=[],
-                                            n_test_heldout=300, quiet=True))
+                                            n_test_heldout=300, reworded=0, quiet=True))
     retrievers.build(data, methods=("bm25",), progress=False)
     ret = retrievers.Retriever(data, "bm25")
     vis, tok = vision.VisionIO.load(vl, CAP), AutoTokenizer.from_pretrained(text)

@@ -9,11 +9,11 @@ import prepare
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: plenty for the tiny test model, and 2-rank runs fit beside other jobs
 
-def tiny_world_args(out, seed=0, n_visual=(30, 10, 10), holdout=(), holdout_pairs=(), n_test_heldout=300):
+def tiny_world_args(out, seed=0, n_visual=(30, 10, 10), holdout=(), holdout_pairs=(), n_test_heldout=300, reworded=0):
     return argparse.Namespace(world="mini", out=str(out), seed=seed, n_people=60, n_cities=12, n_countries=4, n_orgs=15,
                               n_works=40, n_train=120, n_dev=40, n_test=40, n_visual_train=n_visual[0],
                               n_visual_dev=n_visual[1], n_visual_test=n_visual[2], holdout=list(holdout),
-                              holdout_pairs=list(holdout_pairs), n_test_heldout=n_test_heldout, quiet=True)
+                              holdout_pairs=list(holdout_pairs), n_test_heldout=n_test_heldout, reworded=reworded, quiet=True)
 
 def interrupted_copy(run, step, dest):
     """dest: the run folder `run` as a job killed right after its checkpoint step_<step> leaves it (that checkpoint,

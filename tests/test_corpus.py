@@ -125,6 +125,27 @@ def test_held_out_pairs_leave_train_and_dev_and_fill_their_own_test_split(tmp_pa
                         "born_in>hair"], capture_output=True, text=True)
     assert r.returncode != 0 and r.stderr.count("\n") == 1 and "'born_in>hair' is not a 2-hop chain" in r.stderr
 
+def test_reworded_questions_ask_the_trained_steps_in_words_no_training_question_uses(tmp_path, tiny_world):
+    out = tmp_path / "rw"
+    corpus.generate_mini(tiny_world_args(out, reworded=20))
+    for split in ("train", "dev", "test", "visual_train"):  # the other splits as the default world's
+        assert (out / "questions" / f"{split}.jsonl").read_bytes() == (tiny_world / "questions" / f"{split}.jsonl").read_bytes()
+    worded, reworded = (corpus.load_questions(out, s) for s in ("test_worded", "test_reworded"))
+    assert len(worded) == len(reworded) == 20 and corpus.check(out)["test_reworded"] == 20
+    for a, b in zip(worded, reworded):  # the same chain: ids, steps, answers; only the question's words differ
+        assert a["type"] == "2hop" and {k: v for k, v in a.items() if k != "question"} == \
+            {k: v for k, v in b.items() if k != "question"} and a["question"] != b["question"]
+        first = corpus.relations(a)[0]
+        assert corpus.REWORDED[first].split("{s}")[0] in b["question"]
+    trained = [q["question"] for sp in ("train", "dev", "test", "visual_train", "visual_dev", "visual_test")
+               for q in corpus.load_questions(out, sp)]
+    assert not {q["question"] for q in worded + reworded} & set(trained)
+    assert len({q["question"] for q in worded + reworded}) == 40
+    # no training question uses a second wording (each REWORDED phrase's fixed words, where RELATIONS' differ)
+    for rel, tpl in corpus.REWORDED.items():
+        words = tpl.replace("{year}", "{s}").split("{s}")
+        assert not any(all(w in q for w in words if w.strip()) for q in trained), rel
+
 def test_files_follow_the_schema(tiny_world):
     counts = corpus.check(tiny_world)
     assert counts["train"] == 120 and counts["dev"] == 40 and counts["test"] == 40
