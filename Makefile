@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout decision released visual lora multiquery real real-eval clean
+.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout reworded decision released visual lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -158,6 +158,11 @@ teacher: $(DATA)/index/meta.json $(MODEL)/config.json
 # gold-steps ceilings, held out and in distribution (~35 min here)
 heldout: $(MODEL)/config.json
 	MODEL=$(MODEL) PY=$(PY) bash runs/heldout.sh
+
+# H5 with a held-out phrasing (runs/reworded.sh): the main job's SFT on 300 new 2-hop questions worded as in training
+# and the same reworded, with the ceilings and the paired difference (~20 min here)
+reworded: $(OUT)/sft/final/config.json
+	SFT=$(OUT)/sft/final PY=$(PY) bash runs/reworded.sh
 
 # Does the SFT router read the question? The golden <think> naming the KB first (kb_first) against naming none, the KB
 # chosen at <ret> after the sub-question (kb_last): SFT seeds 0 and 1 at the main job's budgets, scored on 200 dev
