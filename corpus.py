@@ -408,6 +408,10 @@ def relations(q):
         out.append(hits[0])
     return out
 
+def kb_pattern(q):
+    """The KBs of a question's gold steps, in order ("text>table"; "none" without retrieval)."""
+    return ">".join(s["kb"] for s in q["steps"]) or "none"
+
 def chain_pairs(q):
     """The compositions (relation, next relation) a 2-hop or 3-hop chain question makes; none for other types."""
     if q["type"] not in ("2hop", "3hop"):
@@ -534,7 +538,7 @@ def make_visual_questions(w, pool, n, rng):
         if q is None or (q["question"], kind, e) in seen:
             continue
         seen.add((q["question"], kind, e))
-        q["pattern"] = ">".join(s["kb"] for s in q["steps"])
+        q["pattern"] = kb_pattern(q)
         out.append(q)
     if len(out) < n:
         raise DataError(f"only {len(out)} distinct visual questions about the {len(pool)} uniquely drawn pictures, "
@@ -598,7 +602,7 @@ def make_questions(w, n, rng, seen=None, skip=(), first_id=0, pairs=()):
         if q is None or q["question"] in seen or q["type"] in skip or (pairs and chain_pairs(q) & set(pairs)):
             continue
         seen.add(q["question"])
-        q["pattern"] = ">".join(s["kb"] for s in q["steps"]) or "none"
+        q["pattern"] = kb_pattern(q)
         out.append(dict(id=f"q{first_id + len(out)}", **q))
     return out
 
@@ -658,7 +662,7 @@ def heldout_questions(w, pairs, n, rng, seen):
         if q is None or q["question"] in seen:
             continue
         seen.add(q["question"])
-        q["pattern"] = ">".join(s["kb"] for s in q["steps"])
+        q["pattern"] = kb_pattern(q)
         out.append(dict(id=f"hp{len(out)}", **q))
     if len(out) < n:
         raise DataError(f"only {len(out)} distinct questions of the held-out pairs, {n} asked for; lower --n_test_heldout")
@@ -678,7 +682,7 @@ def reworded_questions(w, n, rng, seen):
             continue
         seen.update((a["question"], b["question"]))
         for q, out in ((a, worded), (b, reworded)):
-            out.append(dict(id=f"wq{len(out)}", **q, pattern=">".join(s["kb"] for s in q["steps"])))
+            out.append(dict(id=f"wq{len(out)}", **q, pattern=kb_pattern(q)))
     if len(worded) < n:
         raise DataError(f"only {len(worded)} distinct reworded questions, {n} asked for; lower --reworded")
     return worded, reworded
