@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout reworded decision released visual lora multiquery real real-eval clean
+.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout reworded h5 decision released visual lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 .venv/.stamp: requirements.txt
@@ -163,6 +163,12 @@ heldout: $(MODEL)/config.json
 # and the same reworded, with the ceilings and the paired difference (~20 min here)
 reworded: $(OUT)/sft/final/config.json
 	SFT=$(OUT)/sft/final PY=$(PY) bash runs/reworded.sh
+
+# H5's arms on the held-out phrasing (runs/h5.sh): SFT-continued, Step-GRPO at the golden prefixes and on-policy
+# Step-GRPO from one SFT, dev-picked, on the reworded and worded questions over SEEDS (~1 h a seed here)
+H5_SEEDS ?= 0 1 2
+h5: $(MODEL)/config.json
+	SEEDS="$(H5_SEEDS)" PY=$(PY) bash runs/h5.sh
 
 # Does the SFT router read the question? The golden <think> naming the KB first (kb_first) against naming none, the KB
 # chosen at <ret> after the sub-question (kb_last): SFT seeds 0 and 1 at the main job's budgets, scored on 200 dev

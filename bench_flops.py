@@ -4,6 +4,7 @@ CPU computes it natively), then each stage's achieved FLOP/s and its share of th
 update, vLLM prefill and decode, a routed evaluation per question, the dense index's encoder. Figures print;
 docs/LOG.md keeps the measured ones, with the CPU's flags.
     python bench_flops.py --model out/demo/sft/final --data data/mini            # (make bench runs it)
+    python bench_flops.py --runs out/demo/sft-cont out/demo/stepgrpo              # runs' FLOPs, updates, rows seen
 FLOPs are counted from the shapes, as the work a stage needs: 2 m n k a matmul; the linear layers at every token;
 causal attention 2 L d S^2 a sequence of S tokens; the LM head only where it is read (a loss's label tokens, a
 generated token); a training step 3 forwards. A share far below 1 is time spent outside those matmuls: padding, a
@@ -140,7 +141,45 @@ def encoder_stage(args):
     flops = 2 * c.num_hidden_layers * (4 * c.hidden_size ** 2 + 2 * c.hidden_size * c.intermediate_size) * tokens
     return flops / s, f"{len(texts)} passages, {tokens / s:.0f} tokens/s ({enc.model.dtype})"
 
+def run_compute(folder):
+    """A finished sft.py or stepgrpo.py run's compute to its checkpoint (<folder>/best, the dev pick, where there is
+    one, else final), from its log.jsonl: (step, updates, rows or questions seen, training FLOPs, rollout FLOPs or
+    None). SFT: 3 forwards over each step's tokens. Step-GRPO: 3 forwards over the update's rows a PPO epoch, one more
+    where the trainer recomputes the old logprobs and one where a KL reference scores them; its rollouts one forward
+    over the tokens the engine ran (a prefix once: vLLM's prefix cache), the head at each generated token. A
+    continued run counts its own steps only. Dev evaluations are left out (every arm's pick costs the same)."""
+    from transformers import AutoConfig
+    folder = Path(folder)
+    ck = (folder / "best") if (folder / "best").exists() else folder / "final"
+    cfg = AutoConfig.from_pretrained(ck).get_text_config()
+    state = torch.load(ck / "trainer_state.pt", weights_only=True)
+    recs = [r for r in records(folder) if r["step"] <= state["step"] and ("loss_tokens" in r or "update_tokens" in r)]
+    a = state["args"]
+    if "loss_tokens" in recs[0]:  # sft.py: a step's tokens over all ranks
+        rows = state["global_batch"]
+        train = sum(3 * forward_flops(cfg, r["tokens"], r["loss_tokens"], r["tokens"] / rows / 2) for r in recs)
+        return state["step"], len(recs), len(recs) * rows, train, None
+    if "rollout_tokens" not in recs[0]:
+        raise SystemExit(f"error: {folder}/log.jsonl: no rollout_tokens (a log written before they were counted)")
+    passes = 3 * a["ppo_epochs"] + (a["old_logprobs"] == "trainer") + (a["kl_coef"] > 0)
+    train = rollout = 0.0
+    for r in recs:  # a record's token counts are the ranks' mean
+        ctx = r["update_tokens"] / max(r["update_rows"], 1) / 2
+        train += r["world"] * passes * forward_flops(cfg, r["update_tokens"], r["update_policy"], ctx)
+        rollout += r["world"] * forward_flops(cfg, r["rollout_tokens"], r["rollout_generated"], ctx)
+    return state["step"], len(recs) * a["ppo_epochs"], len(recs) * a["batch_questions"], train, rollout
+
+def compute_table(folders):
+    print("| run | checkpoint step | updates | rows (SFT) or questions (Step-GRPO) seen | training TFLOP | rollout TFLOP "
+          "| total TFLOP |\n|---|---|---|---|---|---|---|")
+    for f in folders:
+        step, updates, seen, train, rollout = run_compute(f)
+        print(f"| {f} | {step} | {updates} | {seen} | {train / 1e12:.1f} | "
+              f"{'' if rollout is None else f'{rollout / 1e12:.1f}'} | {(train + (rollout or 0)) / 1e12:.1f} |")
+
 def main(args):
+    if args.runs:
+        return compute_table(args.runs)
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(args.model).get_text_config()
     dtype = trainutil.resolve_dtype("auto", torch.device("cpu"))
@@ -171,4 +210,6 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=2, help="SFT steps and Step-GRPO updates timed (after one warm-up)")
     ap.add_argument("--questions", type=int, default=32, help="dev questions for the engine stages")
     ap.add_argument("--passages", type=int, default=512, help="KB passages encoded")
+    ap.add_argument("--runs", nargs="+", default=None, metavar="RUN",
+                    help="no benchmark: each sft.py / stepgrpo.py run's compute to its dev pick (the claim tables' columns)")
     main(ap.parse_args())

@@ -79,6 +79,9 @@ def get_args(argv=None):
                     help="a synth.py --teacher folder: train only on the questions its teacher sampled and its filter "
                          "dropped (<folder>/train.errors.json), the ones SFT on its data never sees (extension; e.g. "
                          "with --rollout onpolicy --step_reward labels)")
+    ap.add_argument("--pool", default=None,
+                    help="a synth.py folder: train only on the questions it sampled, kept (train.jsonl) and dropped "
+                         "(train.errors.json): a teacher's whole question pool, e.g. for --rollout onpolicy (extension)")
     ap.add_argument("--step_reward", default="teacher", choices=["teacher", "labels", "labels_kb"],
                     help="what a step is scored against: teacher = the prefix trajectory's own step (R1-Router: the "
                          "teacher's sub-question, KB and answer; onpolicy: the gold decomposition's); labels = what a "
@@ -181,6 +184,9 @@ def check_args(args, world):
         sys.exit("error: --prefixes is a teacher_prefix flag (--rollout onpolicy writes its own steps)")
     if args.dropped and args.prefixes != "gold":
         sys.exit("error: --dropped and --prefixes <folder> pick disjoint questions: give one")
+    if args.pool and (args.dropped or args.prefixes != "gold"):
+        sys.exit("error: --pool picks a teacher's questions, kept and dropped; --dropped and --prefixes <folder> a part "
+                 "of them: give one")
     if args.rollout == "teacher_prefix" and args.reward == "outcome":
         sys.exit("error: --reward outcome needs --rollout onpolicy (a teacher_prefix group holds one step, no outcome)")
     if args.batch_questions % world:
@@ -215,6 +221,18 @@ def load_dropped(folder):
     except (OSError, ValueError, KeyError) as e:
         raise corpus.DataError(f"{path}: no list of dropped questions (synth.py --teacher writes it): {e!r}")
 
+def load_pool(folder):
+    """--pool <folder>: the ids of every question a synth.py run sampled: those it kept and those its filter dropped."""
+    path, errors, kept = Path(folder) / "train.jsonl", Path(folder) / "train.errors.json", set()
+    for i, x in enumerate(corpus.read_jsonl(path), 1):
+        if "qid" not in x:
+            raise corpus.DataError(f"{path}: row {i}: no qid: not a synth.py trajectory")
+        kept.add(x["qid"])
+    try:  # golden data drops nothing; a teacher's report lists what its filter dropped
+        return kept | set(json.loads(errors.read_text()).get("dropped", [])) if errors.exists() else kept
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise corpus.DataError(f"{errors}: not a synth.py report: {e!r}")
+
 def load_prefixes(folder, tok, print0):
     """--prefixes <folder>: qid -> the trajectory of <folder>/train.jsonl (synth.py's rows: ids in the policy's
     tokenizer, spans, steps with what they retrieved, gold_steps), checked like sft.py's data."""
@@ -237,6 +255,8 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     trajs = rollout.rollout(engine, retriever, qs, n=args.group_size, s=s, seed=seed)
     rows, stats = [], {k: [] for k in STATS}
     stats["retrieve_s"] = sum(x["timings"]["retrieve"] for x in trajs)
+    stats["rollout_tokens"] = sum(len(x["ids"]) for x in trajs)  # each transcript once (the engine caches its prefix)
+    stats["rollout_generated"] = sum(x["n_policy_tokens"] for x in trajs)
     for g in range(len(qs)):
         group = trajs[g * args.group_size:(g + 1) * args.group_size]
         scored = [steprewards.span_rewards(x, encode, w, args.step_reward) for x in group]
@@ -275,6 +295,7 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
         rollout.golden_prefixes(engine.tok, retriever, qs, s, vis=getattr(engine, "vis", None))[1]
     stats = {k: [] for k in STATS}
     stats["retrieve_s"] = time.perf_counter() - t0  # no "retrievals": a prefix's retrievals are the gold's, not the policy's
+    stats["rollout_tokens"] = stats["rollout_generated"] = 0  # a group's prefix once (the engine caches it), its completions
     rows = []  # one packed row per group
     kinds = (("route", *rollout.route_stop(engine.tok, s)), ("answer", ["</answer>"], ANSWER_TOKENS))
     for kind, stop, max_tok in kinds[:1] if args.teacher_spans == "route" else kinds:
@@ -297,6 +318,8 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
         for (x, sp, prefix, images), group, txt, hit in zip(todo, groups, texts, hits):
             rs, choices, kb_part, cls = steprewards.score_group(kind, x, sp, txt, hit, args, encode, w, stats)
             stats["tokens"] += [len(ids) for ids, _ in group]
+            stats["rollout_generated"] += sum(len(ids) for ids, _ in group)
+            stats["rollout_tokens"] += len(prefix) + sum(len(ids) for ids, _ in group)
             if kind == "route":  # the decision as a distribution: how spread the group's KB choices are
                 stats["kb_entropy"].append(choice_entropy(choices))
                 stats["kb_mixed"].append(float(len(set(choices)) > 1))
@@ -428,7 +451,9 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     with peak("rollout"):
         rows, stats = onpolicy_batch(engine, retriever, mine, args, encode, w, seed) if args.rollout == "onpolicy" \
             else teacher_prefix_batch(engine, retriever, mine, args, encode, w, seed, store)
-    timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"))
+    timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"),
+                  rollout_tokens=stats.pop("rollout_tokens"),  # this rank's rollout work (bench_flops.py)
+                  rollout_generated=stats.pop("rollout_generated"))
     engine.sleep()  # GPU: the engine's memory goes to the update until the sync wakes it
     t = time.perf_counter()
     vis = getattr(engine, "vis", None)
@@ -488,7 +513,7 @@ def log_record(step, epoch, stats, sums, grad_norm, timing, rows, args):
     dist.all_reduce(vec)
     tot, world = dict(zip(local, vec.tolist())), dist.get_world_size()
     n_tok = max(1.0, tot["tokens"])
-    return dict(step=step, epoch=epoch,
+    return dict(step=step, epoch=epoch, world=world,
                 **{k: tot[f"{k}.sum"] / tot[f"{k}.n"] if tot[f"{k}.n"] else None for k in STATS},
                 loss=tot["loss"] / args.ppo_epochs,  # the global mean loss of a pass (scaled_loss), over the passes
                 kl=tot["kl"] / n_tok if args.kl_coef > 0 else None, clip_frac=tot["clipped"] / n_tok,
@@ -581,15 +606,16 @@ def main(argv=None):
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(weights)
         store = load_prefixes(args.prefixes, tok, print0) if args.prefixes != "gold" else None
-        dropped = load_dropped(args.dropped) if args.dropped else None
+        only = load_dropped(args.dropped) if args.dropped else load_pool(args.pool) if args.pool else None
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
     if store is not None:  # a teacher's trajectories: only the questions it kept are trained on
         questions = [q for q in questions if q["id"] in store]
         print0(f"--prefixes {args.prefixes}: {len(questions)} of its {len(store)} trajectories' questions are in --split")
-    if dropped is not None:
-        questions = [q for q in questions if q["id"] in dropped]
-        print0(f"--dropped {args.dropped}: {len(questions)} of its {len(dropped)} dropped questions are in --split")
+    if only is not None:  # --dropped or --pool: a teacher's questions, not its trajectories
+        questions = [q for q in questions if q["id"] in only]
+        print0(f"--{'dropped' if args.dropped else 'pool'} {args.dropped or args.pool}: {len(questions)} of its "
+               f"{len(only)} questions are in --split")
     check_questions(questions, args)
     own_group = trainutil.init_group(world, args.timeout, device)
     encoder = retrievers.Encoder(device=device)  # all-MiniLM-L6-v2, for the sub-question cosine

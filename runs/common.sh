@@ -1,9 +1,9 @@
-# Sourced by runs/teacher.sh and runs/vs_sft.sh: the dev evaluation, the dev pick and the SFT-continued control.
-# They read PY, DATA (the world), DEV_N (dev questions scored), MORE and EVERY (SFT-continued's extra steps and its
-# checkpoint interval).
+# Sourced by runs/teacher.sh, runs/vs_sft.sh and runs/h5.sh: the dev evaluation, the dev pick and the SFT-continued
+# control. They read PY, DATA (the world), DEV_N (dev questions scored), DEV_FLAGS (more evaluate.py flags, e.g. the
+# runs' --topk), MORE and EVERY (SFT-continued's extra steps and its checkpoint interval).
 dev() {  # MODEL OUT: routed, greedy, on the first DEV_N dev questions (skipped when OUT holds its results)
   test -f $2/results.json || $PY evaluate.py --model $1 --methods routed --data $DATA --split dev --n_questions $DEV_N \
-    --out $2
+    --out $2 ${DEV_FLAGS:-}
 }
 pick() {  # "STEPS" RESULTS...: the step whose dev results.json has the best mean of F1-Recall and routing accuracy
   $PY -c "import json, sys; r = [next(iter(json.load(open(f)).values())) for f in sys.argv[2:]]

@@ -82,6 +82,22 @@ def test_dropped_questions_come_from_the_teachers_filter_report(tmp_path):
     with pytest.raises(stepgrpo.corpus.DataError, match=r"gold.*train.errors.json: no list of dropped questions"):
         stepgrpo.load_dropped(tmp_path / "gold")
 
+def test_a_teachers_pool_is_what_it_kept_and_what_it_dropped(tmp_path):
+    rows = [dict(qid="q1", ids=[1]), dict(qid="q4", ids=[2])]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert stepgrpo.load_pool(tmp_path) == {"q1", "q4"}  # golden data: no report, nothing dropped
+    (tmp_path / "train.errors.json").write_text(json.dumps(dict(filters={}, dropped=["q2", "q5"], kept={})))
+    assert stepgrpo.load_pool(tmp_path) == {"q1", "q2", "q4", "q5"}
+    (tmp_path / "train.errors.json").write_text("{not json")
+    with pytest.raises(stepgrpo.corpus.DataError, match=r"train.errors.json: not a synth.py report"):
+        stepgrpo.load_pool(tmp_path)
+    (tmp_path / "train.jsonl").write_text(json.dumps(dict(ids=[1])) + "\n")
+    with pytest.raises(stepgrpo.corpus.DataError, match=r"train.jsonl: row 1: no qid"):
+        stepgrpo.load_pool(tmp_path)
+    args = stepgrpo.get_args(["--pool", str(tmp_path), "--dropped", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--pool picks a teacher's questions"):
+        stepgrpo.check_args(args, 1)
+
 def test_loss_matches_a_direct_computation():
     torch.manual_seed(0)
     lens = [4, 1, 3]  # policy tokens of three sequences, flattened as collate() does
@@ -324,6 +340,8 @@ def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_i
     recs = records(out)
     assert [r["step"] for r in recs] == steps
     assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # the engine scores exactly like the trainer after each sync
+    # the rollouts' forward work (bench_flops.py --runs): at least the update's, whose rows are rollouts (one chat each)
+    assert all(r["rollout_tokens"] >= r["update_tokens"] > 0 for r in recs if structure == "transcript")
     assert recs[1]["kl"] > 0  # the policy moved away from the frozen reference
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert max((before[k] - after[k]).abs().max().item() for k in before) > 1e-4
