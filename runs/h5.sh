@@ -13,12 +13,16 @@
 # compute. Resumable: a finished stage is skipped, an interrupted training stage continues from its last checkpoint.
 #   bash runs/h5.sh                          # or: make h5 H5_SEEDS="0 1 2"
 #   DEV_ONLY=1 bash runs/h5.sh               # a dev screen: every arm trained and dev-picked, no test row
+#   EXTRA="--lr 5e-6" TAG=-lr5e-6 bash runs/h5.sh  # a variant of every Step-GRPO arm: stepgrpo.py flags after the
+#                                            # arm's own (the later one wins), its folders grpo-<arm>-lr5e-6
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-"0 1 2"} SPLITS=${SPLITS:-"test_reworded test_worded"} ARMS=${ARMS:-"teacher onpolicy"}
 DATA=${DATA:-data/mini-rw} OUT=${OUT:-out/h5} N=${N:-300}
 DEV_N=${DEV_N:-100} DEV_FLAGS="--topk 1" MORE=${MORE:-64} EVERY=${EVERY:-32}
 GRPO="--topk 1 --batch_questions 4 --lr 2e-5 --train_steps 6 --save_every 3 --keep 2 --eval_questions $DEV_N"
+EXTRA=${EXTRA:-} TAG=${TAG:-}
+test -z "$EXTRA" || test -n "$TAG" || { echo "error: EXTRA=\"$EXTRA\" needs TAG, its arms' folder suffix"; exit 2; }
 TRAJ=$DATA/traj-top1 SFT=$OUT/sft
 start=$(date +%s)
 source runs/common.sh  # dev, pick, continue_sft (the SFT-continued control, dev-picked -> <out>/best)
@@ -44,28 +48,28 @@ for s in $SEEDS; do
       onpolicy) how="--rollout onpolicy --pool $TRAJ --step_reward labels --outcome_on final" ;;
       *) echo "error: ARMS=$ARMS: teacher or onpolicy"; exit 2 ;;
     esac
-    test -e $d/grpo-$arm/final || $PY stepgrpo.py --data $DATA --model $SFT/final --seed $s $how $GRPO \
-      --out $d/grpo-$arm --resume auto
+    test -e $d/grpo-$arm$TAG/final || $PY stepgrpo.py --data $DATA --model $SFT/final --seed $s $how $GRPO $EXTRA \
+      --out $d/grpo-$arm$TAG --resume auto
   done
   test -z "${DEV_ONLY:-}" || continue
-  for run in sft-cont $(printf "grpo-%s " $ARMS); do score $d/$run best $run@s$s routed; done
+  for run in sft-cont $(printf "grpo-%s$TAG " $ARMS); do score $d/$run best $run@s$s routed; done
 done
 test -z "${DEV_ONLY:-}" || { echo "h5 dev screen: $(( ($(date +%s) - start) / 60 )) min"; exit 0; }
 for split in $SPLITS; do
   tables=($OUT/$split-sft/results.json)
-  for s in $SEEDS; do tables+=($(printf "$OUT/s$s/$split-%s/results.json " sft-cont $(printf "grpo-%s " $ARMS))); done
-  $PY evaluate.py --combine "${tables[@]}" --data $DATA --split $split --out $OUT/table-$split
+  for s in $SEEDS; do tables+=($(printf "$OUT/s$s/$split-%s/results.json " sft-cont $(printf "grpo-%s$TAG " $ARMS))); done
+  $PY evaluate.py --combine "${tables[@]}" --data $DATA --split $split --out $OUT/table-$split$TAG
   for arm in $ARMS; do
     for base in sft-cont sft; do
       pairs=()
       for s in $SEEDS; do
         b=$(test $base = sft && echo $OUT/$split-sft || echo $OUT/s$s/$split-$base)
-        pairs+=($b/trajectories-routed.jsonl $OUT/s$s/$split-grpo-$arm/trajectories-routed.jsonl)
+        pairs+=($b/trajectories-routed.jsonl $OUT/s$s/$split-grpo-$arm$TAG/trajectories-routed.jsonl)
       done
-      echo "$split, grpo-$arm - $base, seeds $SEEDS:"
+      echo "$split, grpo-$arm$TAG - $base, seeds $SEEDS:"
       $PY evaluate.py --paired "${pairs[@]}"
     done
   done
 done
-$PY bench_flops.py --runs $(printf "$OUT/s%s/sft-cont " $SEEDS) $(for s in $SEEDS; do printf "$OUT/s$s/grpo-%s " $ARMS; done)
+$PY bench_flops.py --runs $(printf "$OUT/s%s/sft-cont " $SEEDS) $(for s in $SEEDS; do printf "$OUT/s$s/grpo-%s$TAG " $ARMS; done)
 echo "h5: $(( ($(date +%s) - start) / 60 )) min"

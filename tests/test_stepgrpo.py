@@ -340,8 +340,12 @@ def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_i
     recs = records(out)
     assert [r["step"] for r in recs] == steps
     assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # the engine scores exactly like the trainer after each sync
-    # the rollouts' forward work (bench_flops.py --runs): at least the update's, whose rows are rollouts (one chat each)
-    assert all(r["rollout_tokens"] >= r["update_tokens"] > 0 for r in recs if structure == "transcript")
+    # the rollouts' forward work (bench_flops.py --runs): with no row skipped, the update's rows are the rollouts, a
+    # packed teacher-prefix group with the prompt's last token once more a completion (grpo.pack_group; -n 2)
+    extra = lambda r: (2 - 1) * r["update_rows"] if mode == "teacher_prefix" else 0
+    assert all(r["rollout_tokens"] + extra(r) == r["update_tokens"] > 0 for r in recs if structure == "transcript"
+               and r["skipped"] == 0)
+    assert all(0 < r["rollout_generated"] < r["rollout_tokens"] for r in recs)
     assert recs[1]["kl"] > 0  # the policy moved away from the frozen reference
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert max((before[k] - after[k]).abs().max().item() for k in before) > 1e-4
