@@ -230,7 +230,7 @@ def test_check_sync_runs_on_the_first_step_and_stops_above_the_tolerance(tiny_mo
     args = stepgrpo.get_args(["--dtype", "fp32", "--lr", "1e-2"])
     row = dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -10.8, -10.8, -10.8], adv=[0.0, 1.0, 1.0, 1.0])
     stats = dict(retrieve_s=0.0, rollout_tokens=4, rollout_generated=3)
-    monkeypatch.setattr(stepgrpo, "teacher_prefix_batch", lambda *a: ([row], stats))
+    monkeypatch.setattr(stepgrpo, "teacher_prefix_batch", lambda *a: ([row], dict(stats)))  # train_step pops from it
     own = trainutil.init_group(1)
     try:
         model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False, tree_mask=True)
