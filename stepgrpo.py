@@ -318,8 +318,9 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
         for (x, sp, prefix, images), group, txt, hit in zip(todo, groups, texts, hits):
             rs, choices, kb_part, cls = steprewards.score_group(kind, x, sp, txt, hit, args, encode, w, stats)
             stats["tokens"] += [len(ids) for ids, _ in group]
-            stats["rollout_generated"] += sum(len(ids) for ids, _ in group)
-            stats["rollout_tokens"] += len(prefix) + sum(len(ids) for ids, _ in group)
+            generated = sum(len(ids) for ids, _ in group)
+            stats["rollout_generated"] += generated
+            stats["rollout_tokens"] += len(prefix) + generated
             if kind == "route":  # the decision as a distribution: how spread the group's KB choices are
                 stats["kb_entropy"].append(choice_entropy(choices))
                 stats["kb_mixed"].append(float(len(set(choices)) > 1))
