@@ -8,7 +8,7 @@ trajectories beside its gold steps. Imports nothing of evaluate.py: it reads sco
     from report import write_report
     md = write_report({"sft/routed": evaluate.score(trajs)}, "out/eval/x", title="mini-world dev")
 
-Outline: display orders -> tables -> charts -> write_report -> the trajectory view.
+Outline: display orders -> tables -> charts -> write_report -> learning curves -> the trajectory view.
 """
 import argparse
 import io
@@ -167,6 +167,49 @@ def write_report(results, out_dir, title="R1-Router evaluation"):
         if s["retrievals"] > 0:
             corpus.write_atomic(out / f"routing_confusion_{slug(method)}.png", confusion_chart(s["confusion"], method, title))
     return md
+
+
+# the learning curves of a training log (stepgrpo.py's log.jsonl: a record a step, dev scores at step 0 too)
+CURVE_TITLES = dict(outcome="outcome reward", route_r="route-step reward", kb_acc="KB choice = gold's",
+                    kb_entropy="KB choice entropy in a group (bits)", kb_mixed="groups with mixed KB choices",
+                    answer_r="answer-step reward", format_ok="well-formed steps / trajectories", entropy="entropy",
+                    kl="KL to reference (k3)", retrievals="retrieval calls / trajectory",
+                    tokens="policy tokens / sample", dev_f1_recall="dev F1-Recall (greedy)",
+                    dev_routing_acc="dev routing accuracy (greedy)", dev_routing_macro="dev balanced routing accuracy",
+                    dev_routing_macro0="dev balanced accuracy, 1st route",
+                    dev_route_info0="dev I(gold; chosen) / H(gold), 1st route, %")
+
+
+def curve_series(recs):
+    """[(title, [(step, value)])]: every number the records hold but step and epoch, CURVE_TITLES' first."""
+    keys = list(CURVE_TITLES) + [k for k in dict.fromkeys(k for r in recs for k in r) if k not in CURVE_TITLES and k
+                                 not in ("step", "epoch") and any(isinstance(r.get(k), (int, float)) for r in recs)]
+    series = [(CURVE_TITLES.get(k, k), [(r["step"], r[k]) for r in recs if isinstance(r.get(k), (int, float))])
+              for k in keys]
+    return [(title, pts) for title, pts in series if pts]
+
+
+def curves_chart(log_path, title, cols=3):
+    """PNG bytes: one panel per curve_series of the JSONL log at log_path, against whole-number steps."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+    series = curve_series([json.loads(l) for l in open(log_path)])
+    rows = -(-len(series) // cols)
+    fig = Figure(figsize=(14, 3.3 * rows), dpi=90)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax in axes.flat[len(series):]:
+        ax.axis("off")
+    for ax, (name, pts) in zip(axes.flat, series):
+        ax.plot(*zip(*pts), marker="o", ms=3)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{title} ({log_path})")
+    fig.tight_layout()
+    return _png(fig)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ import transcript
 import vision
 from grpo import (choice_entropy, collate, group_advantages, grpo_loss, norm, pack_group, split_credit,
                   token_advantages, token_logprobs)
+from report import curves_chart
 
 ROUTE_TOKENS, ANSWER_TOKENS = 64, 48  # generation budgets of a routing and an answer step while training
 
@@ -682,51 +683,11 @@ def main(argv=None):
         trainutil.link_step(out, step, "final")
         bar.close()
         log.close()
-        plot_curves(out)
+        corpus.write_atomic(out / "curves.png", curves_chart(out / "log.jsonl", "Step-GRPO learning curves"))
     report(out, step, peaks, dev_hist, world, print0)
     engine.close()  # vLLM's teardown destroys the default process group too (it shares it)
     if own_group and dist.is_initialized():
         dist.destroy_process_group()
-
-PANELS = dict(outcome="outcome reward", route_r="route-step reward", kb_acc="KB choice = gold's",
-              kb_entropy="KB choice entropy in a group (bits)", kb_mixed="groups with mixed KB choices",
-              answer_r="answer-step reward", format_ok="well-formed steps / trajectories", entropy="entropy",
-              kl="KL to reference (k3)", retrievals="retrieval calls / trajectory", tokens="policy tokens / sample",
-              dev_f1_recall="dev F1-Recall (greedy)", dev_routing_acc="dev routing accuracy (greedy)",
-              dev_routing_macro="dev balanced routing accuracy", dev_routing_macro0="dev balanced accuracy, 1st route",
-              dev_route_info0="dev I(gold; chosen) / H(gold), 1st route, %")
-
-def curve_series(recs):
-    """[(title, [(step, value)])]: every number log.jsonl records but step and epoch, the titled ones (PANELS) first."""
-    keys = list(PANELS) + [k for k in dict.fromkeys(k for r in recs for k in r) if k not in PANELS and k not in
-                           ("step", "epoch") and any(isinstance(r.get(k), (int, float)) for r in recs)]
-    series = [(PANELS.get(k, k), [(r["step"], r[k]) for r in recs if isinstance(r.get(k), (int, float))]) for k in keys]
-    return [(title, pts) for title, pts in series if pts]
-
-def plot_curves(out):
-    """<out>/curves.png: one panel per curve_series, against whole-number steps."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-    series = curve_series([json.loads(l) for l in open(Path(out) / "log.jsonl")])
-    cols = 3
-    fig, axes = plt.subplots(math.ceil(len(series) / cols), cols, figsize=(14, 3.3 * math.ceil(len(series) / cols)), squeeze=False)
-    for ax in axes.flat[len(series):]:
-        ax.axis("off")
-    for ax, (title, pts) in zip(axes.flat, series):
-        ax.plot(*zip(*pts), marker="o", ms=3)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"Step-GRPO learning curves ({out})")
-    fig.tight_layout()
-    import io
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    corpus.write_atomic(Path(out) / "curves.png", buf.getvalue())
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,7 @@ import corpus
 import evaluate
 import prepare
 from evaluate import confusion, decisions, first_samples, gold_hits, routing_accuracy, score
-from report import markdown, write_report
+from report import curve_series, curves_chart, markdown, write_report
 
 approx = pytest.approx
 
@@ -487,3 +487,11 @@ def test_trajectory_view_shows_gold_and_each_models_steps_with_titles(tiny_world
     (tmp_path / "c.jsonl").write_text("{broken\n")
     with pytest.raises(SystemExit, match=r"error: --show: .*c\.jsonl"):
         report.show([tmp_path / "a.jsonl", tmp_path / "c.jsonl"], tiny_world)
+
+def test_curves_plot_every_logged_number(tmp_path):
+    recs = [dict(step=0, dev_f1_recall=10.0), dict(step=1, epoch=0, loss=0.5, grad_norm=1.2, clip_frac=0.01, update_s=3.0,
+                                                 route_r=0.9, memory_gib={"update": [1.0]}, note="text")]
+    series = dict(curve_series(recs))
+    assert set(series) == {"dev F1-Recall (greedy)", "route-step reward", "loss", "grad_norm", "clip_frac", "update_s"}
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert curves_chart(tmp_path / "log.jsonl", "curves")[:4] == b"\x89PNG"

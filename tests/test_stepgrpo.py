@@ -778,12 +778,3 @@ def test_prefixes_folder_must_hold_synth_trajectories(tmp_path):
     (tmp_path / "train.jsonl").write_text(json.dumps({"qid": "q1", "ids": [1]}) + "\n")
     with pytest.raises(stepgrpo.corpus.DataError, match=r"train.jsonl: row 1: not a synth.py trajectory"):
         stepgrpo.load_prefixes(tmp_path, tok, print)
-
-def test_curves_plot_every_logged_number(tmp_path):
-    recs = [dict(step=0, dev_f1_recall=10.0), dict(step=1, epoch=0, loss=0.5, grad_norm=1.2, clip_frac=0.01, update_s=3.0,
-                                                 route_r=0.9, memory_gib={"update": [1.0]}, note="text")]
-    series = dict(stepgrpo.curve_series(recs))
-    assert set(series) == {"dev F1-Recall (greedy)", "route-step reward", "loss", "grad_norm", "clip_frac", "update_s"}
-    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    stepgrpo.plot_curves(tmp_path)
-    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
