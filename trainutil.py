@@ -369,6 +369,9 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     out, lora = Path(out), hasattr(model, "peft_config")
     tmp, dst = out / f".step_{step}.tmp", out / f"step_{step}"
+    error = disk_error(out, checkpoint_bytes(model, export=merged or not lora), step)
+    if error:  # every rank checks its own disk (several nodes: each writes its shards), so none waits at a barrier
+        sys.exit(error)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -402,6 +405,24 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
             if p.name != protect:
                 shutil.rmtree(p)
     dist.barrier()
+
+def checkpoint_bytes(model, export=True):
+    """About what one step_<N>/ takes on disk: the trainable weights and AdamW's two moments (fp32), in trainer/, and
+    with export the whole policy in fp32 (the HF folder)."""
+    trainable = sum(p.numel() * (p.element_size() + 8) for p in model.parameters() if p.requires_grad)
+    return trainable + (4 * sum(p.numel() for p in model.parameters()) if export else 0)  # DTensor: the global numel
+
+def disk_error(out, need, step):
+    """The one-line error when the disk holding `out` has less than `need` bytes free for step <step>'s checkpoint (a
+    write that would fail half-way through; the checkpoints before it stay whole), else None."""
+    free = shutil.disk_usage(out if Path(out).exists() else Path(out).parent).free
+    if free >= need:
+        return None
+    latest = Path(out) / "latest"
+    last = latest.read_text().strip() if latest.is_file() else "none yet"
+    size = lambda b: f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.0f} MiB"  # noqa: E731
+    return (f"error: {out}: {size(free)} free, step {step}'s checkpoint needs ~{size(need)} (the last whole checkpoint: "
+            f"{last}); free space (or lower --keep) and rerun with --resume auto")
 
 def export_hf(model, folder, rank):
     """The policy's effective weights (policy_params: LoRA merged, a quantised base dequantised) as an HF folder on

@@ -7,6 +7,7 @@ this process (one torch thread: on this shared 2-core machine two OMP threads we
 and one error case go through the real command line."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -334,6 +335,28 @@ def test_bad_input_exits_with_one_line_naming_the_problem(tiny_model, traj_dir, 
     r = subprocess.run([sys.executable, "sft.py", "--model", str(tiny_model), "--data", str(d), "--out", str(tmp_path / "o")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.strip() == f"error: {d / 'train.jsonl'}: file not found"
+
+def test_a_disk_too_full_for_the_next_checkpoint_stops_before_it_with_one_line(tiny_model, traj_dir, tmp_path, monkeypatch):
+    """Step 2's checkpoint finds less free disk than it needs: the run exits naming the folder, the two sizes and the
+    last whole checkpoint, before writing anything of step 2 (no step_2/, no .step_2.tmp/); --resume auto goes on."""
+    args = ["--model", str(tiny_model), "--data", str(traj_dir), "--train_steps", "2", "--save_every", "1",
+            "--eval_every", "0", "--out", str(tmp_path / "o"), "--resume", "auto", *FAST]
+    real, out = trainutil.shutil.disk_usage, tmp_path / "o"
+    def full_after_step_1(path):  # 1000 bytes free once step 1's checkpoint is whole
+        return real(path)._replace(free=1000) if (out / "latest").is_file() else real(path)
+    monkeypatch.setattr(trainutil.shutil, "disk_usage", full_after_step_1)
+    with pytest.raises(SystemExit) as e:
+        sft.main(args)
+    torch.distributed.destroy_process_group()  # the exit left the run's group, as a process's end would
+    msg = str(e.value.code)
+    assert re.fullmatch(rf"error: {re.escape(str(out))}: 0 MiB free, step 2's checkpoint needs ~\d+ MiB "
+                        r"\(the last whole checkpoint: step_1\); free space \(or lower --keep\) and rerun with --resume auto", msg), msg
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith((".step", "step"))) == ["step_1"]
+    monkeypatch.setattr(trainutil.shutil, "disk_usage", real)
+    sft.main(args)
+    assert (out / "final").resolve().name == "step_2"
+    need = trainutil.checkpoint_bytes(torch.nn.Linear(10, 10))  # 110 trainable fp32 weights + 2 AdamW moments, exported
+    assert need == 110 * 12 + 110 * 4
 
 def test_gpu_budget_of_a_7b_run():
     """The start-up memory check on docs/gpu.md's 7B budget: a ~7.6B-parameter policy in fp32 shards over 8 H100s of
