@@ -100,13 +100,16 @@ $(BASE)/sft/results.json: $(OUT)/sft/final/config.json
 baselines: $(BASE)/prompt-only/results.json $(BASE)/sft/results.json
 	$(PY) evaluate.py --combine $^ --data $(DATA) --split test --out $(BASE)/results
 
+# TEST_JOBS pytest workers (pytest-xdist), a test file each at a time (its module-scoped runs stay shared): on 2 cores
+# the suite's many process start-ups overlap (measured in docs/LOG.md); each worker's processes run one thread each
+TEST_JOBS ?= 2
 test: .venv/.stamp $(MODEL)/config.json
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 # The edit loop's tier: unit tests and in-process runs; the slow-marked end-to-end runs (the main job's own command among
 # them, tests/test_smoke.py) left out
 test-fast: .venv/.stamp $(MODEL)/config.json
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
 
 # On a GPU machine, in an environment with requirements-gpu.txt: the GPU tests (the CPU suite skips them)
 GPU_PY ?= python

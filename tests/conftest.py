@@ -8,6 +8,13 @@ import prepare
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: plenty for the tiny test model, and 2-rank runs fit beside other jobs
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one thread a process and no core pinning, so N workers'
+    # processes share the cores instead of each spinning OpenMP threads on all of them (and vLLM's binding every engine
+    # to the same cores); the subprocesses the tests start inherit both
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    import torch
+    torch.set_num_threads(1)  # in case torch's OpenMP started before this file
 
 def tiny_world_args(out, seed=0, n_visual=(30, 10, 10), holdout=(), holdout_pairs=(), n_test_heldout=300, reworded=0):
     return argparse.Namespace(world="mini", out=str(out), seed=seed, n_people=60, n_cities=12, n_countries=4, n_orgs=15,
