@@ -17,7 +17,7 @@ from conftest import tiny_world_args
 ROOT = Path(__file__).resolve().parents[1]
 
 def tree_digest(folder):
-    """What corpus.py wrote: the index/ folder is retrievers.py's (the session's tiny_index builds it into the world,
+    """What corpus.py wrote: the index/ folder is retrievers.py's (the shared tiny_index fixture builds it into the world,
     before or after these tests depending on the order they run in)."""
     h = hashlib.sha256()
     for p in sorted(Path(folder).rglob("*")):
