@@ -101,7 +101,7 @@ baselines: $(BASE)/prompt-only/results.json $(BASE)/sft/results.json
 	$(PY) evaluate.py --combine $^ --data $(DATA) --split test --out $(BASE)/results
 
 # TEST_JOBS pytest workers (pytest-xdist), a test file each at a time (its module-scoped runs stay shared): on 2 cores
-# the suite's many process start-ups overlap (measured in docs/LOG.md); each worker's processes run one thread each
+# the suite's many process start-ups overlap (measured in docs/LOG.md); a worker's processes run one thread each
 TEST_JOBS ?= 2
 test: .venv/.stamp $(MODEL)/config.json
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
