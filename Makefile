@@ -46,7 +46,7 @@ $(DATA)/traj-all/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.j
 # real step loop and retrieval) -> SFT -> from it SFT-continued (the SFT run resumed on the same trajectories) and
 # Step-GRPO (R1-Router's step rewards at the golden prefixes; its curves, a point a step:
 # out/demo/stepgrpo/curves.png) -> the three scored routed, greedy, on the first EVAL_N test questions, final
-# checkpoints -> the table, paired intervals, one question's trajectories beside its gold steps. One seed, no dev pick:
+# checkpoints, by one process -> the table, paired intervals, one question's trajectories beside its gold steps. One seed, no dev pick:
 # a demonstration of the procedure, not a claim (the claims: `make vs-sft`, `make teacher`, README "Results").
 # Each stage is a file target (a rerun skips what is done) run by runs/stage.sh, which prints its time and what is left.
 SFT_STEPS ?= 96
@@ -79,11 +79,12 @@ $(OUT)/stepgrpo/final/config.json: $(OUT)/sft/final/config.json stepgrpo.py
 	$(STAGE) stepgrpo $(PY) stepgrpo.py --model $(OUT)/sft/final --data $(DATA) --topk $(TOPK) \
 		--train_steps $(GRPO_STEPS) --batch_questions $(GRPO_QUESTIONS) --eval_questions 0 --save_every 0 --keep 1 --out $(OUT)/stepgrpo
 
-$(OUT)/eval/%/results.json: $(OUT)/%/final/config.json
-	$(STAGE) eval-$* $(PY) evaluate.py --model $(OUT)/$*/final --name $* --methods routed $(EVAL_FLAGS) \
-		--out $(OUT)/eval/$*
-
+# the three arms scored by one process: one engine, each checkpoint's weights swapped in (evaluate.py --model A B C)
 ARMS3 := sft sft-cont stepgrpo
+$(foreach a,$(ARMS3),$(OUT)/eval/$(a)/results.json) &: $(foreach a,$(ARMS3),$(OUT)/$(a)/final/config.json)
+	$(STAGE) eval $(PY) evaluate.py --model $(foreach a,$(ARMS3),$(OUT)/$(a)/final) --name $(ARMS3) --methods routed \
+		$(EVAL_FLAGS) --out $(foreach a,$(ARMS3),$(OUT)/eval/$(a))
+
 demo: $(foreach a,$(ARMS3),$(OUT)/eval/$(a)/results.json)
 	$(STAGE) report bash runs/demo_report.sh $(PY) $(DATA) $(OUT) $(EVAL_N)
 
@@ -104,12 +105,12 @@ baselines: $(BASE)/prompt-only/results.json $(BASE)/sft/results.json
 # the suite's many process start-ups overlap (measured in docs/LOG.md); a worker's processes run one thread each
 TEST_JOBS ?= 2
 test: .venv/.stamp $(MODEL)/config.json
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 # The edit loop's tier: unit tests and in-process runs; the slow-marked end-to-end runs (the main job's own command among
 # them, tests/test_smoke.py) left out
 test-fast: .venv/.stamp $(MODEL)/config.json
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 # On a GPU machine, in an environment with requirements-gpu.txt: the GPU tests (the CPU suite skips them)
 GPU_PY ?= python

@@ -4,6 +4,7 @@ evaluate.py: score R1-Router trajectories and write the report (results.json, ta
     python evaluate.py --model models/SmolLM2-135M-Instruct --data data/mini --split test     # all methods below
     python evaluate.py --methods routed oracle --n_questions 100 --backend hf --out out/eval/quick
     python evaluate.py --model out/sft/final --methods --probe 8 --n_questions 100    # the route probe alone
+    python evaluate.py --model out/sft/final out/grpo/final --out out/eval/sft out/eval/grpo  # one engine for both
     python evaluate.py --paired out/eval/sft-test/trajectories-routed.jsonl out/eval/grpo-test/trajectories-routed.jsonl
     python evaluate.py --paired s1/sft/trajectories-routed.jsonl s1/grpo/trajectories-routed.jsonl \
         s2/sft/trajectories-routed.jsonl s2/grpo/trajectories-routed.jsonl    # a pair per seed: two-level intervals too
@@ -23,6 +24,10 @@ baselines; the rows are named method+Kshot).
 that cannot always write the step format be scored), released (R1-Router's released evaluation, answer_generation.py:
 temperature 1, top-k 20, top-5 passages, 5 tries a route with its reminder after the third, 3 tries an answer, then
 the fallbacks). Rows of the step-format methods are named method+fallback / method+released.
+
+Several --model folders (checkpoints of one policy: the same config and tokenizer) are scored in one process: one
+engine, each later model's weights swapped in as Step-GRPO's sync does (engine starts dominate small evaluations), each
+to its own report folder (--out: one a model), as if scored alone.
 
 Resumable: each finished method leaves method-<method>.json beside its trajectories; a rerun into the same --out
 with the same model weights, questions and flags reuses it, so an interrupted evaluation (or one given one more
@@ -380,13 +385,13 @@ def run_name(model):
     return p.name
 
 
-def run_signature(args, questions):
-    """What a method's scores depend on: every flag but where they go and which methods run, the checkpoint's weight
-    files (a retrained model at the same path differs) and the questions. Two runs with equal signatures score a
-    method alike, so a finished method's scores are reused (method_done)."""
-    model = Path(args.model).resolve()
+def run_signature(args, questions, model, name):
+    """What a method's scores of one model depend on: every flag but where they go and which methods run, the model's
+    row name, its weight files (a retrained model at the same path differs) and the questions. Two runs with equal
+    signatures score a method alike, so a finished method's scores are reused (method_done)."""
+    model = Path(model).resolve()
     skip = ("out", "methods", "probe", "combine", "paired")
-    return {**{k: v for k, v in sorted(vars(args).items()) if k not in skip}, "model": str(model),
+    return {**{k: v for k, v in sorted(vars(args).items()) if k not in skip}, "model": str(model), "name": name,
             "weights": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(model.glob("*.safetensors"))],
             "questions": [q["id"] for q in questions]}
 
@@ -445,8 +450,9 @@ def route_probe(engine, retriever, questions, settings, n=8, seed=0):
 def get_args(argv=None):
     import argparse
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=prepare.DEFAULT_MODEL, help="HF causal LM folder")
-    ap.add_argument("--name", default=None, help="label of the model in the table (default: folder name)")
+    ap.add_argument("--model", nargs="+", default=[prepare.DEFAULT_MODEL],
+                    help="HF causal LM folder(s); several: checkpoints of one policy, scored by one engine")
+    ap.add_argument("--name", nargs="+", default=None, help="a model's label in the table (default: run_name)")
     ap.add_argument("--data", default="data/mini")
     ap.add_argument("--split", nargs="+", default=["test"], help="question splits, concatenated (e.g. test visual_test)")
     ap.add_argument("--n_questions", type=int, default=0, help="the first N of each split (0: all)")
@@ -479,7 +485,7 @@ def get_args(argv=None):
                          "and stepgrpo.py save with the cap they trained with; a base Qwen2.5-VL needs it: see "
                          "stepgrpo.py --max_pixels)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="report folder (default out/eval/<name>-<split>)")
+    ap.add_argument("--out", nargs="+", default=None, help="a model's report folder (default out/eval/<name>-<split>)")
     ap.add_argument("--combine", nargs="+", default=None, help="merge these results.json files into one report (--out)")
     ap.add_argument("--paired", nargs="+", default=None, metavar="BASE NEW",
                     help="trajectories-*.jsonl of the same questions, BASE NEW [BASE NEW ...] (one pair per seed): "
@@ -546,11 +552,11 @@ def settings_of(args):
     return settings
 
 
-def run_methods(args, engine, ret, qs, settings, shots, name, out):
+def run_methods(args, engine, ret, qs, settings, shots, model, name, out):
     """Each of args.methods on qs -> {row name: score}; a method's trajectories and its method-<method>.json go to
     out as it finishes, and one an earlier run with the same signature finished is reused."""
     from tqdm import tqdm
-    results, signature, split = {}, run_signature(args, qs), "+".join(args.split)
+    results, signature, split = {}, run_signature(args, qs, model, name), "+".join(args.split)
     for method in args.methods:
         if done := method_done(out, method, signature):
             results.update(done)
@@ -572,44 +578,90 @@ def run_methods(args, engine, ret, qs, settings, shots, name, out):
     return results
 
 
-def main(args):
-    """Score args.methods (and the route probe) of one model; write the report to --out."""
-    import retrievers
+POLICY_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                "processor_config.json")
+
+def same_policy(a, b):
+    """None when an engine started on model folder a scores folder b once b's weights are swapped in: the same
+    config.json (but for the weights' dtype) and tokenizer and processor files; else what differs."""
+    def files(m):
+        conf = json.loads((Path(m) / "config.json").read_text())
+        skip = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
+        return {"config.json": {k: v for k, v in conf.items() if k not in skip},
+                **{f: (Path(m) / f).read_bytes() for f in POLICY_FILES if (Path(m) / f).is_file()}}
+    fa, fb = files(a), files(b)
+    diff = sorted(f for f in fa.keys() | fb.keys() if fa.get(f) != fb.get(f))
+    return f"its {', '.join(diff)} differ from {a}'s" if diff else None
+
+
+def checkpoint_weights(model):
+    """A model folder's weights under its transformers class's names (those a weight sync sends), in their saved dtype."""
+    return engines.auto_model(model).from_pretrained(model, dtype="auto").state_dict()
+
+
+def check_models(args, names, outs):
+    """Exit with one line for a model folder evaluate.py cannot score, or models one engine cannot share."""
     import rollout
     import transcript
+    if len(names) != len(args.model) or len(outs) != len(args.model):
+        sys.exit(f"error: --name and --out take one value a model: {len(args.model)} models, {len(names)} names, "
+                 f"{len(outs)} report folders")
+    if len(set(outs)) < len(outs):
+        sys.exit(f"error: --out: two models would share a report folder ({', '.join(map(str, outs))})")
+    for model in args.model:
+        if not (Path(model) / "config.json").exists():
+            why = "LoRA adapters of an unfinished run: evaluate its final or best checkpoint (merged weights)" \
+                if (Path(model) / "adapter").is_dir() else "run `python prepare.py` for the default"
+            sys.exit(f"error: {model}: not a model folder ({why})")
+        if err := transcript.check_format(model, args):
+            sys.exit(f"error: {err}")
+        if err := same_policy(args.model[0], model):
+            sys.exit(f"error: --model {model}: {err}: one engine scores checkpoints of one policy; evaluate it in a "
+                     f"run of its own")
+    rollout.check_multi_query(args)
+    if args.few_shot and args.structure == "released":
+        sys.exit("error: --few_shot builds worked examples for --structure transcript only")
+
+
+def main(args):
+    """Score args.methods (and the route probe) of each model in args.model with one engine: a model after the first
+    has its weights swapped in (engine.sync_weights, as Step-GRPO syncs); each report goes to its own --out."""
+    import retrievers
+    import rollout
     if not args.methods and not args.probe:
         sys.exit("error: nothing to do: give --methods and/or --probe N")
-    name = args.name or run_name(args.model)
     split = "+".join(args.split)
-    out = Path(args.out or f"out/eval/{name}-{split}")
-    if (out / "results.json").is_file() and not any(k.startswith(f"{name}/") for k in json.loads((out / "results.json").read_text())):
-        print(f"note: {out} holds another model's report ({', '.join(json.loads((out / 'results.json').read_text()))}); "
-              f"it is replaced (--out names another folder)")
+    names = args.name or [run_name(m) for m in args.model]
+    outs = [Path(o) for o in args.out] if args.out else [Path(f"out/eval/{n}-{split}") for n in names]
+    check_models(args, names, outs)
     try:
         qs = [q for sp in args.split for q in corpus.load_questions(args.data, sp)[:args.n_questions or None]]
         ret = retrievers.make_retriever(args.retriever, args.data)
     except corpus.DataError as e:
         sys.exit(f"error: {e}")
-    if not (Path(args.model) / "config.json").exists():
-        why = "LoRA adapters of an unfinished run: evaluate its final or best checkpoint (merged weights)" \
-            if (Path(args.model) / "adapter").is_dir() else "run `python prepare.py` for the default"
-        sys.exit(f"error: {args.model}: not a model folder ({why})")
-    rollout.check_multi_query(args)
-    if err := transcript.check_format(args.model, args):
-        sys.exit(f"error: {err}")
-    if args.few_shot and args.structure == "released":
-        sys.exit("error: --few_shot builds worked examples for --structure transcript only")
     settings, shots = settings_of(args), None
-    engine = engines.make_engine(args.backend, args.model, seed=args.seed, max_model_len=args.max_model_len,
+    engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=args.max_model_len,
                                  max_pixels=args.max_pixels, max_images=settings.max_images)
     if args.few_shot:
         examples = few_shot_examples(corpus.load_questions(args.data, "train"), args.few_shot)
         shots = rollout.few_shot_prefix(engine.tok, ret, examples, settings)
         print(f"--few_shot {args.few_shot}: {len(examples)} train questions as worked examples ({len(shots)} tokens)")
-    results = run_methods(args, engine, ret, qs, settings, shots, name, out)
+    for i, (model, name, out) in enumerate(zip(args.model, names, outs)):
+        if i:
+            engine.sync_weights(checkpoint_weights(model))
+        evaluate_model(args, engine, ret, qs, settings, shots, model, name, out)
+
+
+def evaluate_model(args, engine, ret, qs, settings, shots, model, name, out):
+    """The engine, holding model's weights, scores args.methods and the route probe; the report goes to out."""
+    split = "+".join(args.split)
+    if (out / "results.json").is_file() and not any(k.startswith(f"{name}/") for k in json.loads((out / "results.json").read_text())):
+        print(f"note: {out} holds another model's report ({', '.join(json.loads((out / 'results.json').read_text()))}); "
+              f"it is replaced (--out names another folder)")
+    results = run_methods(args, engine, ret, qs, settings, shots, model, name, out)
     if args.probe:
         out.mkdir(parents=True, exist_ok=True)
-        p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=args.model, split=split, questions=len(qs))
+        p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=model, split=split, questions=len(qs))
         corpus.write_atomic(out / "route_probe.json", json.dumps(p, indent=2) + "\n")
         corpus.write_atomic(out / "routing_confusion_probe.png", report.confusion_chart(p["confusion"], f"route probe ({args.probe} samples a prefix)", name))
         print(f"route probe: {p['probe_acc']:.1f}% of sampled routes take the gold KB, choice entropy "
@@ -625,6 +677,6 @@ if __name__ == "__main__":
     if args.paired:
         print_paired(args.paired)
     elif args.combine:
-        combine(args.combine, args.out or "out/eval/summary", f"{args.data} {' '.join(args.split)}")
+        combine(args.combine, args.out[0] if args.out else "out/eval/summary", f"{args.data} {' '.join(args.split)}")
     else:
         main(args)

@@ -8,8 +8,8 @@ log=$1 name=$2
 shift 2
 # seconds each stage took on the reference CPU, a fresh clone (docs/LOG.md, 2026-11-29): 2-core Intel Xeon, AVX512F,
 # no AVX512-BF16 (fp32 training)
-ORDER=(world index data sft eval-sft sft-cont eval-sft-cont stepgrpo eval-stepgrpo report)
-REF=(5 38 18 797 277 278 271 487 289 10)
+ORDER=(world index data sft sft-cont stepgrpo eval report)
+REF=(5 38 18 797 278 487 800 10)
 mkdir -p "$(dirname $log)"
 test -s $log || echo "start $(date +%s)" > $log
 t=$(date +%s)

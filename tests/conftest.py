@@ -16,6 +16,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one thread a process
     import torch
     torch.set_num_threads(1)  # in case torch's OpenMP started before this file
 
+# `make test` hands whole files to two pytest-xdist workers in collection order (--dist loadfile --no-loadscope-reorder):
+# the longest files first (their times with two workers, docs/LOG.md), so that the two workers end together
+LONGEST_FIRST = ("test_stepgrpo.py", "test_sft.py", "test_smoke.py", "test_lora.py", "test_vl_ranks.py", "test_gpu_check.py",
+                 "test_vl.py", "test_retrievers.py", "test_rollout.py")
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 def tiny_world_args(out, seed=0, n_visual=(30, 10, 10), holdout=(), holdout_pairs=(), n_test_heldout=300, reworded=0):
     return argparse.Namespace(world="mini", out=str(out), seed=seed, n_people=60, n_cities=12, n_countries=4, n_orgs=15,
                               n_works=40, n_train=120, n_dev=40, n_test=40, n_visual_train=n_visual[0],

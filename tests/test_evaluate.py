@@ -280,21 +280,43 @@ def test_a_finished_method_is_reused_only_under_the_same_weights_questions_and_f
     model = tmp_path / "m"
     model.mkdir()
     (model / "model.safetensors").write_bytes(b"w")
-    args = argparse.Namespace(model=str(model), topk=3, seed=0, out=str(tmp_path / "ev"), methods=["routed"])
+    args = argparse.Namespace(model=[str(model)], name=None, topk=3, seed=0, out=[str(tmp_path / "ev")], methods=["routed"])
     qs = [{"id": "q1"}, {"id": "q2"}]
-    sig = evaluate.run_signature(args, qs)
+    sig = evaluate.run_signature(args, qs, model, "m")
     row = {"m/routed": score(SET)}
-    assert evaluate.method_done(args.out, "routed", sig) is None  # nothing finished yet
+    assert evaluate.method_done(tmp_path / "ev", "routed", sig) is None  # nothing finished yet
     corpus.write_atomic(tmp_path / "ev" / "method-routed.json", json.dumps({"signature": sig, "results": row}))
-    assert evaluate.method_done(args.out, "routed", evaluate.run_signature(args, qs)) == json.loads(json.dumps(row))
-    args.methods, args.out = ["routed", "oracle"], str(tmp_path / "ev")  # which methods run is not in the signature
-    assert evaluate.run_signature(args, qs) == sig
-    assert evaluate.run_signature(argparse.Namespace(**{**vars(args), "topk": 5}), qs) != sig  # another flag
-    assert evaluate.run_signature(args, qs[:1]) != sig  # other questions
+    assert evaluate.method_done(tmp_path / "ev", "routed", evaluate.run_signature(args, qs, model, "m")) == json.loads(json.dumps(row))
+    args.methods, args.out = ["routed", "oracle"], [str(tmp_path / "ev2")]  # which methods run is not in the signature
+    assert evaluate.run_signature(args, qs, model, "m") == sig
+    # nor the other checkpoints scored in the same process
+    assert evaluate.run_signature(argparse.Namespace(**{**vars(args), "model": [str(model), "x"]}), qs, model, "m") == sig
+    assert evaluate.run_signature(argparse.Namespace(**{**vars(args), "topk": 5}), qs, model, "m") != sig  # another flag
+    assert evaluate.run_signature(args, qs[:1], model, "m") != sig  # other questions
+    assert evaluate.run_signature(args, qs, model, "m2") != sig  # another row name
     os.utime(model / "model.safetensors", ns=(1, 1))  # the checkpoint rewritten
-    assert evaluate.run_signature(args, qs) != sig
+    assert evaluate.run_signature(args, qs, model, "m") != sig
     (tmp_path / "ev" / "method-routed.json").write_text('{"signature": ')  # half a file: run the method again
-    assert evaluate.method_done(args.out, "routed", sig) is None
+    assert evaluate.method_done(tmp_path / "ev", "routed", sig) is None
+
+
+def test_models_one_engine_cannot_share_are_refused_in_one_line(tmp_path, tiny_model_dir):
+    # several --model folders share one engine (weights swapped in): their config and tokenizer must be the same
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    conf = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**conf, "dtype": "bfloat16", "transformers_version": "0"}))
+    assert evaluate.same_policy(tiny_model_dir, other) is None  # the weights' dtype is not the policy
+    (other / "config.json").write_text(json.dumps({**conf, "num_hidden_layers": 3}))
+    (other / "tokenizer.json").write_text("{}")
+    base = ["--model", str(tiny_model_dir), str(other), "--out", str(tmp_path / "a"), str(tmp_path / "b")]
+    for argv, words in ((base, f"--model {other}: its config.json, tokenizer.json differ from {tiny_model_dir}'s"),
+                        (base[:-1], "--name and --out take one value a model: 2 models, 2 names, 1 report folders"),
+                        (base[:-1] + [str(tmp_path / "a")], "two models would share a report folder")):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(evaluate.get_args(argv))
+        assert str(e.value).startswith("error: ") and words in str(e.value), e.value
 
 
 def test_confusion_is_empty_for_no_trajectories():

@@ -7,6 +7,7 @@ its checkpoints: the SFT checkpoint as a teacher sampling through the loop with 
 line. In `make test` only (slow: the main job's command, ~4 min here); `make test-fast` leaves it out."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,9 @@ def make_demo(tmp_path, model, data):
 
 @pytest.mark.slow
 def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_dir, tiny_index):
-    out, text = make_demo(tmp_path, tiny_model_dir, tiny_index)
-    for stage in ("data", "sft", "eval-sft", "sft-cont", "eval-sft-cont", "stepgrpo", "eval-stepgrpo", "report"):
+    world = shutil.copytree(tiny_index, tmp_path / "world")  # the demo writes its trajectories into the world's folder
+    out, text = make_demo(tmp_path, tiny_model_dir, world)
+    for stage in ("data", "sft", "sft-cont", "stepgrpo", "eval", "report"):
         assert f"== {stage}: " in text and "min left at this machine's pace" in text, stage
     res = json.loads((out / "results" / "results.json").read_text())
     assert sorted(res) == ["sft-cont/routed", "sft/routed", "stepgrpo/routed"] and all(r["n"] == 6 for r in res.values())
@@ -46,30 +48,35 @@ def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_di
     assert (out / "stepgrpo" / "curves.png").is_file()
     for name in ("sft", "sft-cont", "stepgrpo"):  # the main job's evidence budget, recorded with each evaluation
         assert json.loads((out / "eval" / name / "method-routed.json").read_text())["signature"]["topk"] == 1
-    again = make_demo(tmp_path, tiny_model_dir, tiny_index)[1]  # every stage built: only the report runs again
-    assert "== report: " in again and "== sft: " not in again and "== eval-sft: " not in again
+    again = make_demo(tmp_path, tiny_model_dir, world)[1]  # every stage built: only the report runs again
+    assert "== report: " in again and "== sft: " not in again and "== eval: " not in again
 
     sft, grpo = out / "sft" / "final", out / "stepgrpo" / "final"
-    cli("synth.py", "--data", tiny_index, "--out", tmp_path / "teacher", "--teacher", sft, "-n", "1", "--splits",
+    cli("synth.py", "--data", world, "--out", tmp_path / "teacher", "--teacher", sft, "-n", "1", "--splits",
         "train", "--offset", "8", "--limit", "4", "--retriever", "bm25", "--topk", "1")
     report = json.loads((tmp_path / "teacher" / "train.errors.json").read_text())
     counts = report["filters"]
     assert counts["sampled"] == 4 and len(report["dropped"]) + counts["kept_questions"] == 4, report
-    cli("evaluate.py", "--model", grpo, "--name", "grpo", "--data", tiny_index, "--split", "test", "--n_questions", "6",
+    cli("evaluate.py", "--model", grpo, "--name", "grpo", "--data", world, "--split", "test", "--n_questions", "6",
         "--methods", "routed", "--retriever", "bm25", "--protocol", "released", "--out", tmp_path / "sampled")
     assert json.loads((tmp_path / "sampled" / "results.json").read_text())["grpo/routed+released"]["n"] == 6
-    # a rerun into the same folder with one more method reuses the finished one (an interrupted evaluation resumes)
+    # Step-GRPO's checkpoint in an engine of its own scores as it did swapped into the demo's engine after two others;
+    # SFT's, swapped in after it, with one more method into its demo folder, reuses the finished method (an
+    # interrupted evaluation resumes)
     routed = out / "eval" / "sft" / "trajectories-routed.jsonl"
     before = routed.stat().st_mtime_ns
-    text = cli("evaluate.py", "--model", sft, "--name", "sft", "--data", tiny_index, "--split", "test", "--n_questions",
-               "6", "--topk", "1", "--methods", "routed", "no_retrieval", "--out", out / "eval" / "sft")
+    text = cli("evaluate.py", "--model", grpo, sft, "--name", "stepgrpo", "sft", "--data", world, "--split", "test",
+               "--n_questions", "6", "--topk", "1", "--methods", "routed", "no_retrieval", "--out", tmp_path / "alone",
+               out / "eval" / "sft")
+    strip = lambda f: [{k: v for k, v in x.items() if k != "timings"} for x in map(json.loads, open(f))]
+    assert strip(tmp_path / "alone" / "trajectories-routed.jsonl") == strip(out / "eval" / "stepgrpo" / "trajectories-routed.jsonl")
     res = json.loads((out / "eval" / "sft" / "results.json").read_text())
     assert "routed: its scores reused" in text and routed.stat().st_mtime_ns == before
     assert res["sft/no_retrieval"]["n"] == 6
     # each checkpoint records the transcript format it was trained on; another one is refused in one line
     for ck in (sft, grpo):
         assert json.loads((ck / "transcript.json").read_text())["gold_think"] == "kb_last"
-    r = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--model", str(sft), "--data", str(tiny_index),
+    r = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--model", str(sft), "--data", str(world),
                         "--gold_think", "kb_first", "--structure", "released", "--out", str(tmp_path / "x")],
                        capture_output=True, text=True, cwd=ROOT)
     last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback

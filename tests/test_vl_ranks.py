@@ -2,8 +2,9 @@
 tower only when it has pixels, so a rank whose micro-batch has none would skip the all-gathers another rank's enters
 (gloo: "Received data size doesn't match", NCCL: a hang). Such a micro-batch runs the tower on a dummy picture with
 weight 0 (VisionIO.pixels always, trainutil.zero_vision_term): the same loss and gradients as no picture (Idefics3,
-and a tiny random Qwen2.5-VL), and SFT with its dev loss and a Step-GRPO update on 2 gloo ranks with one row with
-pictures and one without, under a timeout so that a hang fails."""
+and a tiny random Qwen2.5-VL), and on 2 gloo ranks with one row with pictures and one without: SFT with its dev loss,
+equal to one process, and Step-GRPO, each rank's VL engine synced and checked after every update, resumed exactly;
+each under a timeout so that a hang fails. (2-rank runs of a VL policy live here; tests/test_vl.py, one process.)"""
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import interrupted_copy
 
 import corpus
 import engines
@@ -135,21 +137,28 @@ def test_sft_on_two_ranks_with_and_without_pictures_equals_one_process(tiny_vl, 
     assert max_diff(tmp_path / "two" / "final", tiny_vl) > 1e-4
 
 @pytest.mark.slow
-def test_step_grpo_on_two_ranks_with_and_without_pictures(tiny_vl, tiny_index, tmp_path):
-    # 2 questions, one a rank: a visual one (its golden prefixes hold pictures) and a text one whose gold route never
-    # searches the image KB (none); a KL term keeps every row live and runs the reference model on both too, an
-    # entropy bonus gives a gradient whatever the rewards (the tiny policy's are all 0)
+def test_step_grpo_on_two_ranks_with_and_without_pictures_syncs_and_resumes(tiny_vl, tiny_index, tmp_path):
+    # 2 questions, one a rank: a visual one (its golden prefixes hold the question image and retrieved pictures) and a
+    # text one whose gold route never searches the image KB (none); each rank's VL engine checked against the trainer
+    # after every sync; a KL term keeps every row live and runs the reference model on both too, an entropy bonus gives
+    # a gradient whatever the rewards (the tiny policy's are all 0). Then exact resume from the first checkpoint
     data = tmp_path / "data"
     shutil.copytree(tiny_index, data)
     visual = (data / "questions" / "visual_train.jsonl").read_text().splitlines()[0]
     text = next(line for line in (data / "questions" / "train.jsonl").read_text().splitlines()
                 if all(s["kb"] != "image" for s in json.loads(line)["steps"]))
     (data / "questions" / "mixed.jsonl").write_text(f"{visual}\n{text}\n")
+    flags = ["--model", tiny_vl, "--data", data, "--split", "mixed", "--batch_questions", "2", "-n", "2", "--retriever",
+             "bm25", "--kl_coef", "0.1", "--entropy_coef", "0.1", "--lr", "1e-2", "--weight_decay", "0.1",
+             "--eval_questions", "0", "--train_steps", "2", "--save_every", "1", "--dtype", "fp32", "--wandb_mode",
+             "disabled", "--check_sync", "every"]
     out = tmp_path / "grpo"
-    run(torchrun("stepgrpo.py", "--model", tiny_vl, "--data", data, "--split", "mixed", "--batch_questions", "2", "-n", "2",
-                 "--retriever", "bm25", "--kl_coef", "0.1", "--entropy_coef", "0.1", "--lr", "1e-2", "--eval_questions", "0",
-                 "--train_steps", "1", "--save_every", "1", "--dtype", "fp32", "--wandb_mode", "disabled", "--check_sync", "every",
-                 "--out", out))
-    rec = records(out)[-1]
-    assert rec["step"] == 1 and rec["kl"] is not None and rec["grad_norm"] > 0 and rec["overflow"] == 0.0
+    run(torchrun("stepgrpo.py", *flags, "--out", out))
+    recs = records(out)
+    assert [r["step"] for r in recs] == [1, 2] and all(r["sync_max_diff"] < 1e-4 for r in recs)
+    assert recs[1]["kl"] > 0 and all(r["grad_norm"] > 0 and r["overflow"] == 0.0 for r in recs)
+    assert max_diff(out / "final", tiny_vl) > 1e-4
     assert max_diff(out / "final", tiny_vl, "vision_model") > 1e-5  # the tower learned from the rank with pictures
+    resumed = interrupted_copy(out, 1, tmp_path / "resumed")
+    run(torchrun("stepgrpo.py", *flags, "--out", resumed, "--resume"))
+    assert [r["step"] for r in records(resumed)] == [1, 2] and max_diff(out / "final", resumed / "final") == 0.0
