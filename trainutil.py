@@ -482,17 +482,17 @@ def policy_params(model):
     for it (a collective: every rank must iterate, in the same order). A LoRA layer gives W + (alpha / r) B A, its
     base W dequantised first when quantised (what the trainer's forward computes with); the adapters themselves and
     the "base_model.model." / ".base_layer" parts of peft's names do not appear."""
-    from peft.tuners.lora import LoraLayer
-    from peft.utils.integrations import dequantize_module_weight
     full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
     modules = dict(model.named_modules())
+    if any(is_quantized(p) for p in model.parameters()):  # peft and bitsandbytes imported only then (~2 s a process)
+        from peft.utils.integrations import dequantize_module_weight
     for name, p in model.named_parameters():
         if ".lora_" in name:  # merged into their layer's weight below
             continue
         owner, _, leaf = name.rpartition(".")
         m = modules[owner.removesuffix(".base_layer")]
         w = dequantize_module_weight(modules[owner]).detach() if is_quantized(p) else full(p)
-        if isinstance(m, LoraLayer) and leaf == "weight":
+        if m is not modules[owner] and leaf == "weight":  # a LoRA layer (peft wraps its base as .base_layer)
             a, b = full(m.lora_A["default"].weight), full(m.lora_B["default"].weight)  # [r, in], [out, r]
             w = w.float() + m.scaling["default"] * (b.float() @ a.float())  # [out, in]
         yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), w

@@ -313,13 +313,13 @@ def records(out):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, tiny_model_dir, tiny_index):
-    """One 2-rank teacher_prefix run of 3 steps (fp32, the engine checked against the trainer after every sync, a
+    """One 2-rank teacher_prefix run of 2 steps (fp32, the engine checked against the trainer after every sync, a
     checkpoint a step): the sync test's teacher_prefix case and the killed-rank test's uninterrupted run."""
     out = tmp_path_factory.mktemp("two-ranks") / "run"
     run(common(tiny_model_dir, tiny_index, out) + TWO_RANKS, nproc=2)
     return out
 
-TWO_RANKS = ["--train_steps", "3", "--dtype", "fp32", "--check_sync"]
+TWO_RANKS = ["--train_steps", "2", "--dtype", "fp32", "--check_sync"]
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tiny_model_dir, tiny_index):
@@ -333,7 +333,7 @@ def straight(tmp_path_factory, tiny_model_dir, tiny_index):
 @pytest.mark.slow
 def test_two_ranks_sync_vllm_after_every_update(tmp_path, tiny_model_dir, tiny_index, mode, structure, request):
     if mode == "teacher_prefix":  # the default rollout: the shared 2-rank run
-        out, steps = request.getfixturevalue("two_ranks"), [1, 2, 3]
+        out, steps = request.getfixturevalue("two_ranks"), [1, 2]
     else:
         out, steps = tmp_path / "run", [1, 2]
         run(common(tiny_model_dir, tiny_index, out) + ["--rollout", mode, "--structure", structure, "--train_steps",
@@ -410,10 +410,10 @@ def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(two_ranks, tmp_
         workers[1].kill()
         assert job.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
     text = (tmp_path / "job.log").read_text()
-    assert "exitcode: -9" in text and "resuming from" in text and "at step 3" not in text  # restarted mid-run
+    assert "exitcode: -9" in text and "resuming from" in text and "at step 2" not in text  # restarted mid-run
     a, b = load_file(two_ranks / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert [r["step"] for r in records(killed)] == [1, 2, 3]
+    assert [r["step"] for r in records(killed)] == [1, 2]
 
 def test_an_interrupted_checkpoint_is_never_resumed_from(tmp_path, tiny_model_dir):
     # a save killed while writing leaves .step_2.tmp (or, killed between the rename and `latest`, a whole step_2 that
@@ -574,23 +574,22 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
              for _ in range(2)]
     assert st["reask"] == asked and 0 < sum(asked) < len(asked)
 
-@pytest.mark.slow
 def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
     for extra, flag in ((["--reward", "outcome"], "--reward"), (["-n", "1"], "-n"), (["--max_pairs", "0"], "--max_pairs"),
                         (["--structure", "released", "--max_pairs", "2"], "--max_pairs"), (["--max_rets", "4"], "--max_rets")):
-        r = subprocess.run([sys.executable, "stepgrpo.py", "--data", str(tmp_path), *extra], capture_output=True, text=True)
-        last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback
-        assert r.returncode != 0 and last.startswith("error: ") and flag in last, r.stderr
-    # a policy trained on kb_first transcripts, given kb_last golden prefixes (the default)
+        with pytest.raises(SystemExit) as e:
+            stepgrpo.check_args(stepgrpo.get_args(["--data", str(tmp_path), *extra]), 1)
+        msg = str(e.value.code)  # what the command prints: one line, not a traceback
+        assert msg.startswith("error: ") and "\n" not in msg and flag in msg, msg
+    # the real command line: a policy trained on kb_first transcripts, given kb_last golden prefixes (the default)
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "transcript.json").write_text(json.dumps(dict(gold_think="kb_first", structure="transcript")))
     r = subprocess.run([sys.executable, "stepgrpo.py", "--model", str(tmp_path / "sft"), "--data", str(tmp_path)],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and r.stderr.strip() == (f"error: {tmp_path / 'sft'} was trained on another transcript "
                                                       "format: --gold_think kb_last (trained: kb_first); pass the "
                                                       "trained values"), r.stderr
 
-@pytest.mark.slow
 def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_dir, tiny_index):
     import shutil
     data = tmp_path / "data"
@@ -602,10 +601,12 @@ def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_
         if not extra:  # gold steps as the HotpotQA import writes them: supporting paragraphs, no sub-questions
             next(q for q in qs if q["steps"])["steps"][0]["sub_question"] = ""
             qfile.write_text("".join(json.dumps(q) + "\n" for q in qs))
-        r = subprocess.run([sys.executable, "stepgrpo.py", "--model", str(tiny_model_dir), "--data", str(data),
-                            "--retriever", "bm25", "--out", str(tmp_path / "run"), *extra], capture_output=True, text=True, cwd=ROOT)
-        last = r.stderr.strip().splitlines()[-1]
-        assert r.returncode != 0 and last.startswith("error: ") and words in last, r.stderr[-2000:]
+        with pytest.raises(SystemExit) as e:  # main() itself: the data read, checked before any process group or engine
+            stepgrpo.main(["--model", str(tiny_model_dir), "--data", str(data), "--retriever", "bm25", "--out",
+                           str(tmp_path / "run"), *extra])
+        msg = str(e.value.code)
+        assert msg.startswith("error: ") and "\n" not in msg and words in msg, msg
+    assert not (tmp_path / "run").exists()  # nothing written
 
 @pytest.mark.slow
 def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(straight, tmp_path, tiny_model_dir, tiny_index):
