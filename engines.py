@@ -7,6 +7,7 @@ EOS; logprobs are those of the distribution sampled from (logits / temperature),
     HFEngine    plain transformers generate (the fallback, and the reference the vLLM path is tested against)
 A new engine goes here and into make_engine.
 """
+import gc
 import logging
 import os
 import sys
@@ -107,6 +108,11 @@ class VLLMEngine:
         if self.vis and max_pixels:  # vLLM's processor expands a picture to as many tokens as the transcript holds
             mm["mm_processor_kwargs"] = {"max_pixels": max_pixels}
         self.can_sleep, self.asleep = not on_cpu, False  # sleep mode frees GPU memory for the update; not on CPU
+        # vLLM's start-up collects garbage five times over the whole heap, then freezes it (gc.freeze: never scanned
+        # again); freezing what already lives (torch, transformers, the trainer's model) first makes each of those
+        # passes skip it: ~1.3 s less a start on CPU, the same heap frozen after
+        gc.collect()
+        gc.freeze()
         self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len, enforce_eager=on_cpu, seed=seed,
                        distributed_executor_backend=backend, gpu_memory_utilization=gpu_memory_utilization,
                        enable_sleep_mode=self.can_sleep,

@@ -44,10 +44,15 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 def env_rank(device="auto"):
     """-> rank, world, device from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (alone: a world of one), and print0.
     device (--device): auto takes CUDA when torch sees it, else the CPU; cuda exits when CUDA is missing, since a GPU
-    job on a machine with a broken driver would otherwise train on the CPU for days; cpu stays off the GPUs."""
+    job on a machine with a broken driver would otherwise train on the CPU for days; cpu stays off the GPUs. A torchrun
+    environment that cannot restart exits here, before any work."""
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: torch sees no CUDA device (check nvidia-smi, the NVIDIA driver and torch's CUDA "
                  "build; --device cpu to train on the CPU)")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        # torchrun's shared rendezvous store keeps the first attempt's keys: a restarted rank reads the dead ranks' gloo
+        # or NCCL addresses and fails to connect (pytorch/pytorch#135712); without sharing, each attempt gets a new store
+        sys.exit("error: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment")
     cuda = device != "cpu" and torch.cuda.is_available()
     rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -63,10 +68,6 @@ def init_group(world, timeout_min=30, device=None):
     this rank's (env_rank's; None: CUDA when available), which picks NCCL or gloo."""
     import datetime
     own = not dist.is_initialized()
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
-        # torchrun's shared rendezvous store keeps the first attempt's keys: a restarted rank reads the dead ranks' gloo
-        # or NCCL addresses and fails to connect (pytorch/pytorch#135712); without sharing, each attempt gets a new store
-        sys.exit("error: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment")
     if own:
         kw = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
         cuda = torch.cuda.is_available() if device is None else device.type == "cuda"

@@ -21,15 +21,25 @@ import retrievers
 ROOT = Path(__file__).resolve().parents[1]
 
 def test_encoder_matches_sentence_transformers(encoder):
-    from sentence_transformers import SentenceTransformer
-    texts = ["Who founded Toriv Dynamics?", "a much longer sentence about the climate of a fictional city " * 3, "x"]
-    ours = retrievers.Encoder(dtype="float32").encode(texts)  # [3, 384]
-    ref = SentenceTransformer(retrievers.default_encoder_path(), device="cpu").encode(texts, normalize_embeddings=True)
-    assert ours.shape == (3, 384)
+    # the reference: the model folder's sentence-transformers modules (mean pooling over a 256-token window, then
+    # normalised) and the vectors sentence-transformers itself made of these texts (tests/minilm_reference.json, its
+    # "made_by"; the last text runs past the window). sentence-transformers is not installed: it needs scikit-learn,
+    # which transformers then imports into every process (1.2 s each)
+    folder = Path(retrievers.default_encoder_path())
+    read = lambda name: json.loads((folder / name).read_text())
+    assert [m["type"].rsplit(".", 1)[1] for m in read("modules.json")] == ["Transformer", "Pooling", "Normalize"]
+    pooling = read("1_Pooling/config.json")
+    assert pooling["pooling_mode_mean_tokens"] and not any(v for k, v in pooling.items() if k.startswith("pooling_mode")
+                                                           and k != "pooling_mode_mean_tokens")
+    assert read("sentence_bert_config.json") == {"max_seq_length": encoder.max_length, "do_lower_case": False}
+    ref = json.loads((ROOT / "tests" / "minilm_reference.json").read_text())
+    want = np.array(ref["embeddings"], dtype=np.float32)  # [4, 384]
+    ours = retrievers.Encoder(dtype="float32").encode(ref["texts"])  # [4, 384]
+    assert ours.shape == want.shape == (4, 384)
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
-    np.testing.assert_allclose(ours, ref, atol=1e-4)
-    fast = encoder.encode(texts)  # the default dtype (bf16 where supported) stays within 1e-3 in cosine
-    assert ((fast * ref).sum(1) > 0.999).all()
+    np.testing.assert_allclose(ours, want, atol=1e-4)
+    fast = encoder.encode(ref["texts"])  # the default dtype (bf16 where supported) stays within 1e-3 in cosine
+    assert ((fast * want).sum(1) > 0.999).all()
 
 def test_dense_search_equals_brute_force(tiny_index, encoder):
     r = retrievers.Retriever(tiny_index, "dense", encoder=encoder)
