@@ -291,7 +291,8 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
     gap = lambda x, y: max((x[k] - y[k]).abs().max().item() for k in base)
     assert gap(a, base) > 1e-3 and gap(a, b) < 1e-5 and gap(b, c) > 1e-4
 
-#### end to end: 2-rank torchrun with vLLM sync, and exact resume (subprocesses, the real command line)
+#### end to end: 2-rank torchrun with vLLM sync and restarts (subprocesses, the real command line); exact resume and
+#### the dev pick (single-process runs, in this process)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -323,9 +324,10 @@ TWO_RANKS = ["--train_steps", "2", "--dtype", "fp32", "--check_sync"]
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tiny_model_dir, tiny_index):
-    """One single-process run of 3 steps: the resume and the dev-eval tests' uninterrupted run."""
+    """One single-process run of 3 steps, in this process like the runs compared with it (the resume and the dev-eval
+    tests'; one process has no start-up to pay, and rounds the same for all three): their uninterrupted run."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    run(common(tiny_model_dir, tiny_index, out) + ["--train_steps", "3"])
+    stepgrpo.main(common(tiny_model_dir, tiny_index, out) + ["--train_steps", "3"])
     return out
 
 @pytest.mark.parametrize("mode,structure", [("teacher_prefix", "transcript"), ("onpolicy", "transcript"),
@@ -382,7 +384,7 @@ def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(tmp_path, tiny_mod
 @pytest.mark.slow
 def test_resume_continues_exactly(straight, tmp_path, tiny_model_dir, tiny_index):
     resumed = interrupted_copy(straight, 1, tmp_path / "resumed")
-    run(common(tiny_model_dir, tiny_index, resumed) + ["--train_steps", "3", "--resume"])
+    stepgrpo.main(common(tiny_model_dir, tiny_index, resumed) + ["--train_steps", "3", "--resume"])
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = records(straight), records(resumed)
@@ -609,9 +611,10 @@ def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_
     assert not (tmp_path / "run").exists()  # nothing written
 
 @pytest.mark.slow
-def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(straight, tmp_path, tiny_model_dir, tiny_index):
+def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(straight, tmp_path, tiny_model_dir, tiny_index,
+                                                                         capsys):
     plain, evald = straight, tmp_path / "eval"
-    r = run(common(tiny_model_dir, tiny_index, evald) + ["--train_steps", "3", "--keep", "1", "--eval_questions", "3"])
+    stepgrpo.main(common(tiny_model_dir, tiny_index, evald) + ["--train_steps", "3", "--keep", "1", "--eval_questions", "3"])
     a, b = load_file(plain / "final" / "model.safetensors"), load_file(evald / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the greedy dev rollouts do not disturb training
     recs = records(evald)
@@ -622,7 +625,7 @@ def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(straig
     assert (evald / "best").resolve().name == f"step_{best}" and (evald / "best" / "model.safetensors").exists()
     # --keep 1 keeps the newest checkpoint and the best one only
     assert sorted(p.name for p in evald.glob("step_*")) == sorted({f"step_{best}", "step_3"})
-    assert f"best on dev (mean of F1-Recall and routing accuracy): step {best}" in r.stdout
+    assert f"best on dev (mean of F1-Recall and routing accuracy): step {best}" in capsys.readouterr().out
 
 class TinyLM(torch.nn.Module):
     """embedding -> norm -> head, with the interface trainutil.selected_logits uses (HF models read tensor values
