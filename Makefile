@@ -33,16 +33,16 @@ $(DATA)/index/meta.json: retrievers.py $(DATA)/world.json
 	$(STAGE) index $(PY) retrievers.py build --data $(DATA)
 
 $(DATA)/traj/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
-	$(PY) synth.py --data $(DATA) --out $(DATA)/traj --limit 400
+	$(PY) synth.py --model $(MODEL) --data $(DATA) --out $(DATA)/traj --limit 400
 
 # the main job's: one passage a search (--topk 1: retrieval's recall@1 is 0.97-1.00 here), 30% fewer tokens a row
 $(DATA)/traj-top1/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
-	$(STAGE) data $(PY) synth.py --data $(DATA) --out $(DATA)/traj-top1 --limit 400 --topk 1
+	$(STAGE) data $(PY) synth.py --model $(MODEL) --data $(DATA) --out $(DATA)/traj-top1 --limit 400 --topk 1
 
 # every training question's golden trajectory (4,000): what SFT-continued trains on in the recipe, the questions
 # Step-GRPO draws from
 $(DATA)/traj-all/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
-	$(PY) synth.py --data $(DATA) --out $(DATA)/traj-all --splits train
+	$(PY) synth.py --model $(MODEL) --data $(DATA) --out $(DATA)/traj-all --splits train
 
 # The main job: R1-Router's procedure on the embedded mini-world at a newcomer's budget (~45 min on 2 cores, fp32):
 # the mini-world -> its indexes -> golden trajectories of 400 training questions (the gold decomposition through the

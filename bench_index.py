@@ -153,8 +153,8 @@ if __name__ == "__main__":
             report["indexes"][kind] = dict(params=params, build_s=build_s, file_bytes=file_bytes, rows=rows,
                                            estimate_bytes=retrievers.index_bytes(kind, args.n, args.d, pq_m))
             print(f"{kind}: built in {build_s:.0f}s, {file_bytes / 1e6:.0f} MB", flush=True)
-    print(f"\n| index | parameters | build s | file MB (estimate) | --search_depth | RAM MB heap + touched file | q/s (batch) "
-          f"| ms/q (single) | recall@10 | top-1@10 |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| index | parameters | build s | file MB (estimate) | --search_depth | RAM MB heap + touched file | q/s (batch) "
+          "| ms/q (single) | recall@10 | top-1@10 |\n|---|---|---|---|---|---|---|---|---|---|")
     for kind, r in report["indexes"].items():
         params = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k != "type") or "exact"
         for i, row in enumerate(r["rows"]):

@@ -22,7 +22,6 @@ Outputs in --out (trainutil.py): step_<N>/ (an HF folder transformers and vLLM l
 Outline: arguments -> data (validated rows, masked loss) -> checkpoints -> dev loss -> one step -> main.
 """
 import argparse
-import json
 import math
 import os
 import random

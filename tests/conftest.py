@@ -18,8 +18,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one thread a process
 
 # `make test` hands whole files to two pytest-xdist workers in collection order (--dist loadfile --no-loadscope-reorder):
 # the longest files first (their times with two workers, docs/LOG.md), so that the two workers end together
-LONGEST_FIRST = ("test_stepgrpo.py", "test_sft.py", "test_smoke.py", "test_lora.py", "test_vl_ranks.py", "test_gpu_check.py",
-                 "test_vl.py", "test_retrievers.py", "test_rollout.py")
+LONGEST_FIRST = ("test_stepgrpo.py", "test_lora.py", "test_smoke.py", "test_vl_ranks.py", "test_sft.py", "test_gpu_check.py",
+                 "test_retrievers.py", "test_vl.py", "test_rollout.py")
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
@@ -71,12 +71,39 @@ def encoder():
     import retrievers
     return retrievers.Encoder()
 
+TOKENIZER_IDS = 4096
+
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny random Llama (tied embeddings, head_dim 32: vLLM's CPU attention rejects 16) with the SmolLM2 tokenizer."""
+def tok_dir(tmp_path_factory):
+    """SmolLM2's tokenizer cut to its first 4,096 ids: its special tokens, bytes and first byte-level BPE merges (every
+    text still encodes, in ~1.3x the tokens), with its chat template. The tests' tiny models and trajectories take it:
+    49,152 rows of vocabulary were most of a tiny model's compute, and vLLM copies a tokenizer ~20 times as it starts a
+    VL engine (a 2-rank VL Step-GRPO run 38 -> 22 s)."""
+    import json
+    import shutil
+    from pathlib import Path
+    src, out = Path(prepare.DEFAULT_MODEL), tmp_path_factory.mktemp("tok") / "smollm2-4k"
+    out.mkdir()
+    spec = json.loads((src / "tokenizer.json").read_text())
+    bpe = spec["model"]
+    bpe["vocab"] = {t: i for t, i in bpe["vocab"].items() if i < TOKENIZER_IDS}
+    bpe["merges"] = [m for m in bpe["merges"] if "".join(m) in bpe["vocab"]]  # those that make a token kept
+    assert all(t["id"] < TOKENIZER_IDS for t in spec["added_tokens"])
+    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(src / name, out / name)
+    return out
+
+@pytest.fixture(scope="session")
+def tok(tok_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tok):
+    """A tiny random Llama (tied embeddings, head_dim 32: vLLM's CPU attention rejects 16) with the tests' tokenizer."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
+    from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
@@ -87,15 +114,26 @@ def tiny_model_dir(tmp_path_factory):
     return out
 
 @pytest.fixture(scope="session")
-def traj_dir(tmp_path_factory, tiny_index):
+def wide_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny Llama at SmolLM2's whole vocabulary (49,152) and with its tokenizer: where the loss's fp32 [N, V]
+    copies must dominate a memory measurement."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("wide") / "llama"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir, vocab_size=49152)).save_pretrained(out)
+    AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL).save_pretrained(out)
+    return out
+
+@pytest.fixture(scope="session")
+def traj_dir(tmp_path_factory, tiny_index, tok):
     """Golden trajectories of the tiny world (rollout.py's GoldPolicy through the real step loop, BM25), tokenised
-    with the SmolLM2 tokenizer: 32 train and 6 dev rows."""
-    from transformers import AutoTokenizer
+    with the tests' tokenizer: 32 train and 6 dev rows."""
     import corpus
     import retrievers
     import rollout
     out = tmp_path_factory.mktemp("traj")
-    tok, ret = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL), retrievers.Retriever(tiny_index, "bm25")
+    ret = retrievers.Retriever(tiny_index, "bm25")
     for split, n in (("train", 32), ("dev", 6)):
         qs = corpus.load_questions(tiny_index, split)[:n]
         trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)

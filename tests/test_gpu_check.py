@@ -14,14 +14,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-def gpu_check(tmp_path, dry):
+def gpu_check(tmp_path, dry, *flags):
     env = dict(os.environ, PY=sys.executable, DRY="1" if dry else "")
-    return subprocess.run(["bash", str(ROOT / "runs" / "gpu_check.sh"), "--out", str(tmp_path / "gc")], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
+    return subprocess.run(["bash", str(ROOT / "runs" / "gpu_check.sh"), "--out", str(tmp_path / "gc"), *flags], cwd=ROOT,
+                          env=env, capture_output=True, text=True)
 
 @pytest.mark.slow
-def test_dry_mode_runs_every_check_on_the_cpu(tmp_path):
-    r = gpu_check(tmp_path, dry=True)
+def test_dry_mode_runs_every_check_on_the_cpu(tmp_path, tok_dir):
+    r = gpu_check(tmp_path, True, "--tokenizer", str(tok_dir))  # the tests' tokenizer: its tiny models, faster
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "dry run: CPU, fp32; skipped (GPU only): the cuda and budget checks" in r.stdout
     table = r.stdout[r.stdout.index("\ngpu_check (dry, CPU;"):].strip().splitlines()

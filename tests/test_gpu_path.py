@@ -332,7 +332,7 @@ def test_each_part_of_the_gpu_budget_decides_at_its_edge(monkeypatch):
     monkeypatch.setenv("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "0")  # graphs outside vLLM's share: refused
     assert "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0" in trainutil.model_budget_error(None, None, edge, 0, 0.5, 1, 1)
 
-def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(tiny_model_dir):
+def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(wide_model_dir):
     # trainutil.LOSS_COPIES, measured: torch's profiler records every allocation and free on the CPU, in order; the
     # live bytes of grpo.token_logprobs, grpo_loss and their backward peak at LOSS_COPIES fp32 [N, V] tensors, plus
     # the tiny model's own activations (hidden size 64 against a 49152 vocabulary: under a quarter of a copy)
@@ -341,7 +341,7 @@ def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(tiny_model_dir):
     import grpo
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(wide_model_dir, dtype=torch.float32)
     N, V = 256, model.config.vocab_size
     ids = torch.randint(5, V, (1, N + 1), generator=torch.Generator().manual_seed(0))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -7,11 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import corpus
 import importers
-from corpus import DataError, load_kb, load_questions
+from corpus import load_kb, load_questions
 from importers import Sink
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import corpus
-import prepare
 import retrievers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,11 +133,11 @@ def test_missing_or_stale_pixel_index_is_reported(tmp_path, tiny_index):
         retrievers.Retriever(broken, "bm25")
 
 @pytest.fixture(scope="module")
-def tiny_clip_dir(tmp_path_factory):
-    """A tiny random CLIP with the SmolLM2 tokenizer (no download), saved with its processor like any HF CLIP folder."""
+def tiny_clip_dir(tmp_path_factory, tok_dir):
+    """A tiny random CLIP with the tests' tokenizer (no download), saved with its processor like any HF CLIP folder."""
     import torch
     from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL, model_max_length=64)
+    tok = AutoTokenizer.from_pretrained(tok_dir, model_max_length=64)
     layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     cfg = CLIPConfig(text_config=dict(vocab_size=len(tok), max_position_embeddings=64, bos_token_id=tok.bos_token_id,
                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **layers),

@@ -1,7 +1,8 @@
 """rollout.py: the step loop on both backends, masks and spans, malformed outputs, weight sync into vLLM.
 
-The policy is a tiny random Llama built here with the SmolLM2 tokenizer (head_dim 32: vLLM's CPU attention rejects 16);
-GoldPolicy (the gold decomposition written through the real loop and real retrieval) is the known-good policy."""
+The policy is a tiny random Llama (conftest.py: SmolLM2's tokenizer cut to 4,096 ids; head_dim 32: vLLM's CPU
+attention rejects 16); GoldPolicy (the gold decomposition written through the real loop and real retrieval) is the
+known-good policy."""
 import copy
 import io
 
@@ -14,8 +15,6 @@ import prepare
 import retrievers
 import reward
 import rollout
-
-SMOL = prepare.DEFAULT_MODEL
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir):
@@ -407,16 +406,18 @@ def test_released_evaluation_retries_reminds_and_falls_back(tiny_index, retrieve
 
 #### multi-query steps (--max_pairs > 1)
 
-def test_one_query_a_step_reproduces_r1_routers_trajectories_token_for_token(tiny_index, retriever, hf_engine):
-    # sha256 of the gold trajectories (ids, mask, spans) of the tiny world's train and test questions: the step loop,
-    # the every-KB mode and the released structure, as the code wrote them before multi-query steps existed
+def test_one_query_a_step_reproduces_r1_routers_trajectories_token_for_token(tiny_index, retriever):
+    # sha256 of the gold trajectories (ids, mask, spans; SmolLM2's tokenizer) of the tiny world's train and test
+    # questions: the step loop, the every-KB mode and the released structure, as the code wrote them before multi-query
+    # steps existed
     import hashlib
     import json
-    h = hashlib.sha256()
+    from transformers import AutoTokenizer
+    tok, h = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL), hashlib.sha256()
     for split in ("train", "test"):
         qs = corpus.load_questions(tiny_index, split)
         for s in (rollout.Settings(), rollout.Settings(route_mode="all"), rollout.Settings(structure="released")):
-            for x in rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs, think="kb_first"), retriever, qs, s=s):
+            for x in rollout.rollout(rollout.GoldPolicy(tok, qs, think="kb_first"), retriever, qs, s=s):
                 h.update(json.dumps([x["ids"], x["mask"], x["spans"]]).encode())
     assert h.hexdigest() == "8f196ddee5b0c4095da519a995a40b7ac85487b929691bfeeab40d55c1a7ee51"
 
@@ -478,13 +479,13 @@ def test_a_route_with_more_pairs_than_allowed_is_a_format_failure(tiny_index, re
     assert x["format_ok"] and [(st["kb"], st["step"]) for st in x["steps"]] == [("text", 0), ("table", 0)]
     assert "<ret>Text Retriever, Table Retriever</ret>" in tok.decode(x["ids"])
 
-def test_hf_engine_samples_from_the_distribution_its_logprobs_describe(tmp_path):
+def test_hf_engine_samples_from_the_distribution_its_logprobs_describe(tmp_path, tok_dir):
     """A tiny model of its own whose generation_config, as Qwen2.5-Instruct's does, sets a repetition penalty and a
     top-k (and no top-k at all: transformers' default is 50). Greedy, the HF engine writes the argmax of the plain
     logits at every step; sampled at T 1 with top-k off, it draws beyond any top-k; with top_k 5, from the 5 best, and
     every returned logprob is that token's under exactly the distribution drawn from."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-    tok = AutoTokenizer.from_pretrained(SMOL)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)

@@ -1,10 +1,10 @@
 """sft.py: the masked loss by hand, one SGD step by hand, 2-rank FSDP2 (torchrun, gloo) equal to one process, exact
 resume, the saved checkpoint (transformers, tied embeddings, equal to the trainer's model), bad-input errors.
 
-Policy: a tiny random Llama (tied embeddings) with the SmolLM2 tokenizer. Data: real golden trajectories, rollout.py's
-GoldPolicy through the real step loop and BM25 retrieval on the tiny world. Single-process runs call sft.main() in
-this process (one torch thread: on this shared 2-core machine two OMP threads were up to 7x slower); the 2-rank run
-and one error case go through the real command line."""
+Policy: a tiny random Llama (tied embeddings) with the tests' tokenizer (SmolLM2's, cut to 4,096 ids). Data: real
+golden trajectories, rollout.py's GoldPolicy through the real step loop and BM25 retrieval on the tiny world.
+Single-process runs call sft.main() in this process (one torch thread: on this shared 2-core machine two OMP threads
+were up to 7x slower); the 2-rank run and one error case go through the real command line."""
 import json
 import os
 import re
@@ -18,23 +18,16 @@ import torch
 from safetensors.torch import load_file
 
 import corpus
-import prepare
 import retrievers
 import rollout
 import sft
 import trainutil
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOL = ROOT / prepare.DEFAULT_MODEL
 # fp32: the by-hand and 1-vs-2-rank comparisons are tight; test_bf16_step and the resume test run bf16
 FAST = ["--max_len", "512", "--batch_size", "2", "--wandb_mode", "disabled", "--warmup_steps", "0", "--dtype", "fp32"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(SMOL)
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir):

@@ -52,8 +52,8 @@ def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_di
     assert "== report: " in again and "== sft: " not in again and "== eval: " not in again
 
     sft, grpo = out / "sft" / "final", out / "stepgrpo" / "final"
-    cli("synth.py", "--data", world, "--out", tmp_path / "teacher", "--teacher", sft, "-n", "1", "--splits",
-        "train", "--offset", "8", "--limit", "4", "--retriever", "bm25", "--topk", "1")
+    cli("synth.py", "--model", tiny_model_dir, "--data", world, "--out", tmp_path / "teacher", "--teacher", sft, "-n",
+        "1", "--splits", "train", "--offset", "8", "--limit", "4", "--retriever", "bm25", "--topk", "1")
     report = json.loads((tmp_path / "teacher" / "train.errors.json").read_text())
     counts = report["filters"]
     assert counts["sampled"] == 4 and len(report["dropped"]) + counts["kept_questions"] == 4, report

@@ -2,17 +2,11 @@
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 import corpus
-import prepare
 import retrievers
 import rollout
 import synth
-
-@pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
 
 def traj(steps, final, answers=("Suldor",), stop=True, ok=True):
     spans = [dict(kind=k, step=i, start=0, end=1) for i in range(len(steps)) for k in ("route", "answer")]
