@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-import corpus
+
+import dataio
 import retrievers
 import trainutil
 from prepare import DEFAULT_MODEL
@@ -100,7 +101,7 @@ def engine_stages(cfg, args):
     import rollout
     from engines import VLLMEngine
     engine = VLLMEngine(args.model, seed=0)
-    qs = corpus.load_questions(args.data, "dev")[:args.questions]
+    qs = dataio.load_questions(args.data, "dev")[:args.questions]
     chat = rollout.TranscriptSteps(engine.tok, rollout.SYSTEM_PROMPT.format(max_steps=3))
     prompts = [chat.start(dict(question=q["question"], image=None, steps=[])).prompt() for q in qs]
     gen = lambda n: engine.llm.generate([engine.tokens_prompt(p, []) for p in prompts], SamplingParams(
@@ -132,7 +133,7 @@ def engine_stages(cfg, args):
 def encoder_stage(args):
     """(FLOP/s, note) of the dense index's encoder over KB passages (retrievers.Encoder, the linear layers only)."""
     enc = retrievers.Encoder()
-    texts = [retrievers.doc_contents(d, "text") for d in corpus.read_jsonl(Path(args.data) / "kb" / "text.jsonl")]
+    texts = [retrievers.doc_contents(d, "text") for d in dataio.read_jsonl(Path(args.data) / "kb" / "text.jsonl")]
     texts = texts[:args.passages]
     enc.encode(texts[:32])  # warm-up
     s = timed(lambda: enc.encode(texts))

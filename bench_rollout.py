@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-import corpus
+
+import dataio
 import retrievers
 from engines import HFEngine, VLLMEngine, auto_model
 from prepare import DEFAULT_MODEL
@@ -51,13 +52,13 @@ def bench_loop(engine, ret, qs, args, structure, label):
 def main(args):
     """Throughput of the routed loop (each step structure; visual questions too, when the data has them) vs raw vLLM
     generation of as many tokens, vLLM vs HF (on prompts with images for a VL policy: images/s), weight-sync time."""
-    qs = corpus.load_questions(args.data, args.split)[:args.n_questions]
+    qs = dataio.load_questions(args.data, args.split)[:args.n_questions]
     ret = retrievers.make_retriever(args.retriever, args.data)
     engine = VLLMEngine(args.model, seed=args.seed)
     for structure in ("transcript", "released") if args.structure == "both" else (args.structure,):
         prompts = bench_loop(engine, ret, qs, args, structure, f"{args.split} questions")
     if (Path(args.data) / "questions" / f"visual_{args.split}.jsonl").is_file():  # the cost of a visual question
-        vqs = corpus.load_questions(args.data, f"visual_{args.split}")[:args.n_questions]
+        vqs = dataio.load_questions(args.data, f"visual_{args.split}")[:args.n_questions]
         visual = bench_loop(engine, ret, vqs, args, args.structure.replace("both", "transcript"), f"visual_{args.split} questions")
         prompts = visual if engine.vis else prompts
     from vllm import SamplingParams

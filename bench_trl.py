@@ -56,11 +56,11 @@ ap.add_argument("--run", default="both", choices=["both", "ours", "trl"], help="
 
 def workload():
     """Tokenizer, questions, prompt ids, and the reward: score(question, completion text)."""
-    import corpus, reward, retrievers, rollout
+    import dataio, retrievers, reward, rollout
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.model)
     fmt = transcript.ChatFormat(tok, rollout.SYSTEM_PROMPT.format(max_steps=3))
-    qs = corpus.load_questions(args.data, "train")[:args.prompts]
+    qs = dataio.load_questions(args.data, "train")[:args.prompts]
     encode = retrievers.Encoder().encode
     def score(q, text):
         return reward.score_route(reward.parse_route(text), q["steps"][:1], encode)

@@ -34,7 +34,7 @@ Run:
 The public benchmarks (HotpotQA, 2WikiMultihopQA, MuSiQue, WikiTableQuestions, TabFact, ...) come into the same layout
 through importers.py.
 
-Outline: file I/O and schema checks -> the mini-world (entities, KBs, questions) -> --check.
+Outline: the mini-world (entities, KBs, questions) -> --check. Reading, writing and checking the files: dataio.py.
 """
 import argparse
 import hashlib
@@ -47,116 +47,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-KBS = ("text", "table", "image")
-
-# ----------------------------------------------------------------------------------------------------------------
-# JSONL I/O shared by all scripts: loud errors with path:line, atomic writes (temp file + rename)
-
-class DataError(ValueError):
-    pass
-
-def json_error(e):
-    """A JSONDecodeError in words: 'Expecting value at column 14' ('Unterminated string starting at column 23')."""
-    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
-
-def iter_jsonl(path):
-    """(lineno, row) for each non-blank line."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.rstrip("\r\n"))  # with the newline, a cut-off line's error is "line 2, column 1"
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({json_error(e)})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            yield lineno, row
-
-def read_jsonl(path):
-    return [row for _, row in iter_jsonl(path)]
-
-def write_atomic(path, data):
-    """Write str or bytes to a temp file next to `path`, fsync, then os.replace: readers never see half a file.
-    The one file writer of the repo (JSONL, reports, figures, checkpoint pointers)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-def write_jsonl(path, rows):
-    write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-
-# required keys and their types, per file kind (a key ending in "?" is optional)
-SCHEMA = {
-    "text": {"id": str, "title": str, "text": str},
-    "table": {"id": str, "title": str, "header": list, "rows": list, "text": str},
-    "image": {"id": str, "title": str, "caption": str, "path": str},
-    "question": {"id": str, "question": str, "answers": list, "type": str, "steps": list, "image?": str},
-    "step": {"sub_question": str, "kb": str, "doc_id": str, "answer": str},
-}
-
-def check_row(row, kind, where):
-    for spec, typ in SCHEMA[kind].items():
-        key = spec.rstrip("?")
-        if key not in row and spec.endswith("?"):
-            continue
-        if key not in row:
-            raise DataError(f"{where}: missing field '{key}' (a {kind} row needs {[k for k in SCHEMA[kind] if k[-1] != '?']})")
-        if not isinstance(row[key], typ):
-            raise DataError(f"{where}: field '{key}' should be {typ.__name__}, got {type(row[key]).__name__}")
-    if kind == "question":
-        if not row["answers"] or not all(isinstance(a, str) for a in row["answers"]):
-            raise DataError(f"{where}: 'answers' must be a non-empty list of strings")
-        for i, step in enumerate(row["steps"]):
-            if not isinstance(step, dict):
-                raise DataError(f"{where}: steps[{i}] should be an object")
-            check_row(step, "step", f"{where} steps[{i}]")
-            if step["kb"] not in KBS:
-                raise DataError(f"{where} steps[{i}]: kb '{step['kb']}' is not one of {KBS}")
-
-def _load(path, kind):
-    rows = read_jsonl(path)
-    seen = set()
-    for i, row in enumerate(rows):
-        where = f"{path}: row {i + 1} (id {row.get('id')!r})"
-        check_row(row, kind, where)
-        if row["id"] in seen:
-            raise DataError(f"{where}: duplicate id")
-        seen.add(row["id"])
-    return rows
-
-def load_kb(data_dir, kb):
-    """Documents of one KB, validated. Image rows get an absolute `path` to an existing file."""
-    path = Path(data_dir) / "kb" / f"{kb}.jsonl"
-    rows = _load(path, kb)
-    if kb == "image":
-        for i, r in enumerate(rows, 1):
-            r["path"] = str(Path(data_dir).resolve() / "kb" / r["path"])  # absolute: the server sends it to every node
-            if not Path(r["path"]).is_file():
-                raise DataError(f"{path}: row {i} (id {r['id']!r}): image file not found: {r['path']}")
-    return rows
-
-def load_questions(data_dir, split):
-    """Questions of one split, validated. A visual question's `image` becomes an absolute path to an existing file."""
-    path = Path(data_dir) / "questions" / f"{split}.jsonl"
-    rows = _load(path, "question")
-    for i, q in enumerate(rows):
-        if "image" in q:
-            q["image"] = str(Path(data_dir).resolve() / q["image"])
-            if not Path(q["image"]).is_file():
-                raise DataError(f"{path}: row {i + 1} (id {q['id']!r}): image file not found: {q['image']}")
-    return rows
+from dataio import KBS, DataError, load_kb, load_questions, write_jsonl
 
 # ----------------------------------------------------------------------------------------------------------------
 # The fictional world

@@ -61,12 +61,13 @@ from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 
-import corpus
+
+import dataio
 import engines
 import prepare
 import report
 import reward
-from corpus import KBS  # ("text", "table", "image")
+from dataio import KBS  # ("text", "table", "image")
 from report import FAILURES, type_order, write_report
 
 STOP, MISSING = "stop", "missing"
@@ -500,11 +501,11 @@ def print_paired(paths):
     if len(paths) % 2:
         sys.exit(f"error: --paired takes BASE NEW pairs: {len(paths)} files given")
     try:
-        files = [corpus.read_jsonl(f) for f in paths]
+        files = [dataio.read_jsonl(f) for f in paths]
         p = paired(list(zip(files[::2], files[1::2])))
     except KeyError as e:
         sys.exit(f"error: --paired: a trajectory lacks {e}: give trajectories-*.jsonl written by evaluate.py")
-    except (corpus.DataError, OSError, ValueError) as e:
+    except (dataio.DataError, OSError, ValueError) as e:
         sys.exit(f"error: --paired: {e}")
     pairs = [f"{n} - {b}" for b, n in zip(paths[::2], paths[1::2])]
     print(f"{'; '.join(pairs)}, {p['n']} questions (paired bootstrap, 10000 resamples"
@@ -571,9 +572,9 @@ def run_methods(args, engine, ret, qs, settings, shots, model, name, out):
             (f"+{args.protocol}" if args.protocol != "strict" and method in STEP_FORMAT else "")
         row = {f"{name}/{label}": dict(score(trajs), seconds=round(time.perf_counter() - t, 1))}
         results.update(row)
-        corpus.write_jsonl(out / f"trajectories-{method}.jsonl",
+        dataio.write_jsonl(out / f"trajectories-{method}.jsonl",
                            [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in trajs])
-        corpus.write_atomic(out / f"method-{report.slug(method)}.json",  # after its trajectories: the mark of a finished method
+        dataio.write_atomic(out / f"method-{report.slug(method)}.json",  # after its trajectories: the mark of a finished method
                             json.dumps({"signature": signature, "results": row}, indent=1, allow_nan=False) + "\n")
     return results
 
@@ -635,15 +636,15 @@ def main(args):
     outs = [Path(o) for o in args.out] if args.out else [Path(f"out/eval/{n}-{split}") for n in names]
     check_models(args, names, outs)
     try:
-        qs = [q for sp in args.split for q in corpus.load_questions(args.data, sp)[:args.n_questions or None]]
+        qs = [q for sp in args.split for q in dataio.load_questions(args.data, sp)[:args.n_questions or None]]
         ret = retrievers.make_retriever(args.retriever, args.data)
-    except corpus.DataError as e:
+    except dataio.DataError as e:
         sys.exit(f"error: {e}")
     settings, shots = settings_of(args), None
     engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=args.max_model_len,
                                  max_pixels=args.max_pixels, max_images=settings.max_images)
     if args.few_shot:
-        examples = few_shot_examples(corpus.load_questions(args.data, "train"), args.few_shot)
+        examples = few_shot_examples(dataio.load_questions(args.data, "train"), args.few_shot)
         shots = rollout.few_shot_prefix(engine.tok, ret, examples, settings)
         print(f"--few_shot {args.few_shot}: {len(examples)} train questions as worked examples ({len(shots)} tokens)")
     for i, (model, name, out) in enumerate(zip(args.model, names, outs)):
@@ -662,8 +663,8 @@ def evaluate_model(args, engine, ret, qs, settings, shots, model, name, out):
     if args.probe:
         out.mkdir(parents=True, exist_ok=True)
         p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=model, split=split, questions=len(qs))
-        corpus.write_atomic(out / "route_probe.json", json.dumps(p, indent=2) + "\n")
-        corpus.write_atomic(out / "routing_confusion_probe.png", report.confusion_chart(p["confusion"], f"route probe ({args.probe} samples a prefix)", name))
+        dataio.write_atomic(out / "route_probe.json", json.dumps(p, indent=2) + "\n")
+        dataio.write_atomic(out / "routing_confusion_probe.png", report.confusion_chart(p["confusion"], f"route probe ({args.probe} samples a prefix)", name))
         print(f"route probe: {p['probe_acc']:.1f}% of sampled routes take the gold KB, choice entropy "
               f"{p['choice_entropy']:.2f} bits; by gold decision: "
               + ", ".join(f"{g} {v:.1f}%" for g, v in p["by_gold"].items() if v is not None) + f"  ({out}/route_probe.json)")

@@ -49,7 +49,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from corpus import KBS, DataError, check_row, iter_jsonl, json_error, linearise
+from corpus import linearise
+from dataio import KBS, DataError, check_row, iter_jsonl, json_error
 
 MAX_ROWS = 30  # longer tables keep their first 30 rows
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp")  # a visual question's picture is <image_id> + one of these

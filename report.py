@@ -19,9 +19,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import corpus
+
+import dataio
 import reward
-from corpus import KBS  # ("text", "table", "image")
+from dataio import KBS  # ("text", "table", "image")
 
 TYPES = ("none", "1hop", "2hop", "3hop", "comparison", "visual")  # display order; other types follow, sorted
 FAILURES = ("format", "route", "retrieval", "step_answer", "final", "unattributed")  # evaluate.failure's, in order
@@ -160,12 +161,12 @@ def write_report(results, out_dir, title="R1-Router evaluation"):
     md = markdown(results, title)
     if any(re.search(r"@s\d+", name) for name in results):  # training seeds: mean +- std first
         md = "\n".join([f"# {title}: mean ± std over training seeds", "", *seed_table(results), "", md])
-    corpus.write_atomic(out / "results.json", json.dumps(results, indent=2, allow_nan=False) + "\n")
-    corpus.write_atomic(out / "table.md", md)
-    corpus.write_atomic(out / "metrics.png", metrics_chart(results, title))
+    dataio.write_atomic(out / "results.json", json.dumps(results, indent=2, allow_nan=False) + "\n")
+    dataio.write_atomic(out / "table.md", md)
+    dataio.write_atomic(out / "metrics.png", metrics_chart(results, title))
     for method, s in results.items():
         if s["retrievals"] > 0:
-            corpus.write_atomic(out / f"routing_confusion_{slug(method)}.png", confusion_chart(s["confusion"], method, title))
+            dataio.write_atomic(out / f"routing_confusion_{slug(method)}.png", confusion_chart(s["confusion"], method, title))
     return md
 
 
@@ -243,13 +244,13 @@ def step_lines(steps, titles, gold=None):
 def show(paths, data, qid=None):
     """The question's gold steps, then each file's trajectory for it: the routed steps and the final answer."""
     try:
-        files = [{x["qid"]: x for x in corpus.read_jsonl(p)} for p in paths]
+        files = [{x["qid"]: x for x in dataio.read_jsonl(p)} for p in paths]
         qid = pick_question(list(files[0].values()), qid)
-        titles = {d["id"]: d["title"] for kb in KBS for d in corpus.load_kb(data, kb)}
+        titles = {d["id"]: d["title"] for kb in KBS for d in dataio.load_kb(data, kb)}
         xs = [f[qid] for f in files]
     except KeyError as e:
         sys.exit(f"error: --show: question {e} is missing from one of {', '.join(map(str, paths))}")
-    except (corpus.DataError, OSError, ValueError) as e:
+    except (dataio.DataError, OSError, ValueError) as e:
         sys.exit(f"error: --show: {e}")
     x0 = xs[0]
     out = [f"question {qid} ({x0['type']}): {x0['question']}   gold answer: {' | '.join(x0['answers'])}",

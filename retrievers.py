@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from corpus import KBS, DataError, load_kb, load_questions
+from dataio import KBS, DataError, load_kb, load_questions
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RRF_K = 60  # reciprocal-rank-fusion constant (Cormack et al. 2009)

@@ -516,7 +516,7 @@ class StepLoop:
         return trajs
 
 def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_prompt=SYSTEM_PROMPT, shots=None, bar=None):
-    """questions: rows of corpus.load_questions. Returns len(questions) * n trajectory dicts (question-major).
+    """questions: rows of dataio.load_questions. Returns len(questions) * n trajectory dicts (question-major).
     shots: token ids of worked examples every transcript starts with (few_shot_prefix; prompting baselines); bar: a
     tqdm bar, advanced as trajectories finish."""
     if s.structure == "released" and shots:
@@ -668,12 +668,12 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=None, help="also write the trajectories as JSONL here")
     args = ap.parse_args()
     check_multi_query(args)
-    import corpus
+    import dataio
     import retrievers
     try:
-        qs = corpus.load_questions(args.data, args.split)[:args.n_questions]
+        qs = dataio.load_questions(args.data, args.split)[:args.n_questions]
         ret = retrievers.make_retriever(args.retriever, args.data)
-    except corpus.DataError as e:
+    except dataio.DataError as e:
         sys.exit(f"error: {e}")
     if not (Path(args.model) / "config.json").exists():
         sys.exit(f"error: {args.model}: not a model folder (run `python prepare.py` for the default)")
@@ -690,4 +690,4 @@ if __name__ == "__main__":
               "--few_shot 3 --protocol fallback) or SFT on golden trajectories (sft.py)")
     print(f"\n{len(trajs)} trajectories in {dt:.1f}s: {sum(x['n_policy_tokens'] for x in trajs) / dt:.0f} policy tokens/s")
     if args.out:
-        corpus.write_jsonl(args.out, trajs)
+        dataio.write_jsonl(args.out, trajs)

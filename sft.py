@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import corpus
+
+import dataio
 import trainutil
 import transcript
 import vision
@@ -93,32 +94,32 @@ def load_rows(path, max_len, vocab_size, vl=False):
     `segments`) gives one row per chat. images: [[start, n, path]] of a VL policy's transcript (vl: the model has a
     vision tower); image tokens are context, never a policy token."""
     rows = []
-    for i, r in enumerate(corpus.read_jsonl(path), 1):
+    for i, r in enumerate(dataio.read_jsonl(path), 1):
         ids, mask = r.get("ids"), r.get("mask")
         if not isinstance(ids, list) or not isinstance(mask, list):
-            raise corpus.DataError(f"{path}: row {i}: needs list fields 'ids' and 'mask'")
+            raise dataio.DataError(f"{path}: row {i}: needs list fields 'ids' and 'mask'")
         if len(ids) != len(mask):
-            raise corpus.DataError(f"{path}: row {i}: ids has {len(ids)} tokens but mask has {len(mask)}")
+            raise dataio.DataError(f"{path}: row {i}: ids has {len(ids)} tokens but mask has {len(mask)}")
         if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
-            raise corpus.DataError(f"{path}: row {i}: ids must be ints in [0, {vocab_size}) (the model's vocabulary)")
+            raise dataio.DataError(f"{path}: row {i}: ids must be ints in [0, {vocab_size}) (the model's vocabulary)")
         if not all(m in (0, 1) for m in mask) or 1 not in mask:
-            raise corpus.DataError(f"{path}: row {i}: mask must be 0/1 with at least one 1 (a policy token)")
+            raise dataio.DataError(f"{path}: row {i}: mask must be 0/1 with at least one 1 (a policy token)")
         images = r.get("images") or []
         if images and not vl:
-            raise corpus.DataError(f"{path}: row {i}: holds images, but the model has no vision tower (synthesise "
+            raise dataio.DataError(f"{path}: row {i}: holds images, but the model has no vision tower (synthesise "
                                    "with the text model's tokenizer, or train a VL model)")
         for start, n, image in images:
             if 1 in mask[start:start + n]:
-                raise corpus.DataError(f"{path}: row {i}: the image at token {start} is marked as policy tokens")
+                raise dataio.DataError(f"{path}: row {i}: the image at token {start} is marked as policy tokens")
             if not Path(image).is_file():
-                raise corpus.DataError(f"{path}: row {i}: image file not found: {image}")
+                raise dataio.DataError(f"{path}: row {i}: image file not found: {image}")
         for a, b in r.get("segments") or [[0, len(ids)]]:
             if 1 in mask[a:b]:
                 seg = vision.images_in(images, a, b)
                 end = min([b - a, max_len] + [s for s, n, _ in seg if s + n > max_len])
                 rows.append((ids[a:a + end], mask[a:a + end], [im for im in seg if im[0] + im[1] <= end]))
     if not rows:
-        raise corpus.DataError(f"{path}: no rows")
+        raise dataio.DataError(f"{path}: no rows")
     return rows
 
 def collate(rows, pad_id, device):
@@ -222,7 +223,7 @@ def main(argv=None):
         fmt = transcript.check_tokenizer(args.data, tok, print0)
         train = [r for sp in args.train_splits for r in load_rows(Path(args.data) / f"{sp}.jsonl", args.max_len, vocab, vl)]
         dev = load_rows(Path(args.data) / f"{args.dev_split}.jsonl", args.max_len, vocab, vl) if args.eval_every else []
-    except (corpus.DataError, OSError, ValueError) as e:
+    except (dataio.DataError, OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     dev = dev[:args.eval_rows or None]
     G = args.batch_size * args.grad_accum * world  # rows per optimizer step, over all ranks

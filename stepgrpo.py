@@ -42,7 +42,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import corpus
+
+import dataio
 import engines
 import reward
 import rollout
@@ -220,19 +221,19 @@ def load_dropped(folder):
     try:
         return set(json.loads(path.read_text())["dropped"])
     except (OSError, ValueError, KeyError) as e:
-        raise corpus.DataError(f"{path}: no list of dropped questions (synth.py --teacher writes it): {e!r}")
+        raise dataio.DataError(f"{path}: no list of dropped questions (synth.py --teacher writes it): {e!r}")
 
 def load_pool(folder):
     """--pool <folder>: the ids of every question a synth.py run sampled: those it kept and those its filter dropped."""
     path, errors, kept = Path(folder) / "train.jsonl", Path(folder) / "train.errors.json", set()
-    for i, x in enumerate(corpus.read_jsonl(path), 1):
+    for i, x in enumerate(dataio.read_jsonl(path), 1):
         if "qid" not in x:
-            raise corpus.DataError(f"{path}: row {i}: no qid: not a synth.py trajectory")
+            raise dataio.DataError(f"{path}: row {i}: no qid: not a synth.py trajectory")
         kept.add(x["qid"])
     try:  # golden data drops nothing; a teacher's report lists what its filter dropped
         return kept | set(json.loads(errors.read_text()).get("dropped", [])) if errors.exists() else kept
     except (OSError, ValueError, AttributeError, TypeError) as e:
-        raise corpus.DataError(f"{errors}: not a synth.py report: {e!r}")
+        raise dataio.DataError(f"{errors}: not a synth.py report: {e!r}")
 
 def load_prefixes(folder, tok, print0):
     """--prefixes <folder>: qid -> the trajectory of <folder>/train.jsonl (synth.py's rows: ids in the policy's
@@ -240,9 +241,9 @@ def load_prefixes(folder, tok, print0):
     transcript.check_tokenizer(folder, tok, print0)
     path = Path(folder) / "train.jsonl"
     store = {}
-    for i, x in enumerate(corpus.read_jsonl(path), 1):
+    for i, x in enumerate(dataio.read_jsonl(path), 1):
         if not all(k in x for k in ("qid", "ids", "spans", "segments", "images", "steps", "gold_steps", "answers")):
-            raise corpus.DataError(f"{path}: row {i}: not a synth.py trajectory (needs qid, ids, spans, segments, "
+            raise dataio.DataError(f"{path}: row {i}: not a synth.py trajectory (needs qid, ids, spans, segments, "
                                    "images, steps, gold_steps, answers)")
         store[x["qid"]] = x
     return store
@@ -602,14 +603,14 @@ def main(argv=None):
     start, weights, resuming = trainutil.resolve_start(args.model, out, args.resume, lora is not None)
     import retrievers
     try:
-        questions = [q for sp in args.split for q in corpus.load_questions(args.data, sp)]
-        dev_qs = corpus.load_questions(args.data, "dev")[:args.eval_questions] if args.eval_questions else []
+        questions = [q for sp in args.split for q in dataio.load_questions(args.data, sp)]
+        dev_qs = dataio.load_questions(args.data, "dev")[:args.eval_questions] if args.eval_questions else []
         ret = retrievers.make_retriever(args.retriever, args.data, device)  # one device decision, env_rank's
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(weights)
         store = load_prefixes(args.prefixes, tok, print0) if args.prefixes != "gold" else None
         only = load_dropped(args.dropped) if args.dropped else load_pool(args.pool) if args.pool else None
-    except corpus.DataError as e:
+    except dataio.DataError as e:
         sys.exit(f"error: {e}")
     if store is not None:  # a teacher's trajectories: only the questions it kept are trained on
         questions = [q for q in questions if q["id"] in store]
@@ -683,7 +684,7 @@ def main(argv=None):
         trainutil.link_step(out, step, "final")
         bar.close()
         log.close()
-        corpus.write_atomic(out / "curves.png", curves_chart(out / "log.jsonl", "Step-GRPO learning curves"))
+        dataio.write_atomic(out / "curves.png", curves_chart(out / "log.jsonl", "Step-GRPO learning curves"))
     report(out, step, peaks, dev_hist, world, print0)
     engine.close()  # vLLM's teardown destroys the default process group too (it shares it)
     if own_group and dist.is_initialized():

@@ -31,7 +31,8 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-import corpus
+
+import dataio
 import engines
 import prepare
 import reward
@@ -144,7 +145,7 @@ def read_r1router(path):
     several retrievers (R1-Router's multi-retriever mode) becomes one gold step per KB, with the same sub-question
     (replay it with --max_rets 3)."""
     questions, evidence = [], {}
-    for n, row in enumerate(corpus.read_jsonl(path), 1):
+    for n, row in enumerate(dataio.read_jsonl(path), 1):
         where = f"{path}:{n}"
         try:
             steps, ret_steps = row["steps"], [s for s in row["steps"] if s["step_type"] == "ret"]
@@ -173,7 +174,7 @@ def read_r1router(path):
             if answers is None:
                 raise KeyError("no final answer step")
         except (KeyError, IndexError, AttributeError, StopIteration, TypeError) as e:
-            raise corpus.DataError(f"{where}: not an R1-Router step-unrolled row ({type(e).__name__}: {e})") from None
+            raise dataio.DataError(f"{where}: not an R1-Router step-unrolled row ({type(e).__name__}: {e})") from None
         questions.append(dict(id=f"r1r-{n}", question=question, answers=[str(a) for a in answers], type=f"{len(gold)}hop",
                               pattern=">".join(g["kb"] for g in gold) or "none", steps=gold))
     return questions, RecordedRetriever(evidence)
@@ -209,9 +210,9 @@ def write_trajectories(out, split, trajs, tok, fmt, max_pixels=None):
     """<out>/<split>.jsonl, and <out>/meta.json naming the tokenizer of their ids (sft.py refuses another's), their
     format (transcript.format_meta: sft.py passes it on to its checkpoints) and a VL policy's picture cap (sft.py
     builds its processor with it)."""
-    corpus.write_jsonl(Path(out) / f"{split}.jsonl", [slim(x) for x in trajs])
+    dataio.write_jsonl(Path(out) / f"{split}.jsonl", [slim(x) for x in trajs])
     meta = dict(transcript.tokenizer_meta(tok), format=fmt, max_pixels=max_pixels)
-    corpus.write_atomic(Path(out) / transcript.META, json.dumps(meta) + "\n")
+    dataio.write_atomic(Path(out) / transcript.META, json.dumps(meta) + "\n")
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -257,8 +258,8 @@ if __name__ == "__main__":
     args = ap.parse_args()
     try:
         if args.export_r1router:
-            rows = corpus.read_jsonl(args.export_r1router)
-            corpus.write_jsonl(args.out, [to_r1router(x) for x in rows])
+            rows = dataio.read_jsonl(args.export_r1router)
+            dataio.write_jsonl(args.out, [to_r1router(x) for x in rows])
             print(f"wrote {len(rows)} rows in R1-Router's step-unrolled format to {args.out}")
             sys.exit(0)
         rollout.check_multi_query(args)
@@ -285,7 +286,7 @@ if __name__ == "__main__":
                                      max_pixels=args.max_pixels, max_images=settings.max_images) \
             if args.teacher and not guideline else None
         for split in args.splits:
-            qs = corpus.load_questions(args.data, split)
+            qs = dataio.load_questions(args.data, split)
             qs = qs[args.offset:args.offset + args.limit] if args.limit else qs[args.offset:]
             if guideline:  # writes its steps like the gold policy: no sampling, one trajectory a question
                 engine, settings = rollout.GuidelinePolicy(tok, qs, vis, args.max_pairs, args.gold_think), gold_settings
@@ -302,12 +303,12 @@ if __name__ == "__main__":
                 errors = dict(filters=counts, dropped=[q["id"] for q in qs if q["id"] not in kept], kept=error_report(trajs),
                               sampled=error_report([x for x in sampled if x["format_ok"] and not x["overflow"]]))
             write_trajectories(args.out, split, trajs, tok, transcript.format_meta(args), args.max_pixels)
-            corpus.write_atomic(Path(args.out) / f"{split}.errors.json", json.dumps(errors, indent=1) + "\n")
+            dataio.write_atomic(Path(args.out) / f"{split}.errors.json", json.dumps(errors, indent=1) + "\n")
             print(f"{split}: step mistakes against the world's gold (synth.step_errors), " + "; ".join(
                 f"{k}: " + ", ".join(f"{m} {v}" for m, v in e.items()) for k, e in errors.items() if k in ("kept", "sampled")))
             hits = [g["doc_id"] in s["retrieved"] for x in trajs for g, s in zip(x["gold_steps"], x["steps"])]
             print(f"{split}: {len(trajs)} trajectories ({report}); gold doc retrieved at {sum(hits) / max(1, len(hits)):.1%} "
                   f"of steps; {sum(sum(x['mask']) for x in trajs) / max(1, len(trajs)):.0f} policy tokens of "
                   f"{sum(len(x['ids']) for x in trajs) / max(1, len(trajs)):.0f} per trajectory -> {args.out}/{split}.jsonl")
-    except corpus.DataError as e:
+    except dataio.DataError as e:
         sys.exit(f"error: {e}")

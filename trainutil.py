@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import corpus
+
+import dataio
 import transcript
 from engines import auto_model
 
@@ -401,7 +402,7 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
-        corpus.write_atomic(out / "latest", f"step_{step}\n")
+        dataio.write_atomic(out / "latest", f"step_{step}\n")
         for p in sorted(out.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-keep]:
             if p.name != protect:
                 shutil.rmtree(p)
@@ -572,7 +573,7 @@ class Log:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         old = [json.loads(l) for l in open(out / "log.jsonl")] if resume and (out / "log.jsonl").exists() else []
-        corpus.write_atomic(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in old if r["step"] <= step))
+        dataio.write_atomic(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in old if r["step"] <= step))
         self.f = open(out / "log.jsonl", "a")
         if mode != "disabled":
             import wandb

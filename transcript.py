@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import reward
-from corpus import DataError
+from dataio import DataError
 from vision import Img, images_in
 
 META = "meta.json"  # beside a folder of trajectories (synth.py): tokenizer_meta of the tokenizer that wrote their ids

@@ -153,6 +153,7 @@ def world(out, text, vl):
     """A tiny world with BM25 indexes, and golden trajectories: text (train, dev) for the text policy, visual
     (visual_train, visual_dev as train, dev) for the VL one, each in its own tokenizer."""
     import corpus
+    import dataio
     import retrievers
     import rollout
     import synth
@@ -169,7 +170,7 @@ def world(out, text, vl):
     vis, tok = vision.VisionIO.load(vl, CAP), AutoTokenizer.from_pretrained(text)
     for folder, t, v, splits in (("traj", tok, None, ("train", "dev")), ("vltraj", vis.tok, vis, ("visual_train", "visual_dev"))):
         for split, name in zip(splits, ("train", "dev")):
-            qs = corpus.load_questions(data, split)[:16]
+            qs = dataio.load_questions(data, split)[:16]
             synth.write_trajectories(out / folder, name, rollout.rollout(rollout.GoldPolicy(t, qs, v), ret, qs), t,
                                      transcript.format_meta(rollout.Settings()),  # the defaults, as every check runs
                                      CAP if v else None)

@@ -129,14 +129,14 @@ def wide_model_dir(tmp_path_factory, tiny_model_dir):
 def traj_dir(tmp_path_factory, tiny_index, tok):
     """Golden trajectories of the tiny world (rollout.py's GoldPolicy through the real step loop, BM25), tokenised
     with the tests' tokenizer: 32 train and 6 dev rows."""
-    import corpus
+    import dataio
     import retrievers
     import rollout
     out = tmp_path_factory.mktemp("traj")
     ret = retrievers.Retriever(tiny_index, "bm25")
     for split, n in (("train", 32), ("dev", 6)):
-        qs = corpus.load_questions(tiny_index, split)[:n]
+        qs = dataio.load_questions(tiny_index, split)[:n]
         trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)
         assert all(x["format_ok"] for x in trajs)
-        corpus.write_jsonl(out / f"{split}.jsonl", trajs)
+        dataio.write_jsonl(out / f"{split}.jsonl", trajs)
     return out

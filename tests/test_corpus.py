@@ -12,6 +12,8 @@ import pytest
 from PIL import Image
 
 import corpus
+
+import dataio
 from conftest import tiny_world_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,22 +48,22 @@ def test_visual_questions_leave_the_kbs_and_text_questions_unchanged(tmp_path, t
     assert tree_digest(plain / "kb") == tree_digest(tiny_world / "kb")
     for split in ("train", "dev", "test"):
         assert (plain / "questions" / f"{split}.jsonl").read_bytes() == (tiny_world / "questions" / f"{split}.jsonl").read_bytes()
-    assert all(corpus.load_questions(plain, s) == [] for s in VISUAL_SPLITS)
+    assert all(dataio.load_questions(plain, s) == [] for s in VISUAL_SPLITS)
 
 def test_a_held_out_shape_leaves_train_and_dev_and_keeps_test(tmp_path, tiny_world):
     out = tmp_path / "no3hop"
     corpus.generate_mini(tiny_world_args(out, holdout=["3hop"]))
     assert tree_digest(out / "kb") == tree_digest(tiny_world / "kb")
     assert (out / "questions" / "test.jsonl").read_bytes() == (tiny_world / "questions" / "test.jsonl").read_bytes()
-    test = corpus.load_questions(out, "test")
+    test = dataio.load_questions(out, "test")
     assert any(q["type"] == "3hop" for q in test)
-    train, dev = corpus.load_questions(out, "train"), corpus.load_questions(out, "dev")
+    train, dev = dataio.load_questions(out, "train"), dataio.load_questions(out, "dev")
     assert (len(train), len(dev)) == (120, 40) and not any(q["type"] == "3hop" for q in train + dev)
     texts = [q["question"] for q in train + dev + test]
     ids = [q["id"] for q in train + dev + test]
     assert len(set(texts)) == len(texts) and len(set(ids)) == len(ids)  # no question twice, none shared with test
     # the kept questions are the default world's, in order; the new ones fill the places of the dropped
-    default = [q for q in corpus.load_questions(tiny_world, "train") if q["type"] != "3hop"]
+    default = [q for q in dataio.load_questions(tiny_world, "train") if q["type"] != "3hop"]
     assert train[:len(default)] == default
 
 # sha256 of the tiny default world's JSONL files (kb and questions; the PNGs' bytes depend on the PIL build), as
@@ -86,7 +88,7 @@ def test_no_held_out_pairs_leaves_the_default_world_as_it_was(tmp_path, tiny_wor
     assert not (tiny_world / "questions" / "test_heldout.jsonl").exists()
 
 def test_relations_are_read_off_the_sub_questions(tiny_world):
-    qs = [q for s in ("train", "dev", "test") for q in corpus.load_questions(tiny_world, s) if q["type"].endswith("hop")]
+    qs = [q for s in ("train", "dev", "test") for q in dataio.load_questions(tiny_world, s) if q["type"].endswith("hop")]
     for q in qs:
         rels = corpus.relations(q)
         for i, (rel, s) in enumerate(zip(rels, q["steps"])):
@@ -103,14 +105,14 @@ def test_held_out_pairs_leave_train_and_dev_and_fill_their_own_test_split(tmp_pa
     assert len(held) == 2
     assert tree_digest(out / "kb") == tree_digest(tiny_world / "kb")
     assert (out / "questions" / "test.jsonl").read_bytes() == (tiny_world / "questions" / "test.jsonl").read_bytes()
-    train, dev, test = (corpus.load_questions(out, s) for s in ("train", "dev", "test"))
+    train, dev, test = (dataio.load_questions(out, s) for s in ("train", "dev", "test"))
     assert (len(train), len(dev)) == (120, 40)
     assert not any(corpus.chain_pairs(q) & held for q in train + dev)  # 3-hop chains composing a held pair too
-    assert any(corpus.chain_pairs(q) & held for q in corpus.load_questions(tiny_world, "train"))  # some were dropped
+    assert any(corpus.chain_pairs(q) & held for q in dataio.load_questions(tiny_world, "train"))  # some were dropped
     seen = corpus.two_hop_pairs(train)  # each held relation composed in train, in its place, with another relation
     for a, b in held:
         assert any(x == a and (x, y) not in held for x, y in seen) and any(y == b and (x, y) not in held for x, y in seen)
-    heldout = corpus.load_questions(out, "test_heldout")
+    heldout = dataio.load_questions(out, "test_heldout")
     assert len(heldout) == 30 and corpus.check(out)["test_heldout"] == 30
     assert all(q["type"] == "2hop" and corpus.chain_pairs(q) <= held for q in heldout)
     assert set(corpus.two_hop_pairs(heldout)) == held
@@ -120,8 +122,8 @@ def test_held_out_pairs_leave_train_and_dev_and_fill_their_own_test_split(tmp_pa
     # named pairs; a pair that would leave a relation in no other pair of train fails in one line
     named = tmp_path / "named"
     corpus.generate_mini(tiny_world_args(named, holdout_pairs=["hq>founded_city"], n_test_heldout=5))
-    assert [corpus.relations(q) for q in corpus.load_questions(named, "test_heldout")] == [["hq", "founded_city"]] * 5
-    with pytest.raises(corpus.DataError, match="continent in no other pair of train"):  # in_country's only value
+    assert [corpus.relations(q) for q in dataio.load_questions(named, "test_heldout")] == [["hq", "founded_city"]] * 5
+    with pytest.raises(dataio.DataError, match="continent in no other pair of train"):  # in_country's only value
         corpus.generate_mini(tiny_world_args(tmp_path / "x", holdout_pairs=["in_country>continent"]))
     r = subprocess.run([sys.executable, str(ROOT / "corpus.py"), "--out", str(tmp_path / "y"), "--holdout_pairs",
                         "born_in>hair"], capture_output=True, text=True)
@@ -132,7 +134,7 @@ def test_reworded_questions_ask_the_trained_steps_in_words_no_training_question_
     corpus.generate_mini(tiny_world_args(out, reworded=20))
     for split in ("train", "dev", "test", "visual_train"):  # the other splits as the default world's
         assert (out / "questions" / f"{split}.jsonl").read_bytes() == (tiny_world / "questions" / f"{split}.jsonl").read_bytes()
-    worded, reworded = (corpus.load_questions(out, s) for s in ("test_worded", "test_reworded"))
+    worded, reworded = (dataio.load_questions(out, s) for s in ("test_worded", "test_reworded"))
     assert len(worded) == len(reworded) == 20 and corpus.check(out)["test_reworded"] == 20
     for a, b in zip(worded, reworded):  # the same chain: ids, steps, answers; only the question's words differ
         assert a["type"] == "2hop" and {k: v for k, v in a.items() if k != "question"} == \
@@ -140,7 +142,7 @@ def test_reworded_questions_ask_the_trained_steps_in_words_no_training_question_
         first = corpus.relations(a)[0]
         assert corpus.REWORDED[first].split("{s}")[0] in b["question"]
     trained = [q["question"] for sp in ("train", "dev", "test", "visual_train", "visual_dev", "visual_test")
-               for q in corpus.load_questions(out, sp)]
+               for q in dataio.load_questions(out, sp)]
     assert not {q["question"] for q in worded + reworded} & set(trained)
     assert len({q["question"] for q in worded + reworded}) == 40
     # no training question uses a second wording (each REWORDED phrase's fixed words, where RELATIONS' differ)
@@ -152,14 +154,14 @@ def test_files_follow_the_schema(tiny_world):
     counts = corpus.check(tiny_world)
     assert counts["train"] == 120 and counts["dev"] == 40 and counts["test"] == 40
     assert (counts["visual_train"], counts["visual_dev"], counts["visual_test"]) == (30, 10, 10)
-    assert all(counts[kb] > 0 for kb in corpus.KBS)
-    for t in corpus.load_kb(tiny_world, "table"):
+    assert all(counts[kb] > 0 for kb in dataio.KBS)
+    for t in dataio.load_kb(tiny_world, "table"):
         assert all(len(r) == len(t["header"]) for r in t["rows"]), t["id"]
         assert t["text"] == corpus.linearise(t)
 
 def test_gold_decompositions_are_consistent(tiny_world):
-    docs = {d["id"]: (kb, d) for kb in corpus.KBS for d in corpus.load_kb(tiny_world, kb)}
-    qs = [q for s in ("train", "dev", "test") for q in corpus.load_questions(tiny_world, s)]
+    docs = {d["id"]: (kb, d) for kb in dataio.KBS for d in dataio.load_kb(tiny_world, kb)}
+    qs = [q for s in ("train", "dev", "test") for q in dataio.load_questions(tiny_world, s)]
     assert len({q["question"] for q in qs}) == len(qs), "questions repeat across splits"
     assert {q["type"] for q in qs} == {"none", "1hop", "2hop", "3hop", "comparison"}
     for q in qs:
@@ -178,8 +180,8 @@ def test_gold_decompositions_are_consistent(tiny_world):
             assert len(q["steps"]) == 2 and (q["answers"][0] in ("yes", "no") or q["answers"][0] in q["question"])
 
 def test_visual_questions_follow_their_picture(tiny_world):
-    docs = {d["id"]: (kb, d) for kb in corpus.KBS for d in corpus.load_kb(tiny_world, kb)}
-    qs = [q for s in VISUAL_SPLITS for q in corpus.load_questions(tiny_world, s)]
+    docs = {d["id"]: (kb, d) for kb in dataio.KBS for d in dataio.load_kb(tiny_world, kb)}
+    qs = [q for s in VISUAL_SPLITS for q in dataio.load_questions(tiny_world, s)]
     assert [q["id"] for q in qs] == [f"vq{i}" for i in range(50)]
     assert len({(q["question"], q["steps"][0]["doc_id"]) for q in qs}) == len(qs)
     assert {q["steps"][0]["doc_id"].split("-")[1] for q in qs} == {"flag", "logo", "portrait"}
@@ -199,11 +201,11 @@ def test_visual_questions_follow_their_picture(tiny_world):
         assert q["answers"][0] == rest[-1]["answer"]
 
 def test_question_images_redraw_a_uniquely_drawn_picture(tiny_world):
-    docs = {d["id"]: d for d in corpus.load_kb(tiny_world, "image")}
+    docs = {d["id"]: d for d in dataio.load_kb(tiny_world, "image")}
     pixels = {i: Image.open(d["path"]).convert("RGB") for i, d in docs.items()}
     looks = Counter(p.tobytes() for p in pixels.values())
     assert max(looks.values()) > 1  # some pictures are shared, so the uniqueness rule does exclude entities
-    for q in (q for s in VISUAL_SPLITS for q in corpus.load_questions(tiny_world, s)):
+    for q in (q for s in VISUAL_SPLITS for q in dataio.load_questions(tiny_world, s)):
         image, gold = Path(q["image"]), q["steps"][0]["doc_id"]
         assert image == tiny_world / "questions" / "images" / f"{q['id']}.png"
         assert image.read_bytes() != Path(docs[gold]["path"]).read_bytes()
@@ -213,12 +215,12 @@ def test_question_images_redraw_a_uniquely_drawn_picture(tiny_world):
 def test_a_missing_question_image_is_one_line_naming_file_row_and_path(tmp_path, tiny_world):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_world, broken, ignore=shutil.ignore_patterns("index"))
-    q = corpus.read_jsonl(broken / "questions" / "visual_dev.jsonl")[2]
+    q = dataio.read_jsonl(broken / "questions" / "visual_dev.jsonl")[2]
     (broken / q["image"]).unlink()
     error = rf"visual_dev\.jsonl: row 3 \(id '{q['id']}'\): image file not found: .*{q['id']}\.png$"
-    with pytest.raises(corpus.DataError, match=error):
-        corpus.load_questions(broken, "visual_dev")
-    with pytest.raises(corpus.DataError, match=error):
+    with pytest.raises(dataio.DataError, match=error):
+        dataio.load_questions(broken, "visual_dev")
+    with pytest.raises(dataio.DataError, match=error):
         corpus.check(broken)
     r = subprocess.run([sys.executable, str(ROOT / "corpus.py"), "--check", str(broken)], capture_output=True, text=True)
     assert r.returncode != 0 and r.stderr.count("\n") == 1 and "image file not found" in r.stderr
@@ -226,10 +228,10 @@ def test_a_missing_question_image_is_one_line_naming_file_row_and_path(tmp_path,
 def test_a_missing_kb_image_fails_check_and_build_in_one_line(tmp_path, tiny_world):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_world, broken, ignore=shutil.ignore_patterns("index"))
-    doc = corpus.read_jsonl(broken / "kb" / "image.jsonl")[4]
+    doc = dataio.read_jsonl(broken / "kb" / "image.jsonl")[4]
     (broken / "kb" / doc["path"]).unlink()
     error = rf"image\.jsonl: row 5 \(id '{doc['id']}'\): image file not found: .*{doc['path']}$"
-    with pytest.raises(corpus.DataError, match=error):
+    with pytest.raises(dataio.DataError, match=error):
         corpus.check(broken)
     for cmd in (["corpus.py", "--check"], ["retrievers.py", "build", "--methods", "bm25", "--data"]):
         r = subprocess.run([sys.executable, str(ROOT / cmd[0]), *cmd[1:], str(broken)], capture_output=True, text=True)
@@ -237,7 +239,7 @@ def test_a_missing_kb_image_fails_check_and_build_in_one_line(tmp_path, tiny_wor
 
 def test_image_kb_holds_real_pngs_that_show_the_answer(tiny_world):
     rgb = corpus.RGB
-    for d in corpus.load_kb(tiny_world, "image"):
+    for d in dataio.load_kb(tiny_world, "image"):
         img = np.asarray(Image.open(d["path"]).convert("RGB"))
         if d["id"].startswith("image-logo"):  # centre pixel = the logo colour named in the caption
             colour = d["caption"].split(": ")[1].split()[1]
@@ -260,25 +262,25 @@ def test_regenerating_replaces_atomically(tmp_path):
 def test_bad_files_get_path_and_line(tmp_path, tiny_world):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "title": "t", "text": "x"}\n{"id": "b", "title": \n')
-    with pytest.raises(corpus.DataError, match=r"bad\.jsonl:2: not valid JSON \(Expecting value at column 22\)"):
-        corpus.read_jsonl(bad)  # the column where the line is cut off, not column 1 of the line after it
+    with pytest.raises(dataio.DataError, match=r"bad\.jsonl:2: not valid JSON \(Expecting value at column 22\)"):
+        dataio.read_jsonl(bad)  # the column where the line is cut off, not column 1 of the line after it
     bad.write_text('{"id": "a", "title": "cut off\n')
-    with pytest.raises(corpus.DataError, match=r"bad\.jsonl:1: not valid JSON \(Unterminated string starting at column 22\)$"):
-        corpus.read_jsonl(bad)
+    with pytest.raises(dataio.DataError, match=r"bad\.jsonl:1: not valid JSON \(Unterminated string starting at column 22\)$"):
+        dataio.read_jsonl(bad)
     bad.write_text('[1, 2]\n')
-    with pytest.raises(corpus.DataError, match=r"bad\.jsonl:1: expected a JSON object"):
-        corpus.read_jsonl(bad)
-    with pytest.raises(corpus.DataError, match="file not found"):
-        corpus.read_jsonl(tmp_path / "missing.jsonl")
+    with pytest.raises(dataio.DataError, match=r"bad\.jsonl:1: expected a JSON object"):
+        dataio.read_jsonl(bad)
+    with pytest.raises(dataio.DataError, match="file not found"):
+        dataio.read_jsonl(tmp_path / "missing.jsonl")
     q = tmp_path / "q" / "questions"
     q.mkdir(parents=True)
     (q / "dev.jsonl").write_text(json.dumps(dict(id="q0", question="?", answers=["a"], type="1hop",
                                                  steps=[dict(sub_question="?", kb="video", doc_id="x", answer="a")])) + "\n")
-    with pytest.raises(corpus.DataError, match=r"row 1 .*steps\[0\]: kb 'video'"):
-        corpus.load_questions(tmp_path / "q", "dev")
+    with pytest.raises(dataio.DataError, match=r"row 1 .*steps\[0\]: kb 'video'"):
+        dataio.load_questions(tmp_path / "q", "dev")
     (q / "dev.jsonl").write_text(json.dumps(dict(id="q0", question="?", answers=["a"], type="visual", steps=[], image=3)) + "\n")
-    with pytest.raises(corpus.DataError, match=r"row 1 .*field 'image' should be str, got int"):
-        corpus.load_questions(tmp_path / "q", "dev")
+    with pytest.raises(dataio.DataError, match=r"row 1 .*field 'image' should be str, got int"):
+        dataio.load_questions(tmp_path / "q", "dev")
 
 def test_cli_check_reports_errors_without_a_traceback(tmp_path, tiny_world):
     broken = tmp_path / "broken"

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-import corpus
+
+import dataio
 import evaluate
 import prepare
 from evaluate import confusion, decisions, first_samples, gold_hits, routing_accuracy, score
@@ -267,7 +268,7 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 
     def broken_replace(src, dst):
         raise OSError("disk full")
-    monkeypatch.setattr(corpus.os, "replace", broken_replace)  # the one atomic writer
+    monkeypatch.setattr(dataio.os, "replace", broken_replace)  # the one atomic writer
     with pytest.raises(OSError, match="disk full"):
         write_report({"other": score(SET[:2])}, tmp_path, title="second")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # old files intact, no temp file left
@@ -285,7 +286,7 @@ def test_a_finished_method_is_reused_only_under_the_same_weights_questions_and_f
     sig = evaluate.run_signature(args, qs, model, "m")
     row = {"m/routed": score(SET)}
     assert evaluate.method_done(tmp_path / "ev", "routed", sig) is None  # nothing finished yet
-    corpus.write_atomic(tmp_path / "ev" / "method-routed.json", json.dumps({"signature": sig, "results": row}))
+    dataio.write_atomic(tmp_path / "ev" / "method-routed.json", json.dumps({"signature": sig, "results": row}))
     assert evaluate.method_done(tmp_path / "ev", "routed", evaluate.run_signature(args, qs, model, "m")) == json.loads(json.dumps(row))
     args.methods, args.out = ["routed", "oracle"], [str(tmp_path / "ev2")]  # which methods run is not in the signature
     assert evaluate.run_signature(args, qs, model, "m") == sig
@@ -343,11 +344,12 @@ def test_route_probe_samples_at_golden_prefixes(tiny_index):
 
     from transformers import AutoTokenizer
 
-    import corpus
+
+    import dataio
     import retrievers
     import rollout
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
-    qs = [q for q in corpus.load_questions(tiny_index, "dev") if q["steps"]][:10]
+    qs = [q for q in dataio.load_questions(tiny_index, "dev") if q["steps"]][:10]
     ret = retrievers.Retriever(tiny_index, "bm25")
     # the stop is asked for only below max_steps (3): after the third retrieval the final answer is forced
     gold = Counter(s["kb"] for q in qs for s in q["steps"]) + Counter({"stop": sum(len(q["steps"]) < 3 for q in qs)})
@@ -443,7 +445,7 @@ def test_paired_cli_prints_both_intervals_labelled(tmp_path, capsys):
     base, new = [words(f"q{i}", 4) for i in range(5)], [words(f"q{i}", 5) for i in range(5)]
     files = []
     for name, rows in (("b1", base), ("n1", new), ("b2", base), ("n2", new)):
-        corpus.write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        dataio.write_jsonl(tmp_path / f"{name}.jsonl", rows)
         files.append(str(tmp_path / f"{name}.jsonl"))
     evaluate.print_paired(files)
     out = capsys.readouterr().out
@@ -459,11 +461,12 @@ def test_gold_steps_ceiling_takes_only_the_final_answer_from_the_model(tiny_inde
     gold step (routing 100) and scores 0, so nothing but the final answer came from it."""
     from transformers import AutoTokenizer
 
-    import corpus
+
+    import dataio
     import retrievers
     import rollout
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
-    qs = corpus.load_questions(tiny_index, "dev")[:8]
+    qs = dataio.load_questions(tiny_index, "dev")[:8]
     ret = retrievers.Retriever(tiny_index, "bm25")
     right = evaluate.score(evaluate.run_method("gold_steps", rollout.GoldPolicy(tok, qs), ret, qs, rollout.Settings()))
     assert right["f1_recall"] == 100 and right["routing_acc"] == 100 and right["format_fail"] == 0
@@ -480,8 +483,8 @@ def test_trajectory_view_shows_gold_and_each_models_steps_with_titles(tiny_world
     """report.show: the first question whose gold steps use the most KBs, its gold steps with their documents' titles,
     each file's routed steps marked against the gold KB, and the final answer's F1-Recall; bad input: one line."""
     import report
-    qs = corpus.load_questions(tiny_world, "test")
-    titles = {d["id"]: d["title"] for kb in corpus.KBS for d in corpus.load_kb(tiny_world, kb)}
+    qs = dataio.load_questions(tiny_world, "test")
+    titles = {d["id"]: d["title"] for kb in dataio.KBS for d in dataio.load_kb(tiny_world, kb)}
     first = max(qs[:12], key=lambda q: len({s["kb"] for s in q["steps"]}))
     assert len({s["kb"] for s in first["steps"]}) > 1
     g = first["steps"]
@@ -494,8 +497,8 @@ def test_trajectory_view_shows_gold_and_each_models_steps_with_titles(tiny_world
     one_kb = [q for q in qs[:12] if len({s["kb"] for s in q["steps"]}) == 1]
     right = [row(q, [s["kb"] for s in q["steps"]], q["answers"][0]) for q in one_kb[:2] + [first]]
     wrong = [row(q, ["table" if s["kb"] != "table" else "text" for s in q["steps"]], "nobody") for q in one_kb[:2] + [first]]
-    corpus.write_jsonl(tmp_path / "a.jsonl", right)
-    corpus.write_jsonl(tmp_path / "b.jsonl", wrong)
+    dataio.write_jsonl(tmp_path / "a.jsonl", right)
+    dataio.write_jsonl(tmp_path / "b.jsonl", wrong)
     text = report.show([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tiny_world)
     assert text.splitlines()[0].startswith(f"question {first['id']} ({first['type']}): {first['question']}")
     for s in g:

@@ -133,15 +133,15 @@ def test_each_rank_engine_is_on_its_own_gpu(tmp_path, tiny_model_dir, monkeypatc
 
 @two_gpus
 def test_two_gpu_sft_equals_one_gpu(tmp_path, tiny_model_dir, tiny_index):
-    import corpus
+    import dataio
     import retrievers
     import rollout
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    qs = corpus.load_questions(tiny_index, "train")[:16]
+    qs = dataio.load_questions(tiny_index, "train")[:16]
     trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), retrievers.Retriever(tiny_index, "bm25"), qs)
     for split in ("train", "dev"):
-        corpus.write_jsonl(tmp_path / "traj" / f"{split}.jsonl", [dict(ids=x["ids"], mask=x["mask"]) for x in trajs])
+        dataio.write_jsonl(tmp_path / "traj" / f"{split}.jsonl", [dict(ids=x["ids"], mask=x["mask"]) for x in trajs])
     common = ["--model", str(tiny_model_dir), "--data", str(tmp_path / "traj"), "--optim", "sgd", "--lr", "0.5",
               "--train_steps", "2", "--eval_every", "0", "--save_every", "0", "--dtype", "fp32", "--wandb_mode", "disabled"]
     torchrun(ROOT / "sft.py", common + ["--grad_accum", "4", "--out", str(tmp_path / "one")], 1)
@@ -177,12 +177,12 @@ def test_two_gpu_resume_from_a_sharded_checkpoint(tmp_path, tiny_model_dir, tiny
 def vl_engine_sleeps_and_syncs(model_dir, index_dir, vl):
     """a bf16 VL engine with images asleep and woken around a sync, scoring a prompt with pictures like the new
     weights (vision tower included) at bf16 tolerance; the VL policy is made at `vl`"""
-    import corpus
+    import dataio
     import retrievers
     import rollout
     vl = prepare.prepare_vl(Path(vl), text_model=Path(model_dir))
     vis = vision.VisionIO.load(vl)
-    qs = corpus.load_questions(Path(index_dir), "visual_train")[:2]
+    qs = dataio.load_questions(Path(index_dir), "visual_train")[:2]
     _, prefixes = rollout.golden_prefixes(vis.tok, retrievers.Retriever(Path(index_dir), "bm25"), qs, vis=vis)
     ids, images = next((p, im) for _, _, p, im in prefixes if len(im) > 1)
     engine = engines.VLLMEngine(vl, gpu_memory_utilization=0.3)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import dataio
 import engines
 import prepare
 import sft
@@ -40,7 +41,7 @@ def test_trajectories_of_another_tokenizer_are_refused(tiny_model_dir, tmp_path,
     assert meta["tokenizer"] == str(tiny_model_dir) and len(meta["vocab_sha256"]) == 16
     assert json.loads((mine / "train.jsonl").read_text()) == dict(ids=[1, 2, 3], mask=[0, 1, 1])
     assert transcript.check_tokenizer(mine, tok, print) == fmt  # the same vocabulary passes; the format goes on
-    with pytest.raises(sft.corpus.DataError, match="models/another"):
+    with pytest.raises(dataio.DataError, match="models/another"):
         transcript.check_tokenizer(theirs, tok, print)
     # sft.py exits with one line naming both, before any training (one row: else "fewer than one global batch")
     msg = one_line_exit(sft.main, ["--model", str(tiny_model_dir), "--data", str(theirs), "--out", str(tmp_path / "o"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import corpus
 import importers
-from corpus import load_kb, load_questions
+from dataio import load_kb, load_questions
 from importers import Sink
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 import corpus
+
+import dataio
 import importers
-from corpus import DataError, load_kb, load_questions
+from dataio import DataError, load_kb, load_questions
 from importers import import_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +196,7 @@ def test_visual_sets(visual, real):
         row("r1_webqa", 1, "What is written on the door?", ['"Keep out" is written on the door.'],
             pic("webqa", "30000002.png"))]
     for name in images:  # stored as absolute paths to the user's pictures, not copied into the data folder
-        for q in corpus.read_jsonl(out / "questions" / f"{name}.jsonl"):
+        for q in dataio.read_jsonl(out / "questions" / f"{name}.jsonl"):
             assert Path(q["image"]).is_absolute() and Path(q["image"]).is_file()
     assert sorted(p.name for p in out.rglob("*") if p.is_file() and p.suffix != ".jsonl") == ["import.json"]
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import corpus
+
+import dataio
 import retrievers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,10 +42,10 @@ def test_encoder_matches_sentence_transformers(encoder):
 
 def test_dense_search_equals_brute_force(tiny_index, encoder):
     r = retrievers.Retriever(tiny_index, "dense", encoder=encoder)
-    for kb in corpus.KBS:
-        docs = corpus.load_kb(tiny_index, kb)
+    for kb in dataio.KBS:
+        docs = dataio.load_kb(tiny_index, kb)
         emb = encoder.encode([retrievers.doc_contents(d, kb) for d in docs])  # [n_docs, 384]
-        queries = [s["sub_question"] for q in corpus.load_questions(tiny_index, "dev") for s in q["steps"]][:20]
+        queries = [s["sub_question"] for q in dataio.load_questions(tiny_index, "dev") for s in q["steps"]][:20]
         sims = encoder.encode(queries) @ emb.T  # [n_q, n_docs]
         res = r.search(queries, kb, 5)
         for qi, hits in enumerate(res):
@@ -57,7 +58,7 @@ def test_bm25_scores_equal_a_hand_computed_bm25(tiny_index):
     # Lucene BM25 (bm25s's default): idf = ln(1 + (N - df + .5) / (df + .5)), tf part = tf / (tf + k1 (1 - b + b dl/avgdl))
     # (Lucene >= 8 drops BM25's constant (k1 + 1) factor; rankings are unchanged)
     bm25s = retrievers.import_bm25s()
-    docs = corpus.load_kb(tiny_index, "text")
+    docs = dataio.load_kb(tiny_index, "text")
     texts = [retrievers.doc_contents(d, "text") for d in docs]
     tok = retrievers.bm25_tokenize(texts)
     inv = {i: w for w, i in tok.vocab.items()}
@@ -81,15 +82,15 @@ def test_bm25_scores_equal_a_hand_computed_bm25(tiny_index):
 @pytest.mark.parametrize("method", ["dense", "bm25", "hybrid"])
 def test_gold_sub_questions_find_their_documents(tiny_index, encoder, method):
     r = retrievers.Retriever(tiny_index, method, encoder=encoder if method != "bm25" else None)
-    qs = corpus.load_questions(tiny_index, "train")
-    for kb in corpus.KBS:
+    qs = dataio.load_questions(tiny_index, "train")
+    for kb in dataio.KBS:
         rec, n = retrievers.recall_at(r, qs, kb)
         assert n > 10 and rec["R@5"] >= 0.9, (method, kb, rec)
 
 VISUAL_SPLITS = ("visual_train", "visual_dev", "visual_test")
 
 def test_question_images_find_their_pictures(tiny_index):
-    qs = [q for s in VISUAL_SPLITS for q in corpus.load_questions(tiny_index, s)]
+    qs = [q for s in VISUAL_SPLITS for q in dataio.load_questions(tiny_index, s)]
     rec, n = retrievers.image_query_recall(retrievers.Retriever(tiny_index, "bm25"), qs)
     assert n == 50 and rec["R@1"] >= 0.9 and rec["R@5"] >= 0.95, rec  # measured 1.0 and 1.0
 
@@ -102,7 +103,7 @@ def assert_pixel_ranking(hits, sims, docs):
 def test_image_queries_rank_by_pixels_and_batch_with_text_queries(tiny_index):
     from PIL import Image
     r = retrievers.Retriever(tiny_index, "bm25")
-    docs, qs = corpus.load_kb(tiny_index, "image"), corpus.load_questions(tiny_index, "visual_dev")
+    docs, qs = dataio.load_kb(tiny_index, "image"), dataio.load_questions(tiny_index, "visual_dev")
     enc = retrievers.PixelEncoder()
     sims = enc.encode_images([q["image"] for q in qs]) @ enc.encode_images([d["path"] for d in docs]).T  # [n_q, n_docs]
     texts = [q["question"] for q in qs]
@@ -123,13 +124,13 @@ def test_missing_or_stale_pixel_index_is_reported(tmp_path, tiny_index):
     import faiss
     broken = tmp_path / "broken"
     shutil.copytree(tiny_index, broken)
-    n = len(corpus.load_kb(broken, "image"))
+    n = len(dataio.load_kb(broken, "image"))
     short = retrievers.faiss_index(np.ones((n - 1, retrievers.PixelEncoder.dim)))  # one picture short
     faiss.write_index(short, str(broken / "index" / "image.pix.faiss"))
-    with pytest.raises(corpus.DataError, match=rf"pixel index is stale \({n - 1} vectors .*; rerun `python retrievers.py build"):
+    with pytest.raises(dataio.DataError, match=rf"pixel index is stale \({n - 1} vectors .*; rerun `python retrievers.py build"):
         retrievers.Retriever(broken, "bm25")
     (broken / "index" / "image.pix.faiss").unlink()
-    with pytest.raises(corpus.DataError, match="no pixel index for the image KB; rerun `python retrievers.py build"):
+    with pytest.raises(dataio.DataError, match="no pixel index for the image KB; rerun `python retrievers.py build"):
         retrievers.Retriever(broken, "bm25")
 
 @pytest.fixture(scope="module")
@@ -155,14 +156,14 @@ def test_a_clip_pixel_index_equals_brute_force(tmp_path, tiny_world, tiny_clip_d
     meta = retrievers.build(data, methods=("bm25",), image_encoder=str(tiny_clip_dir), progress=False)
     assert meta["pixel_encoder"] == str(tiny_clip_dir)
     r, clip = retrievers.Retriever(data, "bm25"), retrievers.ClipEncoder(str(tiny_clip_dir))
-    docs, qs = corpus.load_kb(data, "image"), corpus.load_questions(data, "visual_dev")
+    docs, qs = dataio.load_kb(data, "image"), dataio.load_questions(data, "visual_dev")
     emb = clip.encode_images([d["path"] for d in docs])  # [n_docs, 16]
     sims = clip.encode_images([q["image"] for q in qs]) @ emb.T
     for n, hits in enumerate(r.search([q["question"] for q in qs], "image", 5, images=[q["image"] for q in qs])):
         assert len(hits) == 5
         assert_pixel_ranking(hits, sims[n], docs)
     # text queries keep CLIP's text->image ranking fused with bm25's: reciprocal-rank scores, at most 2 / (RRF_K + 1)
-    texts = [s["sub_question"] for q in corpus.load_questions(data, "train") for s in q["steps"] if s["kb"] == "image"][:5]
+    texts = [s["sub_question"] for q in dataio.load_questions(data, "train") for s in q["steps"] if s["kb"] == "image"][:5]
     fused = r.search(texts, "image", 5)
     assert all(0 < h["score"] <= 2 / (retrievers.RRF_K + 1) for hits in fused for h in hits)
     assert fused != retrievers.Retriever(tiny_world, "bm25").search(texts, "image", 5)
@@ -171,21 +172,21 @@ def test_a_clip_pixel_index_equals_brute_force(tmp_path, tiny_world, tiny_clip_d
     meta["pixel_encoder"] = str(moved)
     (data / "index" / "meta.json").write_text(json.dumps(meta))
     shutil.rmtree(moved)
-    with pytest.raises(corpus.DataError, match="built with the CLIP folder .*moved, which is gone; rerun"):
+    with pytest.raises(dataio.DataError, match="built with the CLIP folder .*moved, which is gone; rerun"):
         retrievers.Retriever(data, "bm25")
 
 def test_missing_or_stale_index_is_reported(tmp_path, tiny_index):
-    with pytest.raises(corpus.DataError, match="no index found; run `python retrievers.py build"):
+    with pytest.raises(dataio.DataError, match="no index found; run `python retrievers.py build"):
         retrievers.Retriever(tmp_path)
     stale = tmp_path / "stale"
     shutil.copytree(tiny_index, stale)
-    rows = corpus.read_jsonl(stale / "kb" / "table.jsonl")
-    corpus.write_jsonl(stale / "kb" / "table.jsonl", rows[:-1])
-    with pytest.raises(corpus.DataError, match="index is stale for the table KB"):
+    rows = dataio.read_jsonl(stale / "kb" / "table.jsonl")
+    dataio.write_jsonl(stale / "kb" / "table.jsonl", rows[:-1])
+    with pytest.raises(dataio.DataError, match="index is stale for the table KB"):
         retrievers.Retriever(stale, "bm25")
     with pytest.raises(ValueError, match="unknown kb 'video'"):
         retrievers.Retriever(tiny_index, "bm25").search(["q"], "video", 3)
-    with pytest.raises(corpus.DataError, match="--retriever weird: expected one of dense, bm25, hybrid or the http"):
+    with pytest.raises(dataio.DataError, match="--retriever weird: expected one of dense, bm25, hybrid or the http"):
         retrievers.make_retriever("weird", tiny_index)
 
 def free_port():
@@ -221,7 +222,7 @@ def server(tiny_index):
     assert f"on http://127.0.0.1:{port}/retrieve".encode() in proc.stdout.read()  # it says where it listens
 
 def test_server_speaks_search_r1_protocol(server, tiny_index, encoder):
-    queries = [s["sub_question"] for q in corpus.load_questions(tiny_index, "dev") for s in q["steps"] if s["kb"] == "table"][:4]
+    queries = [s["sub_question"] for q in dataio.load_questions(tiny_index, "dev") for s in q["steps"] if s["kb"] == "table"][:4]
     code, body = post(server + "/retrieve", {"queries": queries, "topk": 3, "return_scores": True, "kb": "table"})
     assert code == 200 and len(body["result"]) == len(queries)
     local = retrievers.Retriever(tiny_index, "dense", encoder=encoder).search(queries, "table", 3)
@@ -234,7 +235,7 @@ def test_server_speaks_search_r1_protocol(server, tiny_index, encoder):
     assert [[d["id"] for d in r] for r in remote] == [[d["id"] for d in r] for r in local]
 
 def test_server_answers_image_queries(server, tiny_index, encoder):
-    qs = corpus.load_questions(tiny_index, "visual_dev")[:4]
+    qs = dataio.load_questions(tiny_index, "visual_dev")[:4]
     texts = [q["question"] for q in qs]
     images = [None if n == 1 else q["image"] for n, q in enumerate(qs)]  # query 1 ranks by its text
     payload = {"queries": texts, "topk": 3, "return_scores": True, "kb": "image",
@@ -322,25 +323,25 @@ def test_build_records_the_index_and_small_kbs_stay_flat_under_ivfpq(tmp_path, t
     data = tmp_path / "data"
     shutil.copytree(tiny_world, data, ignore=shutil.ignore_patterns("index"))
     flat = retrievers.Retriever(tiny_index, "dense", encoder=encoder)
-    queries = {kb: [s["sub_question"] for q in corpus.load_questions(data, "dev") for s in q["steps"] if s["kb"] == kb]
-               for kb in corpus.KBS}
+    queries = {kb: [s["sub_question"] for q in dataio.load_questions(data, "dev") for s in q["steps"] if s["kb"] == kb]
+               for kb in dataio.KBS}
     meta = retrievers.build(data, methods=("dense",), encoder=encoder, progress=False, index="hnsw")
     assert json.loads((data / "index" / "meta.json").read_text()) == meta
     assert all(v["index"] == dict(type="hnsw", M=retrievers.HNSW_M, efConstruction=retrievers.HNSW_EF_CONSTRUCTION)
                for v in meta["kbs"].values())
     hnsw = retrievers.Retriever(data, "dense", encoder=encoder)
-    for kb in corpus.KBS:
+    for kb in dataio.KBS:
         got, want = hnsw.search(queries[kb], kb, 1), flat.search(queries[kb], kb, 1)
         assert np.mean([g[0]["id"] == w[0]["id"] for g, w in zip(got, want)]) >= 0.95, kb
-    n = {kb: len(corpus.load_kb(data, kb)) for kb in corpus.KBS}
+    n = {kb: len(dataio.load_kb(data, kb)) for kb in dataio.KBS}
     assert max(n.values()) < retrievers.PQ_MIN
     meta = retrievers.build(data, methods=("dense",), encoder=encoder, progress=False, index="ivfpq")
     assert capsys.readouterr().out.splitlines() == [f"{kb} KB: {n[kb]} docs are too few to train IVF-PQ (needs >= "
-                                                    f"{retrievers.PQ_MIN}); indexed flat (exact) instead" for kb in corpus.KBS]
+                                                    f"{retrievers.PQ_MIN}); indexed flat (exact) instead" for kb in dataio.KBS]
     assert all(v["index"] == {"type": "flat"} for v in meta["kbs"].values())
     exact = retrievers.Retriever(data, "dense", encoder=encoder)
     hits = lambda r, kb: [[(d["id"], d["score"]) for d in per_q] for per_q in r.search(queries[kb], kb, 5)]
-    assert all(hits(exact, kb) == hits(flat, kb) for kb in corpus.KBS)
-    with pytest.raises(corpus.DataError, match="--pq_m 50 must divide the embedding dimension 384"):
+    assert all(hits(exact, kb) == hits(flat, kb) for kb in dataio.KBS)
+    with pytest.raises(dataio.DataError, match="--pq_m 50 must divide the embedding dimension 384"):
         retrievers.build(data, methods=("dense",), encoder=encoder, progress=False, index="ivfpq", pq_m=50)
     assert not list(data.glob(".index.tmp*"))  # refused before writing anything

@@ -9,7 +9,8 @@ import io
 import pytest
 import torch
 
-import corpus
+
+import dataio
 import engines
 import prepare
 import retrievers
@@ -34,7 +35,7 @@ def retriever(tiny_index):
 
 def test_gold_think_kb_last_names_no_kb_before_the_sub_question(tiny_index, retriever, hf_engine):
     # the same routes, KBs and answers either way; kb_last's <think> names no retriever, so the choice is made at <ret>
-    tok, qs = hf_engine.tok, corpus.load_questions(tiny_index, "train")[:20]
+    tok, qs = hf_engine.tok, dataio.load_questions(tiny_index, "train")[:20]
     first = rollout.rollout(rollout.GoldPolicy(tok, qs, think="kb_first"), retriever, qs)
     last = rollout.rollout(rollout.GoldPolicy(tok, qs), retriever, qs)  # kb_last: the default
     assert all(x["format_ok"] for x in first + last)
@@ -50,7 +51,7 @@ def test_gold_think_kb_last_names_no_kb_before_the_sub_question(tiny_index, retr
 
 def test_gold_policy_through_the_loop_builds_exact_masks_and_spans(tiny_index, retriever, hf_engine):
     tok = hf_engine.tok
-    qs = corpus.load_questions(tiny_index, "train")[:30]
+    qs = dataio.load_questions(tiny_index, "train")[:30]
     trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), retriever, qs, n=1)
     assert len(trajs) == 30 and all(x["format_ok"] for x in trajs)
     for q, x in zip(qs, trajs):
@@ -86,7 +87,7 @@ def test_gold_policy_through_the_loop_builds_exact_masks_and_spans(tiny_index, r
     assert eng.peak == 4 and [x["ids"] for x in capped] == [x["ids"] for x in trajs]  # same trajectories, 4 at a time
 
 def test_a_trajectory_that_outgrows_the_context_ends_alone(tiny_index, retriever, hf_engine, monkeypatch):
-    qs = corpus.load_questions(tiny_index, "train")[:8]
+    qs = dataio.load_questions(tiny_index, "train")[:8]
     full = rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs), retriever, qs)
     eng = rollout.GoldPolicy(hf_engine.tok, qs)
     eng.max_len = 96 + sorted(len(x["ids"]) for x in full)[4] - 40  # about half the trajectories fit
@@ -114,7 +115,7 @@ def test_gold_policy_writes_at_a_stored_prefix_what_the_loop_wrote_there(tiny_in
     # the policy turn a key names is the whole of GoldPolicy's state: asked at every prefix of a gold trajectory (either
     # structure, a 3-step cap that forces some final answers early) by turn_key, it writes the span the loop wrote there
     tok = hf_engine.tok
-    qs = corpus.load_questions(tiny_index, "train")[:12]
+    qs = dataio.load_questions(tiny_index, "train")[:12]
     for s in (rollout.Settings(), rollout.Settings(structure="released"), rollout.Settings(max_steps=1)):
         eng = rollout.GoldPolicy(tok, qs)
         trajs = rollout.rollout(eng, retriever, qs, s=s)
@@ -131,7 +132,7 @@ def test_released_structure_gives_each_step_its_own_chat(tiny_index, retriever, 
     # step is one chat: routing holds the question and earlier pairs but no passages, answering holds the passages and
     # the sub-question but not the question, the final chat holds the pairs
     tok = hf_engine.tok
-    qs = corpus.load_questions(tiny_index, "train")[:12]
+    qs = dataio.load_questions(tiny_index, "train")[:12]
     trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), retriever, qs, s=rollout.Settings(structure="released"))
     for q, x in zip(qs, trajs):
         assert x["format_ok"] and x["final_answer"] == q["answers"][0]
@@ -160,7 +161,7 @@ def test_released_structure_gives_each_step_its_own_chat(tiny_index, retriever, 
                for _, _, ids, _ in prefixes)
 
 def test_max_steps_forces_the_final_answer(tiny_index, retriever, hf_engine):
-    qs = [q for q in corpus.load_questions(tiny_index, "train") if q["type"] == "3hop"][:3]
+    qs = [q for q in dataio.load_questions(tiny_index, "train") if q["type"] == "3hop"][:3]
     trajs = rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs), retriever, qs, s=rollout.Settings(max_steps=2))
     for x in trajs:
         assert len(x["steps"]) == 2 and x["format_ok"] and x["spans"][-1]["kind"] == "final"
@@ -168,7 +169,7 @@ def test_max_steps_forces_the_final_answer(tiny_index, retriever, hf_engine):
 
 def test_the_progress_bar_counts_finished_trajectories(tiny_index, retriever, hf_engine):
     from tqdm import tqdm
-    qs = corpus.load_questions(tiny_index, "dev")[:5]
+    qs = dataio.load_questions(tiny_index, "dev")[:5]
     seen = []
 
     class Bar(tqdm):  # records the count after every update: it rises question by question, not once at the end
@@ -183,14 +184,14 @@ def test_show_prints_what_the_model_wrote_where_the_format_broke(tiny_index, ret
     class Rambler(rollout.GoldPolicy):  # writes prose instead of the routing step
         def step_text(self, q, turn, phase):
             return "I think the answer is Paris." if phase == "route" else super().step_text(q, turn, phase)
-    qs = corpus.load_questions(tiny_index, "dev")[:1]
+    qs = dataio.load_questions(tiny_index, "dev")[:1]
     x = rollout.rollout(Rambler(hf_engine.tok, qs), retriever, qs)[0]
     assert not x["format_ok"]
     rollout.show(x, hf_engine.tok)
     assert "wrote (route step 1): 'I think the answer is Paris.'" in capsys.readouterr().out
 
 def test_oracle_and_all_kb_modes(tiny_index, retriever, hf_engine):
-    qs = [q for q in corpus.load_questions(tiny_index, "train") if len(q["steps"]) == 1][:4]
+    qs = [q for q in dataio.load_questions(tiny_index, "train") if len(q["steps"]) == 1][:4]
     wrong = [dict(q, steps=[dict(q["steps"][0], kb="image" if q["steps"][0]["kb"] != "image" else "text")]) for q in qs]
     oracle = rollout.rollout(rollout.GoldPolicy(hf_engine.tok, wrong), retriever, qs, s=rollout.Settings(route_mode="oracle"))
     assert [x["steps"][0]["kb"] for x in oracle] == [q["steps"][0]["kb"] for q in qs]
@@ -206,7 +207,7 @@ def test_vllm_and_hf_agree_greedily(tiny_index, retriever, vllm_engine, hf_engin
     for (ids_a, lp_a), (ids_b, lp_b) in zip(a, b):
         assert ids_a == ids_b
         assert torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-3)
-    qs = corpus.load_questions(tiny_index, "dev")[:6]
+    qs = dataio.load_questions(tiny_index, "dev")[:6]
     s = rollout.Settings(temperature=0.0, route_tokens=24, answer_tokens=24)
     ta, tb = rollout.rollout(vllm_engine, retriever, qs, s=s), rollout.rollout(hf_engine, retriever, qs, s=s)
     for x, y in zip(ta, tb):
@@ -214,7 +215,7 @@ def test_vllm_and_hf_agree_greedily(tiny_index, retriever, vllm_engine, hf_engin
         assert not x["format_ok"] and x["error"].startswith("step 1 route:")  # a random model cannot write the format
 
 def test_sampling_gives_distinct_samples_and_policy_logprobs(tiny_index, retriever, vllm_engine):
-    qs = corpus.load_questions(tiny_index, "dev")[:2]
+    qs = dataio.load_questions(tiny_index, "dev")[:2]
     trajs = rollout.rollout(vllm_engine, retriever, qs, n=4, s=rollout.Settings(route_tokens=16), seed=1)
     assert len(trajs) == 8 and [x["sample"] for x in trajs[:4]] == [0, 1, 2, 3]
     assert len({tuple(x["ids"]) for x in trajs[:4]}) > 1
@@ -318,7 +319,7 @@ def test_hf_engine_sync_is_strict(tiny_model):
         assert torch.allclose(torch.tensor(engine.prompt_logprobs(ids)), want, atol=1e-5)
 
 def test_direct_baselines(tiny_index, retriever, hf_engine):
-    qs = corpus.load_questions(tiny_index, "dev")[:5]
+    qs = dataio.load_questions(tiny_index, "dev")[:5]
     s = rollout.Settings(temperature=0.0, answer_tokens=16)
     none = rollout.answer_directly(hf_engine, retriever, qs, (), s)
     rag = rollout.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s)
@@ -332,7 +333,7 @@ def test_direct_baselines(tiny_index, retriever, hf_engine):
 def test_iterretgen_searches_with_the_previous_generation(tiny_index, retriever, hf_engine):
     # IterRetGen is a fixed pipeline, whatever the model writes: round 1 searches every KB with the question, round 2
     # with the question plus round 1's generation; one round is single-shot RAG
-    qs = corpus.load_questions(tiny_index, "dev")[:4]
+    qs = dataio.load_questions(tiny_index, "dev")[:4]
     s = rollout.Settings(answer_tokens=12)  # sampled (seeded): the tiny random model's greedy text decodes to nothing
     one = rollout.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s, seed=0, iters=1)
     two = rollout.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s, seed=0, iters=2)
@@ -346,7 +347,7 @@ def test_iterretgen_searches_with_the_previous_generation(tiny_index, retriever,
 
 def test_few_shot_prefix_puts_worked_examples_before_the_question(tiny_index, retriever, hf_engine):
     import evaluate
-    train = corpus.load_questions(tiny_index, "train")
+    train = dataio.load_questions(tiny_index, "train")
     examples = evaluate.few_shot_examples(train, 3)
     assert {s["kb"] for q in examples for s in q["steps"]} == {"text", "table", "image"}
     shots = rollout.few_shot_prefix(hf_engine.tok, retriever, examples)
@@ -355,7 +356,7 @@ def test_few_shot_prefix_puts_worked_examples_before_the_question(tiny_index, re
     for q in examples:  # each example: its question, every gold sub-question and its final answer
         assert q["question"] in text and q["answers"][0] in text
         assert all(st["sub_question"] in text for st in q["steps"])
-    qs = corpus.load_questions(tiny_index, "dev")[:2]
+    qs = dataio.load_questions(tiny_index, "dev")[:2]
     s = rollout.Settings(temperature=0.0, route_tokens=8)
     for x in rollout.rollout(hf_engine, retriever, qs, 1, s, shots=shots):
         assert x["ids"][:len(shots)] == shots and not any(x["mask"][:len(shots)])
@@ -381,7 +382,7 @@ class Flaky(rollout.GoldPolicy):
 
 def test_released_evaluation_retries_reminds_and_falls_back(tiny_index, retriever, hf_engine):
     tok = hf_engine.tok
-    qs = [q for q in corpus.load_questions(tiny_index, "train") if len(q["steps"]) == 2][:2]
+    qs = [q for q in dataio.load_questions(tiny_index, "train") if len(q["steps"]) == 2][:2]
     s = rollout.Settings(route_tries=5, answer_tries=3, fallback=True)
     eng = Flaky(tok, qs, dict(route=4, answer=2))  # every step right at the last try but one: the gold trajectory
     for q, x in zip(qs, rollout.rollout(eng, retriever, qs, s=s)):
@@ -415,7 +416,7 @@ def test_one_query_a_step_reproduces_r1_routers_trajectories_token_for_token(tin
     from transformers import AutoTokenizer
     tok, h = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL), hashlib.sha256()
     for split in ("train", "test"):
-        qs = corpus.load_questions(tiny_index, split)
+        qs = dataio.load_questions(tiny_index, split)
         for s in (rollout.Settings(), rollout.Settings(route_mode="all"), rollout.Settings(structure="released")):
             for x in rollout.rollout(rollout.GoldPolicy(tok, qs, think="kb_first"), retriever, qs, s=s):
                 h.update(json.dumps([x["ids"], x["mask"], x["spans"]]).encode())
@@ -430,7 +431,7 @@ class Spy(retrievers.Retriever):
 
 def test_multi_query_gold_steps_are_retrieved_in_one_batch_and_answered_together(tiny_index, retriever, hf_engine):
     tok = hf_engine.tok
-    qs = corpus.load_questions(tiny_index, "train")
+    qs = dataio.load_questions(tiny_index, "train")
     comp = [q for q in qs if q["type"] == "comparison"][:6]
     chain = [q for q in qs if q["type"] in ("2hop", "3hop")][:6]
     assert len(comp) == len(chain) == 6
@@ -470,7 +471,7 @@ def test_multi_query_gold_steps_are_retrieved_in_one_batch_and_answered_together
 
 def test_a_route_with_more_pairs_than_allowed_is_a_format_failure(tiny_index, retriever, hf_engine):
     tok = hf_engine.tok
-    comp = [q for q in corpus.load_questions(tiny_index, "train") if q["type"] == "comparison"][:2]
+    comp = [q for q in dataio.load_questions(tiny_index, "train") if q["type"] == "comparison"][:2]
     x = rollout.rollout(rollout.GoldPolicy(tok, comp, max_pairs=2), retriever, comp, s=rollout.Settings(max_pairs=1))[0]
     assert not x["format_ok"] and x["error"].startswith("step 1 route: two <sub-question> tags")
     # several retrievers for one sub-question (R1-Router's multi-retriever mode): one lookup per KB, one evidence turn

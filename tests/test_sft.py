@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import corpus
+
+import dataio
 import retrievers
 import rollout
 import sft
@@ -55,7 +56,7 @@ def hand_nll(model, ids, mask):
 
 def test_loss_is_cross_entropy_on_exactly_the_policy_tokens(tiny_model, traj_dir):
     model = load(tiny_model).eval()
-    rows = [(r["ids"], r["mask"]) for r in corpus.read_jsonl(traj_dir / "train.jsonl")[:3]]
+    rows = [(r["ids"], r["mask"]) for r in dataio.read_jsonl(traj_dir / "train.jsonl")[:3]]
     assert len({len(ids) for ids, _ in rows}) == 3  # unequal lengths: the batch really is padded
     with torch.no_grad():
         s, n = sft.loss_sum(model, *sft.collate(rows, 2, "cpu"))
@@ -366,9 +367,9 @@ def test_gpu_budget_of_a_7b_run():
 def test_a_released_structure_trajectory_gives_one_row_a_chat(tiny_index, tok, tmp_path):
     # synth.py --structure released writes each trajectory with its chats' boundaries: sft trains on each chat alone
     ret = retrievers.Retriever(tiny_index, "bm25")
-    qs = corpus.load_questions(tiny_index, "train")[:6]
+    qs = dataio.load_questions(tiny_index, "train")[:6]
     trajs = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, s=rollout.Settings(structure="released"))
-    corpus.write_jsonl(tmp_path / "train.jsonl", trajs)
+    dataio.write_jsonl(tmp_path / "train.jsonl", trajs)
     rows = sft.load_rows(tmp_path / "train.jsonl", 4096, 10**9)
     assert rows == [(x["ids"][a:b], x["mask"][a:b], []) for x in trajs for a, b in x["segments"]]
     assert len(rows) == sum(len(x["spans"]) for x in trajs)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from conftest import interrupted_copy
 
+import dataio
 import prepare
 import reward
 import grpo
@@ -79,7 +80,7 @@ def test_identical_rewards_give_zero_advantage():
 def test_dropped_questions_come_from_the_teachers_filter_report(tmp_path):
     (tmp_path / "train.errors.json").write_text(json.dumps(dict(filters={}, dropped=["q2", "q5"], kept={})))
     assert stepgrpo.load_dropped(tmp_path) == {"q2", "q5"}
-    with pytest.raises(stepgrpo.corpus.DataError, match=r"gold.*train.errors.json: no list of dropped questions"):
+    with pytest.raises(dataio.DataError, match=r"gold.*train.errors.json: no list of dropped questions"):
         stepgrpo.load_dropped(tmp_path / "gold")
 
 def test_a_teachers_pool_is_what_it_kept_and_what_it_dropped(tmp_path):
@@ -89,10 +90,10 @@ def test_a_teachers_pool_is_what_it_kept_and_what_it_dropped(tmp_path):
     (tmp_path / "train.errors.json").write_text(json.dumps(dict(filters={}, dropped=["q2", "q5"], kept={})))
     assert stepgrpo.load_pool(tmp_path) == {"q1", "q2", "q4", "q5"}
     (tmp_path / "train.errors.json").write_text("{not json")
-    with pytest.raises(stepgrpo.corpus.DataError, match=r"train.errors.json: not a synth.py report"):
+    with pytest.raises(dataio.DataError, match=r"train.errors.json: not a synth.py report"):
         stepgrpo.load_pool(tmp_path)
     (tmp_path / "train.jsonl").write_text(json.dumps(dict(ids=[1])) + "\n")
-    with pytest.raises(stepgrpo.corpus.DataError, match=r"train.jsonl: row 1: no qid"):
+    with pytest.raises(dataio.DataError, match=r"train.jsonl: row 1: no qid"):
         stepgrpo.load_pool(tmp_path)
     args = stepgrpo.get_args(["--pool", str(tmp_path), "--dropped", str(tmp_path)])
     with pytest.raises(SystemExit, match="--pool picks a teacher's questions"):
@@ -256,7 +257,7 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
     # --engine hf (setup_policy's HFEngine) samples; the update sees only the samples and their logprobs, and vLLM's
     # logprobs of the same tokens equal transformers', so one update from either set of rows gives the same weights
     # (while old logprobs shifted by 0.05, 500x the logprob tolerance, would not)
-    import corpus
+    import dataio
     import engines
     import retrievers
     import rollout
@@ -267,7 +268,7 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
     try:
         model, *_, hf = stepgrpo.setup_policy(args, tiny_model_dir, tiny_model_dir, False, None, 0, 1, cpu, print)
         assert isinstance(hf, engines.HFEngine) and hf.max_len == engines.MAX_LEN
-        qs = corpus.load_questions(tiny_index, "train")[:2]
+        qs = dataio.load_questions(tiny_index, "train")[:2]
         _, prefixes = rollout.golden_prefixes(hf.tok, retrievers.Retriever(tiny_index, "bm25"), qs)
         groups = []  # (prompt, the HF samples with their logprobs, the same samples with vLLM's)
         for _, _, prefix, _ in prefixes[:2]:
@@ -440,11 +441,12 @@ def test_max_restarts_with_the_shared_rendezvous_store_is_refused(tmp_path, tiny
 def teacher_setup(tiny_index, spans="route"):
     from transformers import AutoTokenizer
 
-    import corpus
+
+    import dataio
     import retrievers
     import rollout
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
-    qs = corpus.load_questions(tiny_index, "train")[:6]
+    qs = dataio.load_questions(tiny_index, "train")[:6]
     ret = retrievers.Retriever(tiny_index, "bm25")
     # stepgrpo's own defaults (3 steps, top 3, T 1, one pair and one retriever a step, kb_last, transcript), so a new
     # flag reaches these tests without a hand-kept copy of the argument list
@@ -705,10 +707,10 @@ def test_both_rollout_modes_score_gold_multi_query_steps_in_full(tiny_index, enc
     # GoldPolicy writing multi-query steps (--max_pairs 2) on comparison and chain questions: every teacher-prefix
     # route completion is the gold step (full reward 1.2, right KBs, ends at the end of turn); on-policy, every
     # trajectory earns its full outcome and each comparison asks its two lookups in one routing step
-    import corpus
+    import dataio
     import rollout
     tok, _, ret, args, _ = teacher_setup(tiny_index, "all")
-    qs = corpus.load_questions(tiny_index, "train")
+    qs = dataio.load_questions(tiny_index, "train")
     qs = [q for q in qs if q["type"] == "comparison"][:3] + [q for q in qs if q["type"] == "2hop"][:3]
     args.max_pairs, args.rollout, args.reward = 2, "onpolicy", "step"
     w = steprewards.Weights(route_scale=steprewards.kb_balance(qs, 3, max_pairs=2))
@@ -774,5 +776,5 @@ def test_prefixes_folder_must_hold_synth_trajectories(tmp_path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     (tmp_path / "train.jsonl").write_text(json.dumps({"qid": "q1", "ids": [1]}) + "\n")
-    with pytest.raises(stepgrpo.corpus.DataError, match=r"train.jsonl: row 1: not a synth.py trajectory"):
+    with pytest.raises(dataio.DataError, match=r"train.jsonl: row 1: not a synth.py trajectory"):
         stepgrpo.load_prefixes(tmp_path, tok, print)

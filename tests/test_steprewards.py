@@ -24,11 +24,12 @@ def test_a_trajectory_cut_by_the_context_keeps_the_rewards_of_its_spans(tiny_ind
     # one's spans score exactly as in the whole one (its last, well-written span too), and its outcome is 0
     from transformers import AutoTokenizer
 
-    import corpus
+
+    import dataio
     import retrievers
     import rollout
     tok, ret = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL), retrievers.Retriever(tiny_index, "bm25")
-    qs = corpus.load_questions(tiny_index, "train")[:8]
+    qs = dataio.load_questions(tiny_index, "train")[:8]
     full = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)
     eng = rollout.GoldPolicy(tok, qs)
     eng.max_len = 96 + sorted(len(x["ids"]) for x in full)[4] - 40

@@ -4,6 +4,8 @@ import json
 import pytest
 
 import corpus
+
+import dataio
 import retrievers
 import rollout
 import synth
@@ -59,7 +61,7 @@ def test_error_report_rates():
     assert r["wrong_kb"] == 0 and r["wrong_answer"] == 0
 
 def test_teacher_mode_counts_survivors(tiny_index, tok):
-    qs = [q for q in corpus.load_questions(tiny_index, "train") if q["steps"]][:6]
+    qs = [q for q in dataio.load_questions(tiny_index, "train") if q["steps"]][:6]
     ret = retrievers.Retriever(tiny_index, "bm25")
     # a teacher that gets the final answer of every other question wrong
     wrong = [dict(q, answers=["Nowhere"]) if i % 2 else q for i, q in enumerate(qs)]
@@ -78,7 +80,7 @@ def test_guideline_routes_by_r1routers_rules():
 def test_guideline_teacher_searches_the_rules_kb_then_asks_again(tiny_index, tok):
     # through the real loop and retrieval: a hop the rule misroutes is searched at the rule's KB (answer "unknown"),
     # then asked again at the gold KB; a plan longer than max_steps ends "unknown" and the paper's filter drops it
-    qs = corpus.load_questions(tiny_index, "train")
+    qs = dataio.load_questions(tiny_index, "train")
     policy = rollout.GuidelinePolicy(tok, qs)
     s = rollout.Settings(route_tokens=1024, answer_tokens=1024)
     kept, sampled, counts = synth.teacher_trajectories(policy, retrievers.Retriever(tiny_index, "bm25"), qs, 1, s)
@@ -157,5 +159,5 @@ def test_r1router_rows_with_retriever_lists_replay_as_one_step_of_several_lookup
 def test_broken_r1router_rows_name_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(R1R_ROW) + "\n" + json.dumps({"images": [], "steps": [{"step_type": "ret"}]}) + "\n")
-    with pytest.raises(corpus.DataError, match=r"bad\.jsonl:2: not an R1-Router step-unrolled row"):
+    with pytest.raises(dataio.DataError, match=r"bad\.jsonl:2: not an R1-Router step-unrolled row"):
         synth.read_r1router(path)

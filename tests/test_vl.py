@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 from conftest import interrupted_copy
 
-import corpus
+
+import dataio
 import engines
 import prepare
 import retrievers
@@ -38,7 +39,7 @@ def ret(tiny_index):
 
 @pytest.fixture(scope="module")
 def visual(tiny_index):
-    return corpus.load_questions(tiny_index, "visual_train")
+    return dataio.load_questions(tiny_index, "visual_train")
 
 @pytest.fixture(scope="module")
 def hf(tiny_vl):
@@ -71,24 +72,24 @@ def test_visual_questions_through_the_loop_with_and_without_pixels(tiny_index, r
 
 def test_sft_rows_keep_images_out_of_the_loss(tmp_path, ret, visual, vis):
     trajs = rollout.rollout(rollout.GoldPolicy(vis.tok, visual[:4], vis), ret, visual[:4])
-    corpus.write_jsonl(tmp_path / "ok.jsonl", trajs)
+    dataio.write_jsonl(tmp_path / "ok.jsonl", trajs)
     rows = sft.load_rows(tmp_path / "ok.jsonl", 4096, 10**9, vl=True)
     ids, labels = sft.collate(rows, 0, "cpu")
     for b, (_, _, images) in enumerate(rows):
         assert images and all((labels[b, s:s + n] == -100).all() for s, n, _ in images)
     cut = sft.load_rows(tmp_path / "ok.jsonl", rows[0][2][1][0] + 2, 10**9, vl=True)[0]  # max_len inside the 2nd image
     assert len(cut[0]) == rows[0][2][1][0] and cut[2] == rows[0][2][:1]  # the row ends before the image it would split
-    with pytest.raises(corpus.DataError, match="holds images, but the model has no vision tower"):
+    with pytest.raises(dataio.DataError, match="holds images, but the model has no vision tower"):
         sft.load_rows(tmp_path / "ok.jsonl", 4096, 10**9, vl=False)
     bad = dict(trajs[0], mask=list(trajs[0]["mask"]))
     start = bad["images"][0][0]
     bad["mask"][start] = 1
-    corpus.write_jsonl(tmp_path / "bad.jsonl", [bad])
-    with pytest.raises(corpus.DataError, match=f"bad.jsonl: row 1: the image at token {start} is marked as policy tokens"):
+    dataio.write_jsonl(tmp_path / "bad.jsonl", [bad])
+    with pytest.raises(dataio.DataError, match=f"bad.jsonl: row 1: the image at token {start} is marked as policy tokens"):
         sft.load_rows(tmp_path / "bad.jsonl", 4096, 10**9, vl=True)
     gone = dict(trajs[0], images=[[s, n, "/nonexistent/pic.png"] for s, n, _ in trajs[0]["images"]])
-    corpus.write_jsonl(tmp_path / "gone.jsonl", [gone])
-    with pytest.raises(corpus.DataError, match="row 1: image file not found: /nonexistent/pic.png"):
+    dataio.write_jsonl(tmp_path / "gone.jsonl", [gone])
+    with pytest.raises(dataio.DataError, match="row 1: image file not found: /nonexistent/pic.png"):
         sft.load_rows(tmp_path / "gone.jsonl", 4096, 10**9, vl=True)
 
 def test_vllm_and_hf_agree_greedily_on_prompts_with_images(ret, visual, vis, hf, engine):
@@ -154,8 +155,8 @@ FAST = ["--max_len", "1024", "--batch_size", "2", "--wandb_mode", "disabled", "-
 def vl_traj(tmp_path_factory, tiny_index, ret, vis):
     out = tmp_path_factory.mktemp("vltraj")
     for split, name, n in (("visual_train", "train", 16), ("visual_dev", "dev", 4)):
-        qs = corpus.load_questions(tiny_index, split)[:n]
-        corpus.write_jsonl(out / f"{name}.jsonl", rollout.rollout(rollout.GoldPolicy(vis.tok, qs, vis), ret, qs))
+        qs = dataio.load_questions(tiny_index, split)[:n]
+        dataio.write_jsonl(out / f"{name}.jsonl", rollout.rollout(rollout.GoldPolicy(vis.tok, qs, vis), ret, qs))
     return out
 
 def max_diff(a_dir, b_dir):

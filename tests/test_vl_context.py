@@ -83,14 +83,14 @@ def test_sft_and_the_hf_engine_take_the_cap(tiny_vl, tiny_index, tmp_path, proce
     # synth.py --max_pixels records the cap its image expansions were made with (meta.json); sft.py builds its
     # processor with it, whose saved config carries it on (Qwen2.5-VL: runs/gpu_check.py's visual check); the HF
     # engine takes --max_pixels like vLLM's
-    import corpus
+    import dataio
     import retrievers
     import rollout
     import sft
     import synth
     import transcript
     vis = vision.VisionIO.load(tiny_vl)
-    qs = corpus.load_questions(tiny_index, "visual_train")[:4]
+    qs = dataio.load_questions(tiny_index, "visual_train")[:4]
     trajs = rollout.rollout(rollout.GoldPolicy(vis.tok, qs, vis), retrievers.Retriever(tiny_index, "bm25"), qs)
     synth.write_trajectories(tmp_path / "traj", "train", trajs, vis.tok, transcript.format_meta(rollout.Settings()), 401408)
     processor_kwargs.clear()
@@ -109,11 +109,12 @@ def test_picture_paths_are_absolute_and_a_missing_one_is_one_line_naming_it_and_
     # working folder it named no file on another node; a picture that is not there exits in one line
     import socket
 
-    import corpus
+
+    import dataio
     monkeypatch.chdir(tiny_index.parent)
     rel = tiny_index.name
-    assert all(os.path.isabs(d["path"]) for d in corpus.load_kb(rel, "image"))
-    assert all(os.path.isabs(q["image"]) for q in corpus.load_questions(rel, "visual_dev"))
+    assert all(os.path.isabs(d["path"]) for d in dataio.load_kb(rel, "image"))
+    assert all(os.path.isabs(q["image"]) for q in dataio.load_questions(rel, "visual_dev"))
     vis = vision.VisionIO.load(tiny_vl)
     with pytest.raises(SystemExit) as e:
         vis.image("/shared/mini/kb/images/portrait-0.png")

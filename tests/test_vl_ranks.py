@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 from conftest import interrupted_copy
 
-import corpus
+
+import dataio
 import engines
 import prepare
 import retrievers
@@ -114,10 +115,10 @@ def mixed_traj(tmp_path_factory, tiny_index, tiny_vl):
     for name, splits in (("train", ("visual_train", "train")), ("dev", ("visual_dev", "dev"))):
         rows = []
         for split in splits:
-            qs = corpus.load_questions(tiny_index, split)[:8]
+            qs = dataio.load_questions(tiny_index, split)[:8]
             trajs = rollout.rollout(rollout.GoldPolicy(vis.tok, qs, vis), ret, qs)
             rows.append(next(x for x in trajs if bool(x["images"]) == split.startswith("visual")))
-        corpus.write_jsonl(out / f"{name}.jsonl", rows)
+        dataio.write_jsonl(out / f"{name}.jsonl", rows)
     return out
 
 @pytest.mark.slow
