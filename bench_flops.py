@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-
 import dataio
 import retrievers
 import trainutil

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-
 import dataio
 import retrievers
 from engines import HFEngine, VLLMEngine, auto_model

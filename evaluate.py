@@ -61,7 +61,6 @@ from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 
-
 import dataio
 import engines
 import prepare

@@ -19,7 +19,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-
 import dataio
 import reward
 from dataio import KBS  # ("text", "table", "image")

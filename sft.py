@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-
 import dataio
 import trainutil
 import transcript

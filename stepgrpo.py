@@ -42,7 +42,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
 import dataio
 import engines
 import reward

@@ -31,7 +31,6 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-
 import dataio
 import engines
 import prepare

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
 import dataio
 import transcript
 from engines import auto_model

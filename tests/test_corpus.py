@@ -12,7 +12,6 @@ import pytest
 from PIL import Image
 
 import corpus
-
 import dataio
 from conftest import tiny_world_args
 

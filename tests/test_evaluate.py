@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-
 import dataio
 import evaluate
 import prepare
@@ -344,7 +343,6 @@ def test_route_probe_samples_at_golden_prefixes(tiny_index):
 
     from transformers import AutoTokenizer
 
-
     import dataio
     import retrievers
     import rollout
@@ -460,7 +458,6 @@ def test_gold_steps_ceiling_takes_only_the_final_answer_from_the_model(tiny_inde
     the engine writes. The gold policy as the engine scores 100; an engine whose final answers are wrong keeps every
     gold step (routing 100) and scores 0, so nothing but the final answer came from it."""
     from transformers import AutoTokenizer
-
 
     import dataio
     import retrievers

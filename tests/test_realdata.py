@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import corpus
-
 import dataio
 import importers
 from dataio import DataError, load_kb, load_questions

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-
 import dataio
 import retrievers
 

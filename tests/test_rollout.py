@@ -9,7 +9,6 @@ import io
 import pytest
 import torch
 
-
 import dataio
 import engines
 import prepare

@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-
 import dataio
 import retrievers
 import rollout

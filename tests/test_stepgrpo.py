@@ -441,7 +441,6 @@ def test_max_restarts_with_the_shared_rendezvous_store_is_refused(tmp_path, tiny
 def teacher_setup(tiny_index, spans="route"):
     from transformers import AutoTokenizer
 
-
     import dataio
     import retrievers
     import rollout

@@ -24,7 +24,6 @@ def test_a_trajectory_cut_by_the_context_keeps_the_rewards_of_its_spans(tiny_ind
     # one's spans score exactly as in the whole one (its last, well-written span too), and its outcome is 0
     from transformers import AutoTokenizer
 
-
     import dataio
     import retrievers
     import rollout

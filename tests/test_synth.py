@@ -4,7 +4,6 @@ import json
 import pytest
 
 import corpus
-
 import dataio
 import retrievers
 import rollout

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 from conftest import interrupted_copy
 
-
 import dataio
 import engines
 import prepare

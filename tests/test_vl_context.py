@@ -109,7 +109,6 @@ def test_picture_paths_are_absolute_and_a_missing_one_is_one_line_naming_it_and_
     # working folder it named no file on another node; a picture that is not there exits in one line
     import socket
 
-
     import dataio
     monkeypatch.chdir(tiny_index.parent)
     rel = tiny_index.name
