@@ -136,8 +136,8 @@ gpu-check:
 BENCH_MODEL ?= $(MODEL)
 bench: $(DATA)/traj/train.jsonl $(MODEL)/config.json
 	$(PY) retrievers.py bench --data $(DATA) --methods dense bm25 hybrid
-	$(PY) bench_rollout.py --model $(BENCH_MODEL) --data $(DATA) --n_questions 32 -n 4
-	$(PY) bench_flops.py --model $(BENCH_MODEL) --data $(DATA)
+	$(PY) -m bench.rollout --model $(BENCH_MODEL) --data $(DATA) --n_questions 32 -n 4
+	$(PY) -m bench.flops --model $(BENCH_MODEL) --data $(DATA)
 
 # Peak memory of each Step-GRPO phase (rollout, update, sync, checkpoint) per rank: 2 gloo ranks, 2 steps from the main
 # job's SFT checkpoint; the closing line prints it (on GPUs, the same stepgrpo.py command under torchrun there)
@@ -213,19 +213,19 @@ real: .venv/.stamp
 real-eval: $(REAL)/index/meta.json $(OUT)/stepgrpo/final/config.json
 	PY=$(PY) bash runs/real_eval.sh
 
-# Peer benchmark (bench_trl.py): the same single-step GRPO setting with this repo's parts and with TRL's GRPOTrainer.
+# Peer benchmark (bench/trl.py): the same single-step GRPO setting with this repo's parts and with TRL's GRPOTrainer.
 # Run it alone on an idle machine: each side may peak near 20 GB (BENCH_TRL_FLAGS="--micro_batch 8" lowers it).
 BENCH_TRL_FLAGS ?=
 bench-trl: $(DATA)/world.json $(MODEL)/config.json
 	$(PY) -c "import trl" 2>/dev/null || .venv/bin/pip install -q --no-deps trl==1.16.0 datasets==5.2.0 \
 		multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1
-	$(PY) bench_trl.py $(BENCH_TRL_FLAGS)
+	$(PY) -m bench.trl $(BENCH_TRL_FLAGS)
 
 # Dense index types for large KBs (retrievers.py build --index flat|hnsw|ivfpq) on 1M synthetic clustered 384-d
 # vectors: build time, memory, queries/s and recall@10 at a few --search_depth values, extrapolated to 21M passages
-# (bench_index.py; ~15 min here, run it on an idle machine)
+# (bench/index.py; ~15 min here, run it on an idle machine)
 bench-index: .venv/.stamp
-	$(PY) bench_index.py --out out/bench_index.json
+	$(PY) -m bench.index --out out/bench_index.json
 
 clean:
 	rm -rf data out wandb

@@ -7,7 +7,7 @@ Dense retrieval embeds documents with all-MiniLM-L6-v2 (shipped in the `gt-all-m
 into a faiss inner-product index (faiss-cpu here; faiss-gpu is used when its GPU resources exist): exact (flat) by
 default; for large KBs `--index hnsw` (a graph, fast, as large as flat) or `--index ivfpq` (product-quantised, ~56
 bytes a passage: 21M passages in ~1.2 GB instead of 32, at a cost in recall), searched `--search_depth` deep
-(bench_index.py compares them). `--method bm25` uses bm25s instead, `--method hybrid` fuses both rankings by
+(bench/index.py compares them). `--method bm25` uses bm25s instead, `--method hybrid` fuses both rankings by
 reciprocal rank. Tables are indexed by their linearised text, images by title + caption and by their pixels: on the
 image KB a query that carries an image (a visual question's picture) is ranked by pixel similarity alone, with the
 embedded weight-free PixelEncoder, or with CLIP image embeddings given `--image_encoder DIR` (any HF CLIP folder),
@@ -155,7 +155,7 @@ def faiss_index(emb):
 # Approximate indexes (--index) for KBs too large to search or hold flat: 21M Wikipedia passages x 384 float32 are 32 GB.
 INDEXES = ("flat", "hnsw", "ivfpq")
 HNSW_M = 32  # links a node (2M on the base layer): the usual choice for 384-d text embeddings
-HNSW_EF_CONSTRUCTION = 100  # build candidates a node. On 200k bench_index.py vectors faiss's default, 40, built 3.7x
+HNSW_EF_CONSTRUCTION = 100  # build candidates a node. On 200k bench/index.py vectors faiss's default, 40, built 3.7x
                             # faster but needed efSearch 128 for the recall@10 (0.99) 100 reached at 32; 200 built 2.5x
                             # slower for no more. 1M vectors: 12 min on 2 cores
 PQ_M = 48  # IVF-PQ sub-quantizers x 8 bits: a 384-d vector in 48 bytes (8 dims a byte), 32x smaller than flat. It caps

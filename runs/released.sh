@@ -22,7 +22,7 @@ score() {  # score MODEL NAME OUT [flags]: routed on the whole test split, once
   test -f $3/results.json || $PY evaluate.py --model $1 --name $2 $EVAL --out $3 "${@:4}"
 }
 bench() {  # bench MODEL STRUCTURE OUT [flags]: the routed loop's tokens and throughput against raw vLLM
-  test -f $3 || $PY bench_rollout.py --model $1 --structure $2 --n_questions 32 -n 4 "${@:4}" > $3
+  test -f $3 || $PY -m bench.rollout --model $1 --structure $2 --n_questions 32 -n 4 "${@:4}" > $3
   grep "^$2:" $3
 }
 test -f $OUT/sft/final/config.json || $PY sft.py --data $DATA/traj --train_steps 36 --grad_accum 4 --eval_every 0 \

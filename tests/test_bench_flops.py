@@ -1,4 +1,4 @@
-"""bench_flops.py's FLOP count, against the parameter count of the real default policy: a forward is 2 FLOPs a
+"""bench/flops.py's FLOP count, against the parameter count of the real default policy: a forward is 2 FLOPs a
 weight a token (the head read at that token) plus attention, which grows with the context; and a run's compute from
 its log (the claim tables' columns)."""
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import bench_flops
+from bench import flops as bench_flops
 import prepare
 
 def test_a_token_costs_two_flops_a_weight():

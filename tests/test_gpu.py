@@ -45,7 +45,7 @@ def test_faiss_on_gpu_returns_what_cpu_faiss_returns():
 def test_ivfpq_index_loads_onto_the_gpu_and_searches_like_cpu(tmp_path):
     # `build --index ivfpq` on a GPU machine: load_dense memory-maps the file, then to_gpu copies it over with its nprobe
     faiss = pytest.importorskip("faiss")
-    import bench_index
+    from bench import index as bench_index
     import retrievers
     if not hasattr(faiss, "StandardGpuResources"):
         pytest.skip("faiss-gpu not installed (requirements-gpu.txt installs faiss-cpu)")

@@ -278,10 +278,10 @@ def test_remote_client_reports_refusals(server):
 
 @pytest.fixture(scope="module")
 def clustered():
-    """10k docs and 200 held-out queries of bench_index.py's clustered mixture, 96-d (a fast build), their norms spread
+    """10k docs and 200 held-out queries of bench/index.py's clustered mixture, 96-d (a fast build), their norms spread
     over 0.5..2 so that inner product and L2 rank differently (the exact L2 top-10 shares ~2% with the inner-product
     one), and the exact inner-product top-10 of each query."""
-    import bench_index
+    from bench import index as bench_index
     rng = np.random.default_rng(0)
     x = bench_index.clustered(10_200, 96, 1.0, rng) * rng.uniform(0.5, 2, (10_200, 1)).astype(np.float32)
     docs, queries = x[:10_000], x[10_000:]

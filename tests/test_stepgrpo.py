@@ -354,7 +354,7 @@ def test_two_ranks_sync_the_engine_after_every_update(tmp_path, tiny_model_dir, 
     recs = records(out)
     assert [r["step"] for r in recs] == [1, 2]
     assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # the engine scores exactly like the trainer after each sync
-    # the rollouts' forward work (bench_flops.py --runs): with no row skipped, the update's rows are the rollouts, a
+    # the rollouts' forward work (bench/flops.py --runs): with no row skipped, the update's rows are the rollouts, a
     # packed teacher-prefix group with the prompt's last token once more a completion (grpo.pack_group; -n 2)
     extra = lambda r: (2 - 1) * r["update_rows"] if mode == "teacher_prefix" else 0
     assert all(r["rollout_tokens"] + extra(r) == r["update_tokens"] > 0 for r in recs if structure == "transcript"

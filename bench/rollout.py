@@ -1,9 +1,9 @@
 """
-bench_rollout.py: throughput of the routed rollout loop against raw vLLM generation of as many tokens (each step
+bench/rollout.py: throughput of the routed rollout loop against raw vLLM generation of as many tokens (each step
 structure; visual questions too when the data has them), vLLM against HF generate (images/s for a VL policy), and the
 time of a weight sync into the running engine. Figures print; docs/LOG.md keeps the measured ones.
-    python bench_rollout.py --model out/demo/sft/final --n_questions 32 -n 4
-    python bench_rollout.py --model out/released/sft/final --structure released     # R1-Router's released structure
+    python -m bench.rollout --model out/demo/sft/final --n_questions 32 -n 4
+    python -m bench.rollout --model out/released/sft/final --structure released     # R1-Router's released structure
 A policy trained on the step format runs whole trajectories (the prompt-only model stops early).
 """
 import argparse
@@ -94,7 +94,8 @@ def main(args):
           f"{min(times):.2f}s best, {sum(times) / 3:.2f}s mean of 3 (target <= 1 s)")
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.rollout", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="any HF causal LM or image-text-to-text folder")
     ap.add_argument("--data", default="data/mini")
     ap.add_argument("--split", default="dev")

@@ -1,10 +1,10 @@
 """
-bench_index.py: the dense index types of `retrievers.py build --index flat|hnsw|ivfpq` on N synthetic 384-d vectors
+bench/index.py: the dense index types of `retrievers.py build --index flat|hnsw|ivfpq` on N synthetic 384-d vectors
 clustered like sentence embeddings: build time, memory, search speed and recall@10 against exact search at a few
 --search_depth values, then what they come to for a Wikipedia-scale KB (21M passages).
 
-    python bench_index.py --out out/bench_index.json           # the measurement: 1M vectors, ~15 min on 2 cores
-    python bench_index.py --n 100000                             # a quick run
+    python -m bench.index --out out/bench_index.json           # the measurement: 1M vectors, ~15 min on 2 cores
+    python -m bench.index --n 100000                             # a quick run
     make bench-index                                             # = the first command
 
 Data: i.i.d. Gaussian vectors have no neighbour structure (every point is about as far from every other), which makes
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap = argparse.ArgumentParser(prog="python -m bench.index", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--n", type=int, default=1_000_000, help="vectors indexed")
 ap.add_argument("--d", type=int, default=384, help="dimensions (all-MiniLM-L6-v2's)")
 ap.add_argument("--queries", type=int, default=1000)
@@ -92,7 +93,7 @@ def measure(folder):
     print(json.dumps(rows))
 
 def run_child(folder):
-    r = subprocess.run([sys.executable, __file__, "--measure", str(folder), "--threads", str(args.threads)],
+    r = subprocess.run([sys.executable, "-m", "bench.index", "--measure", str(folder), "--threads", str(args.threads)],
                        capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"error: measuring {folder} failed: {r.stderr.strip().splitlines()[-1]}")

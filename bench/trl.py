@@ -1,12 +1,12 @@
 """
-bench_trl.py: peer benchmark. One single-step GRPO setting run by this repo's own parts ("ours": engines.VLLMEngine,
+bench/trl.py: peer benchmark. One single-step GRPO setting run by this repo's own parts ("ours": engines.VLLMEngine,
 grpo.py's loss, trainutil's FSDP2 world of one, engine.sync_weights) and by TRL's GRPOTrainer, on this machine.
 Reports seconds per step of each and the ratio ours/TRL (target <= 1.0).
 
-    python bench_trl.py                               # the measurement: 8 prompts x 4, 64 tokens, 3 timed steps + 1 warm-up
-    python bench_trl.py --prompts 4 --steps 2         # a quick end-to-end check
-    python bench_trl.py --trl_mode hf                 # one TRL mode only: vllm | vllm_patched | hf
-    python bench_trl.py --micro_batch 8               # both sides: forward/backward 8 sequences at a time (less memory)
+    python -m bench.trl                               # the measurement: 8 prompts x 4, 64 tokens, 3 timed steps + 1 warm-up
+    python -m bench.trl --prompts 4 --steps 2         # a quick end-to-end check
+    python -m bench.trl --trl_mode hf                 # one TRL mode only: vllm | vllm_patched | hf
+    python -m bench.trl --micro_batch 8               # both sides: forward/backward 8 sequences at a time (less memory)
     make bench-trl                                    # = the first command
 
 The workload (identical for both): the first --prompts questions of data/mini train, each as the chat-formatted
@@ -38,7 +38,8 @@ for k, v in dict(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE
                  VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}").items():
     os.environ.setdefault(k, v)  # vLLM CPU settings for both sides; KV 1 GiB (32 x 300 tokens of SmolLM2 need ~0.45)
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap = argparse.ArgumentParser(prog="python -m bench.trl", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--model", default="out/demo/sft/final" if Path("out/demo/sft/final/config.json").exists() else "models/SmolLM2-135M-Instruct")
 ap.add_argument("--data", default="data/mini")
 ap.add_argument("--prompts", type=int, default=8, help="P: prompts per step")
@@ -160,7 +161,7 @@ def child(run, mode=None):
     name = run if mode is None else f"trl_{mode}"
     log, res = Path(args.out) / f"{name}.log", Path(args.out) / f"{name}.json"
     res.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, *sys.argv[1:], "--run", run] + (["--trl_mode", mode] if mode else [])
+    cmd = [sys.executable, "-m", "bench.trl", *sys.argv[1:], "--run", run] + (["--trl_mode", mode] if mode else [])
     print(f"--- {name}: {' '.join(cmd[1:])} (log: {log})", flush=True)
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,10 +1,10 @@
 """
-bench_flops.py: where the time goes. This machine's matmul peak at the policy's own shapes (fp32, and bf16 where the
+bench/flops.py: where the time goes. This machine's matmul peak at the policy's own shapes (fp32, and bf16 where the
 CPU computes it natively), then each stage's achieved FLOP/s and its share of that peak: an SFT step, a Step-GRPO
 update, vLLM prefill and decode, a routed evaluation per question, the dense index's encoder. Figures print;
 docs/LOG.md keeps the measured ones, with the CPU's flags.
-    python bench_flops.py --model out/demo/sft/final --data data/mini            # (make bench runs it)
-    python bench_flops.py --runs out/demo/sft-cont out/demo/stepgrpo              # runs' FLOPs, updates, rows seen
+    python -m bench.flops --model out/demo/sft/final --data data/mini            # (make bench runs it)
+    python -m bench.flops --runs out/demo/sft-cont out/demo/stepgrpo              # runs' FLOPs, updates, rows seen
 FLOPs are counted from the shapes, as the work a stage needs: 2 m n k a matmul; the linear layers at every token;
 causal attention 2 L d S^2 a sequence of S tokens; the LM head only where it is read (a loss's label tokens, a
 generated token); a training step 3 forwards. A share far below 1 is time spent outside those matmuls: padding, a
@@ -204,7 +204,8 @@ def main(args):
         print(f"| {name} | {f / 1e9:.1f} | {f / peak:.2f} | {note} |")
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.flops", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a policy that writes the step format (a trained SFT)")
     ap.add_argument("--data", default="data/mini", help="corpus.py folder with golden trajectories in <data>/traj")
     ap.add_argument("--steps", type=int, default=2, help="SFT steps and Step-GRPO updates timed (after one warm-up)")
