@@ -169,45 +169,58 @@ def write_report(results, out_dir, title="R1-Router evaluation"):
     return md
 
 
-# the learning curves of a training log (stepgrpo.py's log.jsonl: a record a step, dev scores at step 0 too)
-CURVE_TITLES = dict(outcome="outcome reward", route_r="route-step reward", kb_acc="KB choice = gold's",
-                    kb_entropy="KB choice entropy in a group (bits)", kb_mixed="groups with mixed KB choices",
-                    answer_r="answer-step reward", format_ok="well-formed steps / trajectories", entropy="entropy",
-                    kl="KL to reference (k3)", retrievals="retrieval calls / trajectory",
-                    tokens="policy tokens / sample", dev_f1_recall="dev F1-Recall (greedy)",
-                    dev_routing_acc="dev routing accuracy (greedy)", dev_routing_macro="dev balanced routing accuracy",
-                    dev_routing_macro0="dev balanced accuracy, 1st route",
-                    dev_route_info0="dev I(gold; chosen) / H(gold), 1st route, %")
+# the learning curves of a training log (stepgrpo.py's log.jsonl: a record a step, dev scores at step 0 too): a fixed
+# set of panels, each (title, its keys, the y label), a line a key; a panel none of whose keys the log holds a number
+# for is left out (kl without --kl_coef; the critic's, which a PPO trainer logs)
+CURVE_PANELS = [("rewards", ("route_r", "answer_r", "outcome"), "mean reward"),
+                ("KB choice", ("kb_acc", "kb_entropy", "kb_mixed"), ""),
+                ("entropy", ("entropy",), "nats / token"),
+                ("clip fraction", ("clip_frac",), "share of tokens"),
+                ("KL to reference (k3)", ("kl",), "per token"),
+                ("dev (greedy; dev_score picks best)", ("dev_score", "dev_f1_recall", "dev_routing_acc"), "%"),
+                ("seconds a step", ("rollout_s", "update_s", "sync_s", "retrieve_s", "dev_s"), "s"),
+                ("critic", ("value_loss", "explained_var"), "")]
+CURVE_LABELS = dict(kb_acc="kb_acc (= gold's)", kb_entropy="kb_entropy (bits, in a group)",
+                    kb_mixed="kb_mixed (groups of mixed choices)")  # a legend's line: its key, what it counts
 
 
-def curve_series(recs):
-    """[(title, [(step, value)])]: every number the records hold but step and epoch, CURVE_TITLES' first."""
-    keys = list(CURVE_TITLES) + [k for k in dict.fromkeys(k for r in recs for k in r) if k not in CURVE_TITLES and k
-                                 not in ("step", "epoch") and any(isinstance(r.get(k), (int, float)) for r in recs)]
-    series = [(CURVE_TITLES.get(k, k), [(r["step"], r[k]) for r in recs if isinstance(r.get(k), (int, float))])
-              for k in keys]
-    return [(title, pts) for title, pts in series if pts]
+def curve_panels(recs):
+    """[(title, y label, [(key, [(step, value)])])]: CURVE_PANELS' panels that have a number in recs, each with the
+    keys that do, a point at each step whose record holds one (dev scores: only the steps that were scored)."""
+    panels = []
+    for title, keys, ylabel in CURVE_PANELS:
+        lines = [(k, [(r["step"], r[k]) for r in recs if isinstance(r.get(k), (int, float))
+                      and not isinstance(r.get(k), bool)]) for k in keys]
+        lines = [(k, pts) for k, pts in lines if pts]
+        if lines:
+            panels.append((title, ylabel, lines))
+    return panels
 
 
 def curves_chart(log_path, title, cols=3):
-    """PNG bytes: one panel per curve_series of the JSONL log at log_path, against whole-number steps."""
+    """PNG bytes: one panel per curve_panels of the JSONL log at log_path, a line a key, against whole-number steps."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
-    series = curve_series([json.loads(l) for l in open(log_path)])
-    rows = -(-len(series) // cols)
+    panels = curve_panels([json.loads(l) for l in open(log_path)])
+    rows = max(1, -(-len(panels) // cols))
     height = 3.3 * rows + 0.6  # inches: the panels, and a band for the title
     fig = Figure(figsize=(14, height), dpi=90)
     FigureCanvasAgg(fig)
-    # laid out by hand: tight_layout and a tight bounding box each lay out ~25 panels' ticks once more (~1 s a run)
+    # laid out by hand: tight_layout and a tight bounding box each lay out every panel's ticks once more
     fig.subplots_adjust(left=0.05, right=0.99, bottom=0.5 / height, top=1 - 1.0 / height, wspace=0.2, hspace=0.55)
     axes = fig.subplots(rows, cols, squeeze=False)
-    for ax in axes.flat[len(series):]:
+    for ax in axes.flat[len(panels):]:
         ax.axis("off")
-    for ax, (name, pts) in zip(axes.flat, series):
-        ax.plot(*zip(*pts), marker="o", ms=3)
+    for ax, (name, ylabel, lines) in zip(axes.flat, panels):
+        for key, pts in lines:
+            ax.plot(*zip(*pts), marker="o", ms=3, label=CURVE_LABELS.get(key, key))
+        if len(lines) > 1:
+            ax.legend(fontsize=7, loc="best")
         ax.set_title(name)
         ax.set_xlabel("step")
+        if ylabel:
+            ax.set_ylabel(ylabel, fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     fig.suptitle(f"{title} ({log_path})", y=1 - 0.3 / height)

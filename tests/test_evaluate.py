@@ -8,7 +8,7 @@ import dataio
 import evaluate
 import prepare
 from evaluate import confusion, decisions, first_samples, gold_hits, routing_accuracy, score
-from report import curve_series, curves_chart, markdown, write_report
+from report import curve_panels, curves_chart, markdown, write_report
 
 approx = pytest.approx
 
@@ -510,10 +510,25 @@ def test_trajectory_view_shows_gold_and_each_models_steps_with_titles(tiny_world
     with pytest.raises(SystemExit, match=r"error: --show: .*c\.jsonl"):
         report.show([tmp_path / "a.jsonl", tmp_path / "c.jsonl"], tiny_world)
 
-def test_curves_plot_every_logged_number(tmp_path):
-    recs = [dict(step=0, dev_f1_recall=10.0), dict(step=1, epoch=0, loss=0.5, grad_norm=1.2, clip_frac=0.01, update_s=3.0,
-                                                 route_r=0.9, memory_gib={"update": [1.0]}, note="text")]
-    series = dict(curve_series(recs))
-    assert set(series) == {"dev F1-Recall (greedy)", "route-step reward", "loss", "grad_norm", "clip_frac", "update_s"}
+def test_curves_plot_the_fixed_panels_of_the_keys_logged(tmp_path):
+    # a Step-GRPO log's shape: dev scores at step 0 and at the last step only, kl None (no --kl_coef), answer_r None,
+    # constant and unplotted numbers (world, grad_norm, skipped), a dict and a string
+    step = lambda s, **kw: dict(step=s, epoch=0, world=1, loss=0.5, grad_norm=1.2, skipped=0, kl=None, answer_r=None,
+                                route_r=0.9, clip_frac=0.01, rollout_s=5.0, update_s=3.0, memory_gib={"update": [1.0]},
+                                note="text", **kw)
+    dev = lambda v: dict(dev_score=v, dev_f1_recall=v, dev_routing_acc=v, dev_s=2.0)
+    recs = [dict(step=0, **dev(10.0)), step(1), step(2, **dev(20.0))]
+    panels = {title: dict(lines) for title, _, lines in curve_panels(recs)}
+    dev_title = "dev (greedy; dev_score picks best)"
+    assert list(panels) == ["rewards", "clip fraction", dev_title, "seconds a step"]  # no kl, critic, world, grad_norm
+    assert list(panels["rewards"]) == ["route_r"]  # answer_r all None, outcome absent: no line
+    assert panels[dev_title]["dev_score"] == [(0, 10.0), (2, 20.0)]  # only the steps scored
+    assert list(panels["seconds a step"]) == ["rollout_s", "update_s", "dev_s"]
+    # a critic's keys (a PPO trainer's log) get their panel
+    critic = [title for title, _, _ in curve_panels(recs + [step(3, value_loss=0.2, explained_var=0.1)])]
+    assert critic == ["rewards", "clip fraction", dev_title, "seconds a step", "critic"]
+    # the PNG has a row of 3 panels for each 3 (4 panels: 2 rows, 14 x (3.3 x 2 + 0.6) inches at 90 dpi)
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert curves_chart(tmp_path / "log.jsonl", "curves")[:4] == b"\x89PNG"
+    png = curves_chart(tmp_path / "log.jsonl", "curves")
+    assert png[:4] == b"\x89PNG"
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1260, 648)
