@@ -8,9 +8,29 @@ an interrupted run never leaves half a file), and the KB and question schemas lo
 """
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-KBS = ("text", "table", "image")
+@dataclass(frozen=True)
+class KB:
+    """One knowledge base type, all a script knows of it: a new type is a row of KB_TABLE (and its documents, from
+    the world or an importer), nowhere else."""
+    name: str       # its file kb/<name>.jsonl and a step's "kb"
+    retriever: str  # what the policy writes in <ret> (R1-Router's retriever names)
+    tag: str        # how R1-Router's released prompts and data label its passages ("ter-0: ...")
+    about: str      # the system prompt's gloss of what it holds
+    fields: dict    # a document's required fields and their types
+    body: str       # the field a document is indexed by and shown as evidence, after its title
+
+KB_TABLE = (
+    KB("text", "Text Retriever", "ter", "text: encyclopedia passages", {"id": str, "title": str, "text": str}, "text"),
+    KB("table", "Table Retriever", "tar", "table: facts, figures and records",
+       {"id": str, "title": str, "header": list, "rows": list, "text": str}, "text"),
+    KB("image", "Text Image Retriever", "tir", "text image: what things look like",
+       {"id": str, "title": str, "caption": str, "path": str}, "caption"),
+)
+KBS = tuple(kb.name for kb in KB_TABLE)  # ("text", "table", "image"): the order every loop over the KBs takes
+KB_OF = {kb.name: kb for kb in KB_TABLE}
 
 class DataError(ValueError):
     pass
@@ -59,9 +79,7 @@ def write_jsonl(path, rows):
 
 # required keys and their types, per file kind (a key ending in "?" is optional)
 SCHEMA = {
-    "text": {"id": str, "title": str, "text": str},
-    "table": {"id": str, "title": str, "header": list, "rows": list, "text": str},
-    "image": {"id": str, "title": str, "caption": str, "path": str},
+    **{kb.name: kb.fields for kb in KB_TABLE},
     "question": {"id": str, "question": str, "answers": list, "type": str, "steps": list, "image?": str},
     "step": {"sub_question": str, "kb": str, "doc_id": str, "answer": str},
 }

@@ -83,7 +83,7 @@ class VLLMEngine:
         trainer's (None: CUDA when there is one); vLLM's CUDA build runs on the GPU, so a CPU trainer on a GPU host
         needs the HF engine."""
         if device is not None and torch.device(device).type == "cpu" and torch.cuda.is_available():
-            sys.exit("error: --device cpu on a machine with CUDA: vLLM would still run on the GPU; use --engine hf")
+            sys.exit("error: --device cpu on a machine with CUDA: vLLM would still run on the GPU; use --backend hf")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # the V1 model runner on CUDA too (vLLM 0.32 defaults to V2 there): the CPU runner the tests run subclasses V1,
         # so a GPU run takes the code paths (sampling logprobs, prompt logprobs, reload_weights) that were tested
@@ -225,7 +225,7 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 class HFEngine(Batched):
-    """Plain transformers generate: the fallback (stepgrpo.py --engine hf), and the reference the vLLM path is tested
+    """Plain transformers generate: the fallback (stepgrpo.py --backend hf), and the reference the vLLM path is tested
     against."""
     def __init__(self, model, dtype="auto", seed=0, batch_size=32, max_model_len=None, max_pixels=None, device=None):
         """max_model_len, max_pixels: as VLLMEngine's (None: no limit; the processor's cap)."""

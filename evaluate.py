@@ -463,8 +463,6 @@ def get_args(argv=None):
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
-    ap.add_argument("--gold_think", default="kb_last", choices=["kb_first", "kb_last"],
-                    help="the golden routing <think> of the few-shot examples' and the route probe's golden prefixes: as synth.py wrote the SFT data")
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--protocol", default="strict", choices=["strict", "fallback", "released"],
@@ -544,7 +542,7 @@ def settings_of(args):
     import rollout
     settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
                                 max_active=args.max_active, structure=args.structure, max_pairs=args.max_pairs,
-                                max_rets=args.max_rets, gold_think=args.gold_think)
+                                max_rets=args.max_rets)
     if args.protocol != "strict":
         settings = replace(settings, fallback=True)
     if args.protocol == "released":

@@ -21,16 +21,13 @@ def norm(v, eps=1e-4, std=True):
         return np.zeros_like(v)
     return (v - v.mean()) / (v.std(ddof=1) + eps) if std else v - v.mean()
 
-def group_advantages(spans, rewards, outcomes, mode="step", scale=None, std=True, outcome_on="all"):
+def group_advantages(spans, rewards, outcomes, mode="step", scale=None, std=True):
     """onpolicy, one group (the n samples of a question). spans[i]: span dicts of sample i, rewards[i]: their rewards,
     outcomes[i]: R_i. Returns A[i][j] = c_(kind, step) norm_(kind, step)(r_ij) + norm(R_i), where norm_(kind, step)
     runs over the samples that have a span of that kind at that step (0 if only one has it) and c = scale.get((kind,
-    step), 1) (--balance_kb); mode "outcome": A[i][j] = norm(R_i) (plain GRPO). std: as norm's (--adv_std).
-    outcome_on "final" (--outcome_on): norm(R_i) on the final-answer span alone, so a routing step's credit is its own
-    step reward and a failed episode does not push down every decision it made on the way."""
+    step), 1) (--balance_kb); mode "outcome": A[i][j] = norm(R_i) (plain GRPO). std: as norm's (--adv_std)."""
     R = norm(outcomes, std=std)
-    final = lambda sp: outcome_on == "all" or sp["kind"] == "final"
-    adv = [[float(R[i]) if final(sp) else 0.0 for sp in s] for i, s in enumerate(spans)]
+    adv = [[float(R[i]) for _ in s] for i, s in enumerate(spans)]
     if mode == "outcome":
         return adv
     by_key = {}
@@ -65,23 +62,18 @@ def token_logprobs(model, ids, attn, sel, pos=None, temperature=1.0, entropy_gra
         entropy = -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(-1)  # [N]; 0 log 0 = 0
     return logp.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1), entropy
 
-def grpo_loss(logp, old, ref, adv, seq, clip_eps, kl_coef, norm_mode, denom, entropy=None, entropy_coef=0.0):
-    """logp, old, ref, adv, entropy: [N] over the policy tokens of a micro-batch; seq [N]: each token's sequence index.
+def grpo_loss(logp, old, ref, adv, clip_eps, kl_coef, denom, entropy=None, entropy_coef=0.0):
+    """logp, old, ref, adv, entropy: [N] over the policy tokens of a micro-batch.
       ratio = exp(logp - old)   (old: the sampling engine's logprobs, or with --old_logprobs trainer the trainer's)
       l_t = -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) + kl_coef (exp(ref - logp) - (ref - logp) - 1)   (k3 KL)
             - entropy_coef H_t   (an entropy bonus, EasyR1's entropy_coeff)
-    Returns the loss to backprop, already divided by the global `denom` (policy tokens for token normalisation; for
-    sequence normalisation each sequence's token mean, over the number of sequences), and the per-token kl and
-    clipped indicators."""
+    Returns the loss to backprop, already divided by the global `denom` (the policy tokens of the global batch: every
+    token weighs the same, DAPO's token-level mean), and the per-token kl and clipped indicators."""
     ratio = torch.exp(logp - old)
     pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3 estimator of KL(policy || ref)
     per_tok = pg + kl_coef * kl - (entropy_coef * entropy if entropy_coef else 0.0)
-    if norm_mode == "token":
-        loss = per_tok.sum() / denom
-    else:  # each sequence's token mean, summed
-        count = per_tok.new_zeros(len(seq)).index_add_(0, seq, torch.ones_like(per_tok))  # [N] tokens of each sequence
-        loss = (per_tok / count[seq]).sum() / denom
+    loss = per_tok.sum() / denom
     clipped = ((ratio - 1).abs() > clip_eps).float()
     return loss, kl.detach(), clipped
 
@@ -115,8 +107,7 @@ def pack_group(prefix, group, adv):
     repeated last token makes each policy token's left neighbour its true predecessor, and the row scores every
     completion exactly as n separate rows (~3x less compute than those on CPU)."""
     L = len(prefix) - 1
-    row = dict(ids=list(prefix[:-1]), mask=[0] * L, old=[0.0] * L, adv=[0.0] * L, seg=[-1] * L, pos=list(range(L)),
-               n_seq=len(group))
+    row = dict(ids=list(prefix[:-1]), mask=[0] * L, old=[0.0] * L, adv=[0.0] * L, seg=[-1] * L, pos=list(range(L)))
     for i, ((ids, lps), a) in enumerate(zip(group, adv)):
         a = [0.0, *a] if isinstance(a, list) else [float(a)] * (1 + len(ids))  # a: one value, or one a token
         for key, vals in (("ids", [prefix[-1], *ids]), ("mask", [0] + [1] * len(ids)), ("old", [0.0, *lps]),
@@ -126,20 +117,14 @@ def pack_group(prefix, group, adv):
     return row
 
 def collate(rows, pad_id, device):
-    """Right-pad to ids [B, T]; sel [B, T-1] marks positions whose next token is a policy token; old logprobs,
-    advantages and sequence index of those tokens (numbered from 0 in order of appearance), flattened to [N] in sel's
-    (row-major) order. attn: the padding mask [B, T] and pos None, or, if a row is packed (pack_group), a tree mask
+    """Right-pad to ids [B, T]; sel [B, T-1] marks positions whose next token is a policy token; old logprobs and
+    advantages of those tokens, flattened to [N] in sel's (row-major) order. attn: the padding mask [B, T] and pos None, or, if a row is packed (pack_group), a tree mask
     [B, 1, T, T] and position ids [B, T]."""
     T = max(len(s["ids"]) for s in rows)
     ids = torch.tensor([s["ids"] + [pad_id] * (T - len(s["ids"])) for s in rows], device=device)
     attn = torch.tensor([[1] * len(s["ids"]) + [0] * (T - len(s["ids"])) for s in rows], device=device)
     sel = torch.tensor([s["mask"][1:] + [0] * (T - len(s["ids"])) for s in rows], device=device).bool()
     pick = lambda key: torch.tensor([v for s in rows for v, m in zip(s[key][1:], s["mask"][1:]) if m], device=device).float()
-    first = np.cumsum([0] + [s.get("n_seq", 1) for s in rows])  # index of each row's first sequence
-    raw = [first[b] + max(g, 0) for b, s in enumerate(rows)
-           for g, m in zip(s.get("seg", [-1] * len(s["ids"]))[1:], s["mask"][1:]) if m]
-    dense = {k: i for i, k in enumerate(dict.fromkeys(raw))}  # numbered in order of appearance: every index < N
-    seq = torch.tensor([dense[k] for k in raw], dtype=torch.long, device=device)
     pos = None
     if any("seg" in s for s in rows):
         seg = torch.tensor([s.get("seg", [-1] * len(s["ids"])) + [1 << 30] * (T - len(s["ids"])) for s in rows], device=device)
@@ -147,4 +132,4 @@ def collate(rows, pad_id, device):
         causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
         attn = (causal & (shared[:, None, :] | (seg[:, :, None] == seg[:, None, :])))[:, None]  # [B, 1, T, T]
         pos = torch.tensor([s.get("pos", list(range(len(s["ids"])))) + [0] * (T - len(s["ids"])) for s in rows], device=device)
-    return ids, attn, pos, sel, pick("old"), pick("adv"), seq
+    return ids, attn, pos, sel, pick("old"), pick("adv")

@@ -34,15 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dataio import KBS, DataError, load_kb, load_questions
+from dataio import KB_OF, KBS, DataError, load_kb, load_questions
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RRF_K = 60  # reciprocal-rank-fusion constant (Cormack et al. 2009)
 
 def doc_contents(doc, kb):
     """The text a document is indexed by and shown as evidence; Search-R1's '"title"\\ntext' layout."""
-    body = {"text": lambda: doc["text"], "table": lambda: doc["text"], "image": lambda: doc["caption"]}[kb]()
-    return f'"{doc["title"]}"\n{body}'
+    return f'"{doc["title"]}"\n{doc[KB_OF[kb].body]}'
 
 # ----------------------------------------------------------------------------------------------------------------
 # Encoders

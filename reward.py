@@ -6,7 +6,7 @@ The step format (R1-Router), one model turn per step:
     routing step  <think>T</think>\n<sub-question>Q</sub-question>\n<ret>R</ret>
     answer step   <think>T</think>\n<answer>A</answer>
 
-R is "Text Retriever", "Text Image Retriever", "Table Retriever" or "None".
+R is a KB's retriever name (dataio.KB_TABLE: "Text Retriever", "Table Retriever", "Text Image Retriever") or "None".
 
 Multi-query steps (RAG-R1's parallel queries, R1-Router's multi-retriever mode), off by default: with
 max_pairs K > 1 a routing step may hold up to K sub-question / retriever pairs, retrieved in parallel,
@@ -17,7 +17,7 @@ and with max_rets R > 1 a <ret> may name up to R retrievers, comma-separated ("T
 K = R = 1 is R1-Router's format, exactly.
 <ret>None</ret> (with <sub-question>None</sub-question>) means "stop retrieving
 and give the final answer"; here that is kb=None, stop=True. Inside this repo
-the knowledge bases are "text", "image", "table" (KB_TO_RET).
+the knowledge bases are dataio.KBS, "text", "table", "image" (KB_TO_RET).
 
 Parsing rules (parse_route / parse_answer return ok=False plus an error string):
   - every required tag appears exactly once (the sub-question / ret pair 1..K
@@ -78,7 +78,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KB_TO_RET = {"text": "Text Retriever", "image": "Text Image Retriever", "table": "Table Retriever"}
+from dataio import KB_TABLE
+
+KB_TO_RET = {kb.name: kb.retriever for kb in KB_TABLE}
 RET_TO_KB = {ret: kb for kb, ret in KB_TO_RET.items()}
 STOP_RET = "None"
 _CANONICAL_RET = {name.lower(): name for name in [*KB_TO_RET.values(), STOP_RET]}
@@ -461,46 +463,6 @@ def re_asks(sub_question: str | None, earlier_steps) -> bool:
     ignored). evaluate.py's and stepgrpo.py's re-ask rate."""
     key = lambda q: (q or "").strip().lower()
     return key(sub_question) in {key(s["sub_question"]) for s in earlier_steps}
-
-
-# -----------------------------------------------------------------------------
-# label rewards (this repo's alternative): a step scored by what a real multi-hop dataset labels, the supporting
-# documents (HotpotQA, 2WikiMQA, MuSiQue) and per-hop answers (MuSiQue's decomposition), not by the teacher's step.
-# A hop is a gold step {doc_id, kb, answer}; `found` is the doc ids the trajectory has retrieved before this step.
-
-
-def open_hops(gold_steps: list[dict], found) -> list[dict]:
-    """The gold hops whose supporting document is not among `found`, in gold order."""
-    return [g for g in gold_steps if g["doc_id"] not in found]
-
-
-def label_route_reward(stop: bool, retrieved, gold_steps: list[dict], found, kbs=None) -> float:
-    """[the routing step makes progress]: a search whose evidence (`retrieved` doc ids) holds a supporting document
-    not found before, or a stop once every supporting document is found. The KB is checked through the evidence
-    (a document lives in one KB), the sub-question through what it retrieves, whatever its wording.
-    kbs (the KBs a search named; stepgrpo --step_reward labels_kb): R1-Router's two halves, from the labels instead
-    of the teacher's step: 0.5 [a named KB holds a hop not found yet] + 0.5 [progress]; a stop scores as above. A
-    search in the right KB whose sub-question misses the document still earns its half, where the whole-step reward
-    gives it what a wrong stop gets: past the first hop a weak policy's searches rarely find the next document."""
-    todo = open_hops(gold_steps, found)
-    if stop:
-        return float(not todo)
-    progress = float(any(g["doc_id"] in retrieved for g in todo))
-    return progress if kbs is None else 0.5 * bool(set(kbs) & {g["kb"] for g in todo}) + 0.5 * progress
-
-
-def label_answer_golds(retrieved, gold_steps: list[dict], found) -> list[str]:
-    """The answers of the hops whose supporting document this step's evidence newly holds: what its intermediate
-    answer is scored against (answer_reward takes the best). []: the step found no new supporting document, and the
-    labels say nothing of its answer."""
-    return [g["answer"] for g in open_hops(gold_steps, found) if g["doc_id"] in retrieved]
-
-
-def next_hop_kb(gold_steps: list[dict], found) -> str:
-    """The KB of the first hop whose document is not found yet, or "stop": the route the labels call right at a
-    prefix (the teacher's step index need not be the gold hop's, after a re-ask or a skipped hop)."""
-    todo = open_hops(gold_steps, found)
-    return todo[0]["kb"] if todo else "stop"
 
 
 # -----------------------------------------------------------------------------

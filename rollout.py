@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 import reward
+from dataio import KB_OF, KB_TABLE, KBS
 from engines import Batched, make_engine
 from prepare import DEFAULT_MODEL
 from transcript import ChatFormat, Transcript, evidence_parts, next_turn, start_transcript
@@ -47,10 +48,11 @@ from vision import Img, images_in
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+RETRIEVERS = [kb.retriever for kb in KB_TABLE]
 SYSTEM_PROMPT = (
     "Answer the question step by step. Each step: <think>reasoning</think><sub-question>one simple question"
-    "</sub-question><ret>Text Retriever, Table Retriever or Text Image Retriever</ret> (text: encyclopedia passages; "
-    "table: facts, figures and records; text image: what things look like). After the evidence: <think>reasoning"
+    f"</sub-question><ret>{', '.join(RETRIEVERS[:-1])} or {RETRIEVERS[-1]}</ret> "
+    f"({'; '.join(kb.about for kb in KB_TABLE)}). After the evidence: <think>reasoning"
     "</think><answer>the answer</answer>. When you can answer, write <think>reasoning</think><sub-question>None"
     "</sub-question><ret>None</ret>, then <think>reasoning</think><answer>the short final answer</answer>. "
     "Use at most {max_steps} sub-questions."
@@ -117,7 +119,6 @@ Strict Output Format:
 [Provide the final answer based solely on the information before.]
 </answer>
 """
-RELEASED_SOURCE = {"text": "ter", "image": "tir", "table": "tar"}  # how the answer prompt labels each KB's passages
 # the released evaluation's reminder after a third malformed routing step (answer_generation.py), verbatim
 RELEASED_REMINDER = """**You dont give me the answer with the correct format, please follow the Strict Output Format:
                             <Thought>
@@ -134,12 +135,10 @@ class GoldPolicy(Batched):
     stands: (trajectory, question id, the policy turns it has had) from the step loop, turn_key at a stored prefix;
     the turns alternate route, answer (R1-Router's order in both structures), the phase asked for is in the stop
     string (a final answer may follow a route: max_steps reached)."""
-    WHY = {"text": "A fact about an entity: the text retriever.", "table": "A figure or record: the table retriever.",
-           "image": "How something looks: the image retriever."}  # think kb_first: the routing reason, KB named
-    NEXT = "The next fact to look up."  # think kb_last: no KB named; the choice is made at <ret>, after the sub-question
+    THINK = "The next fact to look up."  # the routing <think> names no KB: the choice is made at <ret>, after the sub-question
 
-    def __init__(self, tok, questions, vis=None, max_pairs=1, think="kb_last"):
-        self.tok, self.vis, self.max_pairs, self.think = tok, vis, max_pairs, think
+    def __init__(self, tok, questions, vis=None, max_pairs=1):
+        self.tok, self.vis, self.max_pairs = tok, vis, max_pairs
         self.by_id = {q["id"]: q for q in questions}
 
     def plan(self, q):
@@ -151,9 +150,7 @@ class GoldPolicy(Batched):
         gold = self.plan(q)
         if phase == "route":
             if turn // 2 < len(gold):
-                g = gold[turn // 2]
-                think = " ".join(dict.fromkeys(self.WHY[s["kb"]] for s in g)) if self.think == "kb_first" else self.NEXT
-                return reward.format_route(think, reward.pairs_of(g))
+                return reward.format_route(self.THINK, reward.pairs_of(gold[turn // 2]))
             return reward.format_route("I can answer now.", [])
         if turn % 2 and turn // 2 < len(gold):  # after a route that looked something up: its intermediate answer
             return reward.format_answer("From the evidence.", reward.group_answer(gold[turn // 2]))
@@ -171,44 +168,6 @@ class GoldPolicy(Batched):
             ids = (ids + [self.tok.eos_token_id] * (phase == "route" and self.max_pairs > 1))[:max_tokens]
             res.append((ids, [0.0] * len(ids)))
         return res
-
-VISUAL = re.compile(r"\b(portrait|logo|flag|hair|colour|color|wears?|picture|photo)\b")
-NUMERIC = re.compile(r"\b(how many|how much|years?|population|revenue|temperature|rain|rainfall|number)\b")
-
-def guideline_kb(sub_question):
-    """The KB R1-Router's system prompt tells its teacher to choose, applied literally (keywords): a sub-question
-    that "explicitly references visual elements" -> the Text Image Retriever, a "numerical/statistical query" -> the
-    Table Retriever, "non-visual commonsense knowledge" -> the Text Retriever. On the mini-world (corpus.RELATIONS) it
-    misroutes by rule: birth and founding years (text) look numerical, capitals, currencies, languages and the book
-    of a year (table) look like commonsense."""
-    s = sub_question.lower()
-    return "image" if VISUAL.search(s) else "table" if NUMERIC.search(s) else "text"
-
-class GuidelinePolicy(GoldPolicy):
-    """A teacher that knows the decomposition but routes each sub-question by R1-Router's guideline (guideline_kb):
-    where the rule names another KB than the gold, it searches there first, reads that the evidence does not say
-    ("unknown"), and asks the same sub-question again at the other KB, which holds it; if that leaves the question
-    unanswered after max_steps, its final answer is "unknown" (R1-Router's filter drops it). Its kept trajectories
-    carry the rule's wrong KBs, re-asks and wrong intermediate answers, the same mistake on every question alike
-    (synth.py --teacher guideline)."""
-    MISS = "The evidence does not say."
-
-    def plan(self, q):
-        """The routing steps written for q, grouped by step: each gold step, after its rule-routed miss if any."""
-        out = []
-        for g in super().plan(q):
-            rule = [dict(st, kb=guideline_kb(st["sub_question"]), answer=None) for st in g]
-            out += [rule] * any(r["kb"] != st["kb"] for r, st in zip(rule, g)) + [g]
-        return out
-
-    def step_text(self, q, turn, phase):
-        steps = self.plan(q)
-        if phase == "answer" and turn // 2 < len(steps):
-            if turn % 2 == 0:  # the final answer, asked at max_steps with planned steps left
-                return reward.format_answer("Some steps are still open.", "unknown")
-            if steps[turn // 2][0]["answer"] is None:  # after the rule-routed search
-                return reward.format_answer(self.MISS, "unknown")
-        return super().step_text(q, turn, phase)
 
 def turn_key(x, sp):
     """The request key of the prompt before span `sp` of trajectory `x`, as the step loop names its requests."""
@@ -295,7 +254,7 @@ class ReleasedSteps:
 
     def after_search(self, x, hits):
         found = [p for _, kb, docs in hits for i, d in enumerate(docs)
-                 for p in [f"{RELEASED_SOURCE[kb]}-{i}: "] + ([Img(d["path"])] if self.vis and d.get("path") else [])
+                 for p in [f"{KB_OF[kb].tag}-{i}: "] + ([Img(d["path"])] if self.vis and d.get("path") else [])
                  + [f"{d['contents']}\n"]]
         self.next_chat(x, self.chat(self.answer, x, "According to the related information searched, `ter` means this info "
                                     "is from text retriever, `tir` means this info is from text image retriever, `tar` "
@@ -329,8 +288,6 @@ class Settings:
     max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
     max_pairs: int = 1          # sub-question / retriever pairs a routing step may hold (RAG-R1's parallel queries)
     max_rets: int = 1           # retrievers a pair may name (R1-Router's multi-retriever mode)
-    gold_think: str = "kb_last"  # GoldPolicy's routing <think>: kb_last names no KB (the KB is chosen at <ret>, after
-                                # the sub-question), kb_first names it before the sub-question is written
 
     @property
     def max_images(self):
@@ -342,8 +299,8 @@ def check_multi_query(args):
     """One-line errors for --max_pairs / --max_rets (every script that takes them)."""
     if args.max_pairs < 1 or args.max_rets < 1:
         sys.exit(f"error: --max_pairs {args.max_pairs} --max_rets {args.max_rets}: each must be at least 1")
-    if args.max_rets > 3:
-        sys.exit(f"error: --max_rets {args.max_rets}: there are 3 retrievers")
+    if args.max_rets > len(KBS):
+        sys.exit(f"error: --max_rets {args.max_rets}: there are {len(KBS)} retrievers")
     if args.structure == "released" and (args.max_pairs > 1 or args.max_rets > 1):
         sys.exit("error: --max_pairs / --max_rets > 1 (multi-query steps) work with --structure transcript only")
 
@@ -456,7 +413,7 @@ class StepLoop:
         """Every lookup of the last routing step of every trajectory in `batch`: one batched search per KB (every KB
         for every lookup in route_mode=all)."""
         todo = [(x, j, st) for x in batch for j, st in enumerate(x["steps"]) if st["step"] == self.n_steps(x) - 1]
-        for kb in ("text", "table", "image"):
+        for kb in KBS:
             group = [(x, j, st) for x, j, st in todo if self.s.route_mode == "all" or st["kb"] == kb]
             if group:
                 images = [self.query_image(x, kb) for x, _, _ in group]
@@ -542,7 +499,7 @@ DIRECT_PROMPT = ("Answer the question. {evidence}Write <think>reasoning</think><
 def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None, vis=None):
     """The gold trajectory of each question (GoldPolicy through the real loop and retrieval, whatever its lengths),
     and span_prefixes of them. Step-GRPO's teacher_prefix groups and evaluate.py's route probe start from these."""
-    golds = rollout(GoldPolicy(tok, questions, vis, s.max_pairs, s.gold_think), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
+    golds = rollout(GoldPolicy(tok, questions, vis, s.max_pairs), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
                                                                                         route_mode="model"), seed)
     return golds, span_prefixes(golds)
 
@@ -578,7 +535,7 @@ def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM
     retrieval) as earlier exchanges: the system prompt, then each example's question, steps, evidence and answer.
     rollout(..., shots=...) puts each question after it, so a model never trained on the step format sees it done."""
     fmt = ChatFormat(tok, system_prompt.format(max_steps=s.max_steps))
-    golds = rollout(GoldPolicy(tok, examples, max_pairs=s.max_pairs, think=s.gold_think), retriever, examples, 1, replace(s, route_mode="model"), 0,
+    golds = rollout(GoldPolicy(tok, examples, max_pairs=s.max_pairs), retriever, examples, 1, replace(s, route_mode="model"), 0,
                     system_prompt)
     ids = []
     for k, (q, x) in enumerate(zip(examples, golds)):

@@ -80,7 +80,6 @@ def get_args(argv=None):
     ap.add_argument("--keep", type=int, default=2, help="keep the newest N step_* checkpoints (0: all)")
     ap.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
                     help="continue from <out>/latest; auto: if there is one, else start (a restarted job)")
-    ap.add_argument("--timeout", type=float, default=30, help="minutes a collective may wait (checkpoints at 7B)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wandb_mode", default=os.environ.get("WANDB_MODE", "offline"), choices=["online", "offline", "disabled"])
     return ap.parse_args(argv)
@@ -209,7 +208,7 @@ def main(argv=None):
     args = get_args(argv)
     from transformers import AutoConfig, AutoTokenizer
     rank, world, device, print0 = trainutil.env_rank(args.device)
-    lora = trainutil.lora_of(args)
+    lora = trainutil.lora_of(args.lora_r, args.quant, args.lora_alpha, args.lora_dropout, args.lora_targets)
     args.dtype = trainutil.resolve_dtype(args.dtype, device)  # the resolved choice is what trainer_state.pt records
 
     # ---- inputs (every rank checks, so every rank exits on bad input before any collective)
@@ -230,7 +229,7 @@ def main(argv=None):
     if steps_per_epoch == 0:
         sys.exit(f"error: {args.data}/{{{','.join(args.train_splits)}}}.jsonl have {len(train)} rows, fewer than one global batch ({G})")
     total = args.train_steps
-    own_group = trainutil.init_group(world, args.timeout, device)
+    own_group = trainutil.init_group(world, device=device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 

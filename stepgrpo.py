@@ -9,27 +9,26 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
         --resume auto                                            # a job that restarts itself after a rank dies
     python stepgrpo.py ... --teacher_spans all --no-balance_kb --w_format 0 --entropy_coef 1e-3 --old_logprobs trainer \
         --route_credit whole --adv_std                          # R1-Router's released setting
-    python stepgrpo.py ... --rollout onpolicy                    # per-step groups over whole sampled trajectories
-    python stepgrpo.py ... --rollout onpolicy --outcome_on final # the outcome's credit on the final answer alone
-    python stepgrpo.py ... --rollout onpolicy --reward outcome   # plain GRPO (outcome reward only), the ablation
+    python stepgrpo.py ... --prefixes data/mini/traj-teacher     # groups at a teacher's kept trajectories (R1-Router's data)
+    python stepgrpo.py ... --rollout onpolicy                    # step scoring over whole sampled trajectories
+    python stepgrpo.py ... --rollout onpolicy --reward outcome   # plain GRPO on the outcome (Search-R1, ReSearch)
+    python stepgrpo.py ... --rollout onpolicy --w_hit 0.5        # + a retrieval (tool) reward (Agentic RAG-R1)
     python stepgrpo.py ... --lora_r 16 --lr 5e-5                 # LoRA (also from an SFT-LoRA run's final checkpoint)
     python stepgrpo.py ... --lora_r 16 --lr 5e-5 --quant nf4     # QLoRA: nf4 base (bitsandbytes)
     python stepgrpo.py --model out/sft-k2/final ... --max_pairs 2  # multi-query steps (SFT on synth.py --max_pairs 2)
 
-One step: every rank takes its share of --batch_questions, builds its groups on its own engine (rollout.py: route ->
-retrieve -> answer), scores every step (steprewards.py), turns the rewards into group-relative advantages, takes
---ppo_epochs PPO-clipped passes, then loads the new weights into its engine, so every rollout is on-policy.
-Outline: rollouts to training rows -> update -> dev evaluation -> main; the step rewards are
-steprewards.py, the advantage and loss arithmetic grpo.py.
+The file reads as the algorithm: arguments -> rollouts to training rows (rollout.py's step loop; every step scored by
+steprewards.step_reward; group-relative advantages, grpo.py) -> the PPO-clipped update over policy tokens -> the
+weight sync into this rank's engine (checked once against the trainer) -> dev evaluation -> main. Every rank takes
+its share of --batch_questions, so every rollout is on-policy.
 
-R1-Router's released setting is --rollout teacher_prefix with --teacher_spans all, no format reward (--w_format 0), no
-KL in the loss, an entropy bonus of 1e-3, old logprobs recomputed by the trainer, one advantage on a whole step and
-std-divided advantages. This repo's extensions: --teacher_spans route, --balance_kb, --w_format, --w_hit, --route_credit
-split, --no-adv_std, the on-policy mode (--outcome_on), the packed prompt of a group (pack_group), the dev-picked
-<out>/best. Formulas sit next to their functions.
+R1-Router's released setting is --rollout teacher_prefix with --teacher_spans all, no format reward (--w_format 0),
+no KL in the loss, an entropy bonus of 1e-3, old logprobs recomputed by the trainer, one advantage on a whole step
+and std-divided advantages. This repo's extensions: --teacher_spans route, --balance_kb, --w_format, --route_credit
+split, --no-adv_std, the on-policy mode, the packed prompt of a group (pack_group), the dev-picked <out>/best.
+Formulas sit next to their functions.
 """
 import argparse
-import json
 import math
 import os
 import random
@@ -55,6 +54,10 @@ from grpo import (choice_entropy, collate, group_advantages, grpo_loss, norm, pa
 from report import curves_chart
 
 ROUTE_TOKENS, ANSWER_TOKENS = 64, 48  # generation budgets of a routing and an answer step while training
+TEMPERATURE = 1.0  # rollouts sample from softmax(logits / T), and the trainer's logprobs are of that distribution
+CLIP_EPS = 0.2     # PPO's ratio clip (R1-Router's, Search-R1's, verl's)
+GRAD_CLIP = 1.0    # global gradient norm
+KEEP = 3           # newest checkpoints kept (and <out>/best's)
 
 #### arguments
 
@@ -76,20 +79,6 @@ def get_args(argv=None):
                     help="teacher_prefix: gold = each question's golden trajectory (GoldPolicy, real retrieval); or a "
                          "synth.py folder (its train.jsonl, e.g. a teacher's: synth.py --teacher): the groups start from "
                          "its trajectories, and only its questions are trained on")
-    ap.add_argument("--dropped", default=None,
-                    help="a synth.py --teacher folder: train only on the questions its teacher sampled and its filter "
-                         "dropped (<folder>/train.errors.json), the ones SFT on its data never sees (extension; e.g. "
-                         "with --rollout onpolicy --step_reward labels)")
-    ap.add_argument("--pool", default=None,
-                    help="a synth.py folder: train only on the questions it sampled, kept (train.jsonl) and dropped "
-                         "(train.errors.json): a teacher's whole question pool, e.g. for --rollout onpolicy (extension)")
-    ap.add_argument("--step_reward", default="teacher", choices=["teacher", "labels", "labels_kb"],
-                    help="what a step is scored against: teacher = the prefix trajectory's own step (R1-Router: the "
-                         "teacher's sub-question, KB and answer; onpolicy: the gold decomposition's); labels = what a "
-                         "multi-hop dataset labels: a search that retrieves a supporting document not found before, a "
-                         "stop once all are found, an intermediate answer against the answers of the hops its evidence "
-                         "newly holds; labels_kb = labels with R1-Router's halves on a search: 0.5 for naming the KB of "
-                         "a hop not found yet + 0.5 for finding its document (extensions)")
     ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (onpolicy only)")
     ap.add_argument("--balance_kb", action=argparse.BooleanOptionalAction, default=True,
                     help="scale route advantages by the inverse frequency of the gold route (extension)")
@@ -100,22 +89,17 @@ def get_args(argv=None):
                          "(extension)")
     ap.add_argument("--adv_std", action=argparse.BooleanOptionalAction, default=False,
                     help="divide group advantages by the group's std (GRPO, R1-Router); default: r - mean only (Dr. GRPO)")
-    ap.add_argument("--outcome_on", default="all", choices=["all", "final"],
-                    help="onpolicy, --reward step: the spans the outcome advantage lands on: all (every step) or final "
-                         "(the final answer only; each step keeps its own step reward alone)")
-    ap.add_argument("--w_hit", type=float, default=0.0, help="onpolicy: reward when the gold document is retrieved")
+    ap.add_argument("--w_hit", type=float, default=0.0,
+                    help="onpolicy: reward of a search that retrieves the gold document (Agentic RAG-R1's tool reward)")
     ap.add_argument("--batch_questions", type=int, default=16, help="questions per step, over all ranks")
     ap.add_argument("-n", "--group_size", type=int, default=8, help="samples per golden-prefix step or per question")
     ap.add_argument("--max_steps", type=int, default=3, help="routing steps per trajectory (R1-Router: 3)")
     ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel "
                     "queries; the route reward matches them to the step's gold steps)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
-    ap.add_argument("--gold_think", default="kb_last", choices=["kb_first", "kb_last"],
-                    help="the golden routing <think> of the golden prefixes (teacher_prefix): as synth.py wrote the SFT data")
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--topk", type=int, default=3, help="evidence documents per sub-question")
-    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
     ap.add_argument("--max_model_len", type=int, default=engines.MAX_LEN,
                     help="the engine's context (prompt + new tokens): a step that does not fit ends its trajectory, or "
@@ -127,20 +111,14 @@ def get_args(argv=None):
                          "pictures of a transcript); Idefics3's processor has no such cap and ignores it")
     # optimisation
     ap.add_argument("--lr", type=float, default=5e-6)
-    ap.add_argument("--clip_eps", type=float, default=0.2)
     ap.add_argument("--kl_coef", type=float, default=0.0, help="k3 KL to --model in the loss (R1-Router: 0)")
     ap.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus in the loss (R1-Router: 1e-3)")
     ap.add_argument("--old_logprobs", default="sampler", choices=["sampler", "trainer"],
                     help="PPO's old logprobs: the engine's from sampling (cheaper), or recomputed by the trainer before "
                          "the update (R1-Router); trainer logs old_gap, the mean |sampler - trainer|")
-    ap.add_argument("--loss_norm", default="token", choices=["token", "sequence"])
-    ap.add_argument("--ppo_epochs", type=int, default=1, help="update passes over each batch of rollouts")
     ap.add_argument("--micro_batch", type=int, default=2, help="rows per forward/backward")
-    ap.add_argument("--grad_clip", type=float, default=1.0)
-    ap.add_argument("--weight_decay", type=float, default=0.0)
     ap.add_argument("--train_steps", type=int, default=12)
     ap.add_argument("--save_every", type=int, default=6)
-    ap.add_argument("--keep", type=int, default=3, help="newest checkpoints kept (and <out>/best's)")
     ap.add_argument("--eval_questions", type=int, default=100,
                     help="score the first N dev questions at the start and at every checkpoint; <out>/best links the "
                          "checkpoint with the best mean of F1-Recall and routing accuracy (0: off)")
@@ -150,25 +128,13 @@ def get_args(argv=None):
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="auto: CUDA when torch sees it, else the CPU; cuda: exit at once when CUDA is missing")
     ap.add_argument("--lora_r", type=int, default=0,
-                    help="LoRA rank: train adapters on a frozen base, which is also the KL reference (0: all weights)")
-    ap.add_argument("--lora_alpha", type=float, default=32.0, help="LoRA scale is alpha / r")
-    ap.add_argument("--lora_dropout", type=float, default=0.0,
-                    help="0: with dropout the trainer's logprobs are not those of the policy the engine samples")
-    ap.add_argument("--lora_targets", nargs="+", default=["all-linear"],
-                    help="module names to adapt (all-linear: every linear layer but the output head)")
+                    help="LoRA rank: train adapters (alpha 2r, every linear layer, no dropout) on a frozen base, which "
+                         "is also the KL reference (0: all weights)")
     ap.add_argument("--quant", default="none", choices=["none", "nf4", "int8"],
                     help="QLoRA: the frozen base quantised by bitsandbytes (needs --lora_r)")
-    ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"],
+    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"],
                     help="the sampler on each rank: vllm (in-process vLLM), or hf: transformers generate on an unsharded "
                          "copy of the policy, synced like vLLM's (setup_policy); for machines without vLLM")
-    ap.add_argument("--check_sync", nargs="?", const="every", default="first", choices=["first", "every", "off"],
-                    help="after this run's first sync (or every one; bare --check_sync: every), log the mean and max "
-                         "|engine - trainer| logprob over one rollout row (sync_mean_diff, sync_max_diff), and stop when "
-                         "the mean is above --sync_tol")
-    ap.add_argument("--sync_tol", type=float, default=None,
-                    help="largest sync_mean_diff allowed (default: 1e-3 when trainer and engine compute in fp32, 0.2 "
-                         "when either is bf16; see sync_tol)")
-    ap.add_argument("--timeout", type=float, default=30, help="minutes a collective may wait (checkpoints at 7B)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wandb_mode", default=os.environ.get("WANDB_MODE", "offline"), choices=["online", "offline", "disabled"])
     return ap.parse_args(argv)
@@ -183,11 +149,6 @@ def check_args(args, world):
                   "logprobs are not the trainer's)", flush=True)
     if args.rollout == "onpolicy" and args.prefixes != "gold":
         sys.exit("error: --prefixes is a teacher_prefix flag (--rollout onpolicy writes its own steps)")
-    if args.dropped and args.prefixes != "gold":
-        sys.exit("error: --dropped and --prefixes <folder> pick disjoint questions: give one")
-    if args.pool and (args.dropped or args.prefixes != "gold"):
-        sys.exit("error: --pool picks a teacher's questions, kept and dropped; --dropped and --prefixes <folder> a part "
-                 "of them: give one")
     if args.rollout == "teacher_prefix" and args.reward == "outcome":
         sys.exit("error: --reward outcome needs --rollout onpolicy (a teacher_prefix group holds one step, no outcome)")
     if args.batch_questions % world:
@@ -212,47 +173,14 @@ def check_questions(questions, args):
 
 def settings(args, **kw):
     return rollout.Settings(max_steps=args.max_steps, topk=args.topk, structure=args.structure, max_pairs=args.max_pairs,
-                            max_rets=args.max_rets, gold_think=args.gold_think, **kw)
-
-def load_dropped(folder):
-    """--dropped <folder>: the ids of the questions a synth.py --teacher run sampled and did not keep."""
-    path = Path(folder) / "train.errors.json"
-    try:
-        return set(json.loads(path.read_text())["dropped"])
-    except (OSError, ValueError, KeyError) as e:
-        raise dataio.DataError(f"{path}: no list of dropped questions (synth.py --teacher writes it): {e!r}")
-
-def load_pool(folder):
-    """--pool <folder>: the ids of every question a synth.py run sampled: those it kept and those its filter dropped."""
-    path, errors, kept = Path(folder) / "train.jsonl", Path(folder) / "train.errors.json", set()
-    for i, x in enumerate(dataio.read_jsonl(path), 1):
-        if "qid" not in x:
-            raise dataio.DataError(f"{path}: row {i}: no qid: not a synth.py trajectory")
-        kept.add(x["qid"])
-    try:  # golden data drops nothing; a teacher's report lists what its filter dropped
-        return kept | set(json.loads(errors.read_text()).get("dropped", [])) if errors.exists() else kept
-    except (OSError, ValueError, AttributeError, TypeError) as e:
-        raise dataio.DataError(f"{errors}: not a synth.py report: {e!r}")
-
-def load_prefixes(folder, tok, print0):
-    """--prefixes <folder>: qid -> the trajectory of <folder>/train.jsonl (synth.py's rows: ids in the policy's
-    tokenizer, spans, steps with what they retrieved, gold_steps), checked like sft.py's data."""
-    transcript.check_tokenizer(folder, tok, print0)
-    path = Path(folder) / "train.jsonl"
-    store = {}
-    for i, x in enumerate(dataio.read_jsonl(path), 1):
-        if not all(k in x for k in ("qid", "ids", "spans", "segments", "images", "steps", "gold_steps", "answers")):
-            raise dataio.DataError(f"{path}: row {i}: not a synth.py trajectory (needs qid, ids, spans, segments, "
-                                   "images, steps, gold_steps, answers)")
-        store[x["qid"]] = x
-    return store
+                            max_rets=args.max_rets, **kw)
 
 STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "format_ok", "overflow", "retrievals",
          "tokens", "reask")  # logged means
 
 def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens."""
-    s = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS, temperature=args.temperature)
+    s = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS, temperature=TEMPERATURE)
     trajs = rollout.rollout(engine, retriever, qs, n=args.group_size, s=s, seed=seed)
     rows, stats = [], {k: [] for k in STATS}
     stats["retrieve_s"] = sum(x["timings"]["retrieve"] for x in trajs)
@@ -260,11 +188,11 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     stats["rollout_generated"] = sum(x["n_policy_tokens"] for x in trajs)
     for g in range(len(qs)):
         group = trajs[g * args.group_size:(g + 1) * args.group_size]
-        scored = [steprewards.span_rewards(x, encode, w, args.step_reward) for x in group]
+        scored = [steprewards.span_rewards(x, encode, w) for x in group]
         scale = w.route_scale and {("route", t): w.route_scale[steprewards.gold_route(group[0]["gold_steps"], t)]
                                    for t in range(args.max_steps)}
         adv = group_advantages([x["spans"] for x in group], [r for r, _ in scored], [o for _, o in scored],
-                               args.reward, scale, args.adv_std, args.outcome_on)
+                               args.reward, scale, args.adv_std)
         for x, (r, o), a in zip(group, scored, adv):
             adv_tok = token_advantages(len(x["ids"]), x["spans"], a)
             rows += [dict(ids=x["ids"][c:d], mask=x["mask"][c:d], old=x["logprobs"][c:d], adv=adv_tok[c:d],
@@ -305,19 +233,13 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
         stats["overflow"] += [float(not f) for f in fit]
         todo = [t for t, f in zip(todo, fit) if f]  # a prefix with no room for the step: no group
         outs = engine.generate([prefix for _, _, prefix, _ in todo for _ in range(args.group_size)],
-                               max_tok, args.temperature, 1.0, stop, seed,
+                               max_tok, TEMPERATURE, 1.0, stop, seed,
                                images=[images for *_, images in todo for _ in range(args.group_size)],
                                keys=[rollout.turn_key(x, sp) for x, sp, *_ in todo for _ in range(args.group_size)])
         groups = [outs[k * args.group_size:(k + 1) * args.group_size] for k in range(len(todo))]
         texts = [[engine.tok.decode(ids, skip_special_tokens=True) for ids, _ in g] for g in groups]
-        hits = [[set()] * args.group_size for _ in todo]
-        if kind == "route" and args.step_reward != "teacher":
-            t1 = time.perf_counter()
-            parsed = [[reward.parse_route(tx, args.max_pairs, args.max_rets) for tx in g] for g in texts]
-            hits = steprewards.label_search(retriever, todo, parsed, args)
-            stats["retrieve_s"] += time.perf_counter() - t1
-        for (x, sp, prefix, images), group, txt, hit in zip(todo, groups, texts, hits):
-            rs, choices, kb_part, cls = steprewards.score_group(kind, x, sp, txt, hit, args, encode, w, stats)
+        for (x, sp, prefix, images), group, txt in zip(todo, groups, texts):
+            rs, choices, kb_part, cls = steprewards.score_group(kind, x, sp, txt, s, encode, w, stats)
             stats["tokens"] += [len(ids) for ids, _ in group]
             generated = sum(len(ids) for ids, _ in group)
             stats["rollout_generated"] += generated
@@ -326,7 +248,7 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
                 stats["kb_entropy"].append(choice_entropy(choices))
                 stats["kb_mixed"].append(float(len(set(choices)) > 1))
             scale = w.route_scale.get(cls, 1.0) if w.route_scale and kind == "route" else 1.0
-            if kind == "route" and args.route_credit == "split" and args.step_reward == "teacher":  # [per completion: per-token advantages]
+            if kind == "route" and args.route_credit == "split":  # [per completion: per-token advantages]
                 adv = split_credit(engine.tok, group, rs, kb_part, args.adv_std, scale)
             else:
                 adv = norm(rs, std=args.adv_std) * scale
@@ -343,16 +265,15 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
 @dataclass
 class Micro:
     """One micro-batch (grpo.collate): ids [B, T]; attn [B, T] padding or [B, 1, T, T] tree mask; pos [B, T] or None;
-    sel [B, T-1] the positions predicting a policy token; old, adv, seq [N] over those N tokens (sampler logprob,
-    advantage, sequence index); pix the image inputs of a VL policy ({} else); weight 0 for a stand-in (no rows);
-    lengths: the rows' tokens without padding (what the update computes usefully: bench_flops.py)."""
+    sel [B, T-1] the positions predicting a policy token; old, adv [N] over those N tokens (sampler logprob,
+    advantage); pix the image inputs of a VL policy ({} else); weight 0 for a stand-in (no rows);
+    lengths: the rows' tokens without padding (what the update computes usefully: bench/flops.py)."""
     ids: torch.Tensor
     attn: torch.Tensor
     pos: torch.Tensor | None
     sel: torch.Tensor
     old: torch.Tensor
     adv: torch.Tensor
-    seq: torch.Tensor
     pix: dict
     weight: float
     lengths: tuple = ()
@@ -360,26 +281,25 @@ class Micro:
 def scaled_loss(logp, old, ref_lp, m, denom, args, ent):
     """The one place the loss is scaled: (the loss to backprop, its part of the logged loss, kl, clipped). grpo_loss
     divides the micro-batch's per-token sum by denom / world (denom: micro_batches' global count): FSDP averages the
-    gradients over ranks, so the update is the gradient of the global mean per policy token (--loss_norm sequence:
-    per sequence). The logged part is loss / world: summed over micro-batches and ranks (log_record) it is that
-    global mean of one pass."""
+    gradients over ranks, so the update is the gradient of the global mean per policy token. The logged part is
+    loss / world: summed over micro-batches and ranks (log_record) it is that global mean."""
     world = dist.get_world_size()
-    loss, kl, clipped = grpo_loss(logp, old, ref_lp, m.adv, m.seq, args.clip_eps, args.kl_coef, args.loss_norm,
-                                  denom / world, ent, args.entropy_coef)
+    loss, kl, clipped = grpo_loss(logp, old, ref_lp, m.adv, CLIP_EPS, args.kl_coef, denom / world, ent,
+                                  args.entropy_coef)
     return loss, loss.detach() / world, kl, clipped
 
 def micro_batches(rows, args, pad_id, device, vis=None):
     """The rows that carry a gradient, collated in micro-batches with their image inputs (vis: a VL policy), and the
     global loss denominator.
-    Without a KL term a row whose policy tokens all have advantage 0 (a unanimous group) has zero gradient: it is
-    skipped, but `denom` still counts it, so the update is exactly the one over every row. Every rank runs the same
+    Without a KL or an entropy term a row whose policy tokens all have advantage 0 (a unanimous group) has zero
+    gradient: it is skipped, but `denom` still counts it, so the update is exactly the one over every row. Every rank runs the same
     number of micro-batches (FSDP all-gathers inside each forward), at least one: a rank with none left runs a copy
     of its first row with weight 0; and a VL policy's micro-batch without images a dummy picture (VisionIO.pixels
     always), since another rank's may have some and run the vision blocks.
-    Returns [Micro], denom (the global count of policy tokens, or with --loss_norm sequence of sequences), the
-    fraction of rows skipped."""
+    Returns [Micro], denom (the global count of policy tokens), the fraction of rows skipped."""
     rows = sorted(rows, key=lambda s: len(s["ids"]))  # micro-batches of similar lengths pad less; the loss is a global sum
-    live = [s for s in rows if args.kl_coef > 0 or any(a for a, m in zip(s["adv"], s["mask"]) if m)]
+    live = [s for s in rows if args.kl_coef > 0 or args.entropy_coef > 0
+            or any(a for a, m in zip(s["adv"], s["mask"]) if m)]
     n_micro = torch.tensor([max(1, math.ceil(len(live) / args.micro_batch))], device=device)
     dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
     chunks = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
@@ -387,8 +307,7 @@ def micro_batches(rows, args, pad_id, device, vis=None):
     pixels = lambda m, ids: vis.pixels([s.get("images", []) for s in m], device, ids, always=True) if vis else {}
     micro = [Micro(*c, pix=pixels(m or stand_in, c[0]), weight=float(bool(m)), lengths=tuple(len(s["ids"]) for s in m))
              for m in chunks for c in [collate(m or stand_in, pad_id, device)]]
-    count = sum(sum(s["mask"]) for s in rows) if args.loss_norm == "token" else sum(s.get("n_seq", 1) for s in rows)
-    denom = torch.tensor([count], dtype=torch.float64, device=device)
+    denom = torch.tensor([sum(sum(s["mask"]) for s in rows)], dtype=torch.float64, device=device)
     dist.all_reduce(denom)
     return micro, denom.clamp(min=1).item(), 1 - len(live) / max(1, len(rows))
 
@@ -408,13 +327,12 @@ def add_stats(sums, weight, loss, kl, clipped, entropy):
         sums[k] += weight * v.double()
 
 def update(model, ref, opt, micro, denom, args, suppress=()):
-    """--ppo_epochs passes of the PPO-clipped loss over the micro-batches, each pass one optimizer step. ref: the frozen
-    reference model, or None when --kl_coef is 0 or the policy is LoRA (trainutil.reference: adapters off).
-    --old_logprobs trainer first replaces the sampler's logprobs with
-    the trainer's own (R1-Router's released code, via EasyR1) and sums |sampler - trainer| into old_gap. Returns this
-    rank's sums: loss, kl and clipped over its policy tokens, entropy, tokens, old_gap; grad_norm (the global norm,
-    summed over passes). suppress: token ids the engines never sample (token_logprobs)."""
-    device, T, sup = micro[0].ids.device, args.temperature, suppress
+    """One pass of the PPO-clipped loss over the micro-batches, one optimizer step. ref: the frozen reference model,
+    or None when --kl_coef is 0 or the policy is LoRA (trainutil.reference: adapters off). --old_logprobs trainer
+    first replaces the sampler's logprobs with the trainer's own (R1-Router's released code, via EasyR1) and sums
+    |sampler - trainer| into old_gap. Returns this rank's sums: loss, kl and clipped over its policy tokens, entropy,
+    tokens, old_gap; grad_norm (the global norm). suppress: token ids the engines never sample (token_logprobs)."""
+    device, T, sup = micro[0].ids.device, TEMPERATURE, suppress
     sums = {k: torch.zeros((), dtype=torch.float64, device=device)
             for k in ("loss", "kl", "clipped", "entropy", "tokens", "old_gap")}
     refs, olds = [], []
@@ -431,30 +349,30 @@ def update(model, ref, opt, micro, denom, args, suppress=()):
                 sums["old_gap"] += m.weight * (mine - old).abs().sum().double()
                 old = mine
             olds.append(old)
-    grad_norm = 0.0
-    for _ in range(args.ppo_epochs):
-        for m, old, ref_lp in zip(micro, olds, refs):
-            logp, ent = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, T, args.entropy_coef > 0, m.pix, sup)  # [N] each
-            ref_lp = logp.detach() if ref_lp is None else ref_lp  # no reference: KL term 0
-            loss, logged, kl, clipped = scaled_loss(logp, old, ref_lp, m, denom, args, ent)
-            (loss * m.weight).backward()
-            add_stats(sums, m.weight, logged, kl, clipped, ent.detach())
-        grad_norm += trainutil.clip_grad_norm(model, args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    for m, old, ref_lp in zip(micro, olds, refs):
+        logp, ent = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, T, args.entropy_coef > 0, m.pix, sup)  # [N] each
+        ref_lp = logp.detach() if ref_lp is None else ref_lp  # no reference: KL term 0
+        loss, logged, kl, clipped = scaled_loss(logp, old, ref_lp, m, denom, args, ent)
+        (loss * m.weight).backward()
+        add_stats(sums, m.weight, logged, kl, clipped, ent.detach())
+    grad_norm = trainutil.clip_grad_norm(model, GRAD_CLIP)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     return sums, grad_norm
 
-def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id, peak, seed, store=None):
+def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id, peak, seed, store=None, check=False):
     """One step on this rank's questions `mine`: rollouts and rewards, the update, the new weights into the engine.
-    Returns the rows, the rollout stats, the update's sums and grad norm, and the phases' seconds (+ --check_sync)."""
+    Returns the rows, the rollout stats, the update's sums and grad norm, and the phases' seconds. The sync is checked
+    (sync_gap, logged as sync_mean_diff and sync_max_diff) after this process's first update and where `check` says
+    (main: at every checkpoint, so a saved policy is known to be the one its engine samples from)."""
     device = next(model.parameters()).device
-    check = args.check_sync == "every" or (args.check_sync == "first" and "sync" not in peak.gib)  # gib: phases run so far
+    check = check or "sync" not in peak.gib  # gib: the phases run so far
     t = time.perf_counter()
     with peak("rollout"):
         rows, stats = onpolicy_batch(engine, retriever, mine, args, encode, w, seed) if args.rollout == "onpolicy" \
             else teacher_prefix_batch(engine, retriever, mine, args, encode, w, seed, store)
     timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"),
-                  rollout_tokens=stats.pop("rollout_tokens"),  # this rank's rollout work (bench_flops.py)
+                  rollout_tokens=stats.pop("rollout_tokens"),  # this rank's rollout work (bench/flops.py)
                   rollout_generated=stats.pop("rollout_generated"))
     engine.sleep()  # GPU: the engine's memory goes to the update until the sync wakes it
     t = time.perf_counter()
@@ -464,7 +382,7 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
         sums, grad_norm = update(model, ref, opt, micro, denom, args, vis.special_ids if vis else ())
     timing["update_s"] = time.perf_counter() - t
     lengths = [n for m in micro for n in m.lengths]
-    timing.update(update_rows=len(lengths), update_tokens=sum(lengths),  # this rank's work (bench_flops.py)
+    timing.update(update_rows=len(lengths), update_tokens=sum(lengths),  # this rank's work (bench/flops.py)
                   update_policy=sum(len(m.old) for m in micro if m.weight))
     t = time.perf_counter()
     with peak("sync"):
@@ -477,21 +395,19 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
         tol = sync_tol(args, engine)
         if not gap <= tol:  # NaN fails too
             sys.exit(f"error: after the weight sync the engine's logprobs differ from the trainer's by {gap:.3g} on "
-                     f"average (--sync_tol {tol:g}): the engine does not sample from the policy being trained")
+                     f"average (tolerance {tol:g}): the engine does not sample from the policy being trained")
     return rows, stats, sums, grad_norm, timing
 
 def sync_tol(args, engine):
-    """--sync_tol, the largest mean |engine - trainer| logprob, else by precision. fp32 trainer and engine: 1e-3, 10x
+    """The largest mean |engine - trainer| logprob a sync may leave, by precision. fp32 trainer and engine: 1e-3, 10x
     above a correct sync's gap (< 1e-4 in the tests, 9.5e-7 in docs/LOG.md). bf16 on either side: 0.2. Rounding alone
     moves logprobs there: SmolLM2-135M in bf16, vLLM on CPU against the trainer, over 8 whole transcripts, a mean of
     0.04-0.05 nats, a max of 0.75-1.6 on tokens of logprob -10 to -30 (docs/LOG.md); so the max is no test, the mean
     is. A broken sync (a parameter missing, uninitialised or another layer's) is off by nats on average."""
-    if args.sync_tol is not None:
-        return args.sync_tol
     return 1e-3 if args.dtype == "fp32" and engine.dtype == "float32" else 0.2
 
 def sync_gap(model, engine, row, device):
-    """--check_sync: the mean and the max |engine - trainer| logprob over every token of one rollout row (the prompt's
+    """The sync check: the mean and the max |engine - trainer| logprob over every token of one rollout row (the prompt's
     image tokens included): the mean over ranks and the max over ranks."""
     ids, images, vis = row["ids"], row.get("images", []), engine.vis
     with torch.no_grad():
@@ -517,22 +433,12 @@ def log_record(step, epoch, stats, sums, grad_norm, timing, rows, args):
     n_tok = max(1.0, tot["tokens"])
     return dict(step=step, epoch=epoch, world=world,
                 **{k: tot[f"{k}.sum"] / tot[f"{k}.n"] if tot[f"{k}.n"] else None for k in STATS},
-                loss=tot["loss"] / args.ppo_epochs,  # the global mean loss of a pass (scaled_loss), over the passes
+                loss=tot["loss"],  # the global mean loss (scaled_loss)
                 kl=tot["kl"] / n_tok if args.kl_coef > 0 else None, clip_frac=tot["clipped"] / n_tok,
-                old_gap=tot["old_gap"] * args.ppo_epochs / n_tok if args.old_logprobs == "trainer" else None,
-                entropy=tot["entropy"] / n_tok, grad_norm=grad_norm / args.ppo_epochs,
+                old_gap=tot["old_gap"] / n_tok if args.old_logprobs == "trainer" else None,
+                entropy=tot["entropy"] / n_tok, grad_norm=grad_norm,
                 adv_abs=float(np.mean([abs(a) for s in rows for a, m in zip(s["adv"], s["mask"]) if m] or [0.0])),  # rank 0's
                 **{k: tot[k] / world for k in timing})
-
-def gather_peaks(gib, world):
-    """{phase: [GiB on rank 0, rank 1, ...]} from every rank's PeakMemory readings (checkpoint: the last save's)."""
-    parts = [None] * world
-    dist.all_gather_object(parts, dict(gib))
-    return {k: [p.get(k, 0.0) for p in parts] for k in parts[0]}
-
-def highest(peaks, new):
-    """Per phase and rank, the larger of two {phase: [GiB per rank]} readings."""
-    return {k: [max(a, b) for a, b in zip(v, peaks.get(k, v))] for k, v in new.items()}
 
 #### dev evaluation (checkpoint choice)
 
@@ -557,7 +463,7 @@ def dev_eval(engine, retriever, qs, args, rank, world):
 
 def setup_policy(args, start, weights, resuming, lora, rank, world, device, print0):
     """The sharded policy (and KL reference), its AdamW (resumed: with the step and dev history), and this rank's
-    engine holding the policy's weights. --engine hf: HFEngine, an unsharded copy of the policy loaded from the weights
+    engine holding the policy's weights. --backend hf: HFEngine, an unsharded copy of the policy loaded from the weights
     folder and synced after each update from trainutil.policy_params, as vLLM's is (one gather a parameter, a strict
     copy). Not generate on the FSDP2 module itself: its forward all-gathers every layer at every decoding step, a
     collective all ranks would have to run in lockstep while their rollouts end at different times."""
@@ -567,12 +473,12 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=args.dtype == "bf16",
                                  tree_mask=tree) if args.kl_coef > 0 and not lora else None  # LoRA: adapters off
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     step, dev_hist = 0, {}  # dev_hist: step -> dev score (--eval_questions)
     if resuming:
         state = trainutil.load_trainer_state(model, opt, start, args, print0)
         step, dev_hist = state["step"], state.get("dev", {})
-    if args.engine == "hf":
+    if args.backend == "hf":
         engine = engines.HFEngine(weights, seed=args.seed + rank, max_model_len=args.max_model_len,
                                   max_pixels=args.max_pixels, device=device)
     else:
@@ -596,7 +502,7 @@ def main(argv=None):
     args = get_args(argv)
     rank, world, device, print0 = trainutil.env_rank(args.device)
     check_args(args, world)
-    lora = trainutil.lora_of(args)
+    lora = trainutil.lora_of(args.lora_r, args.quant)
     args.dtype = trainutil.resolve_dtype(args.dtype, device)  # the resolved choice is what trainer_state.pt records
     out = Path(args.out)
     start, weights, resuming = trainutil.resolve_start(args.model, out, args.resume, lora is not None)
@@ -607,19 +513,14 @@ def main(argv=None):
         ret = retrievers.make_retriever(args.retriever, args.data, device)  # one device decision, env_rank's
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(weights)
-        store = load_prefixes(args.prefixes, tok, print0) if args.prefixes != "gold" else None
-        only = load_dropped(args.dropped) if args.dropped else load_pool(args.pool) if args.pool else None
+        store = transcript.load_trajectories(args.prefixes, tok, print0) if args.prefixes != "gold" else None
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
     if store is not None:  # a teacher's trajectories: only the questions it kept are trained on
         questions = [q for q in questions if q["id"] in store]
         print0(f"--prefixes {args.prefixes}: {len(questions)} of its {len(store)} trajectories' questions are in --split")
-    if only is not None:  # --dropped or --pool: a teacher's questions, not its trajectories
-        questions = [q for q in questions if q["id"] in only]
-        print0(f"--{'dropped' if args.dropped else 'pool'} {args.dropped or args.pool}: {len(questions)} of its "
-               f"{len(only)} questions are in --split")
     check_questions(questions, args)
-    own_group = trainutil.init_group(world, args.timeout, device)
+    own_group = trainutil.init_group(world, device=device)
     encoder = retrievers.Encoder(device=device)  # all-MiniLM-L6-v2, for the sub-question cosine
     vis = vision.VisionIO.load(weights, args.max_pixels)
     files = vis.proc if vis else tok  # saved beside the weights: a VL model's processor (with the cap), else the tokenizer
@@ -652,19 +553,19 @@ def main(argv=None):
         epoch, pos = divmod(step, per_epoch)
         perm = torch.randperm(len(questions), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
         mine = [questions[i] for i in perm[pos * args.batch_questions:(pos + 1) * args.batch_questions][rank::world]]
-        rows, stats, sums, grad_norm, timing = train_step(model, ref, opt, engine, ret, mine, args, encoder.encode, w,
-                                                          pad_id, peak, seed=args.seed + 7919 * step + 104729 * rank,
-                                                          store=store)
         step += 1
-        rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, args)
-        rec["memory_gib"] = gather_peaks(peak.gib, world)  # per phase since the last record, one value a rank
         saving = (args.save_every and step % args.save_every == 0) or step == args.train_steps
+        rows, stats, sums, grad_norm, timing = train_step(model, ref, opt, engine, ret, mine, args, encoder.encode, w,
+                                                          pad_id, peak, seed=args.seed + 7919 * (step - 1) + 104729 * rank,
+                                                          store=store, check=saving)
+        rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, args)
+        rec["memory_gib"] = trainutil.gather_peaks(peak.gib, world)  # per phase since the last record, one value a rank
         if saving and dev_qs:
             t = time.perf_counter()
             rec.update(dev_eval(engine, ret, dev_qs, args, rank, world), dev_s=time.perf_counter() - t)
             dev_hist[step] = rec["dev_score"]
         log(rec)
-        peaks = highest(peaks, rec["memory_gib"])
+        peaks = trainutil.highest(peaks, rec["memory_gib"])
         if bar:
             bar.update(1)
             bar.set_postfix(route=f"{rec['route_r'] or 0:.3f}", kb_acc=f"{rec['kb_acc'] or 0:.2f}",
@@ -672,13 +573,13 @@ def main(argv=None):
         if saving:
             best = max(dev_hist, key=dev_hist.get) if dev_hist else None  # the earliest of equal scores
             with peak("checkpoint"):
-                trainutil.save_checkpoint(model, opt, files, out, step, dict(args=vars(args), dev=dev_hist), rank, args.keep,
+                trainutil.save_checkpoint(model, opt, files, out, step, dict(args=vars(args), dev=dev_hist), rank, KEEP,
                                           protect=f"step_{best}" if best else None,
                                           merged=step == args.train_steps or best == step,  # LoRA: final and best
                                           fmt=transcript.format_meta(args))
             if rank == 0 and best:
                 trainutil.link_step(out, best, "best")
-    peaks = highest(peaks, gather_peaks(peak.gib, world))  # the last checkpoint's, which no record holds
+    peaks = trainutil.highest(peaks, trainutil.gather_peaks(peak.gib, world))  # the last checkpoint's, which no record holds
     if rank == 0:
         trainutil.link_step(out, step, "final")
         bar.close()

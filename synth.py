@@ -6,9 +6,7 @@ Three sources, one output format (one JSONL row per question: the rollout.py tra
            loop: the evidence is what retrieval really returns for each gold sub-question (not the gold doc pasted in)
   teacher  the paper's procedure: sample n trajectories per question from a teacher model (rollout.py, with
            retrieval, top-k 20, a step that does not parse tried twice) and keep the first that passes the filter
-           (--filter paper: the final answer's token recall is 1); prints how many survive each filter;
-           --teacher guideline: the gold decomposition routed by R1-Router's routing guideline taken literally, a
-           rule-routed miss re-asked at the other KB (rollout.GuidelinePolicy), through the same filter
+           (--filter paper: the final answer's token recall is 1); prints how many survive each filter
 Every mode writes <out>/<split>.errors.json: the step mistakes of what it wrote against the world's gold hops (wrong
 KB, extra steps, re-asks, steps without a new supporting document, wrong intermediate answers, missed hops).
   r1router R1-Router's released step-unrolled rows ({images, steps[{step_type, problem, system, answer}]}): their
@@ -18,8 +16,6 @@ KB, extra steps, re-asks, steps without a new supporting document, wrong interme
     python synth.py --data data/mini --out data/mini/traj_k2 --max_pairs 2              # comparisons as one multi-query step
     python synth.py --data data/mini --out data/mini/traj-teacher --teacher out/teacher/final -n 4 --splits train \
         --offset 48 --limit 1000                  # R1-Router's procedure: a teacher's samples, its final-answer filter
-    python synth.py --data data/mini --out data/mini/traj-guideline --teacher guideline -n 1 --splits train \
-        --offset 48 --limit 1000                  # a teacher that routes by R1-Router's guideline, the same filter
     python synth.py --r1router /path/to/data/r1router/stepgrpo_valid_119.jsonl --out data/r1router/traj
     python synth.py --export_r1router data/mini/traj/train.jsonl --out data/mini/r1router_train.jsonl
 """
@@ -85,7 +81,8 @@ def teacher_trajectories(engine, retriever, questions, n, settings, seed=0, filt
 #### the step mistakes of a trajectory, against the world's gold hops (what a real dataset labels)
 
 def step_errors(x):
-    """Counts of one trajectory's step mistakes, each step judged as the label rewards judge it (reward.label_*):
+    """Counts of one trajectory's step mistakes against the world's gold hops (a hop: a gold step {doc_id, kb,
+    answer}; open: its supporting document not retrieved yet):
       steps        routing steps that searched
       wrong_kb     a search in none of the KBs of the hops whose supporting documents are not found yet
       extra        a search after every supporting document was found
@@ -95,22 +92,23 @@ def step_errors(x):
       checkable    searches that found a new supporting document, whose answer the hop's answer checks
       wrong_answer of those, an intermediate answer whose F1-Recall against the hop's answer is below 1
       missed_hop   1 if the trajectory ended with a supporting document never found (a skipped hop)"""
-    gold, found, e = x["gold_steps"], set(), Counter()
+    found, e = set(), Counter()
+    open_hops = lambda: [g for g in x["gold_steps"] if g["doc_id"] not in found]
     for st in reward.by_step(x["steps"]):
         retrieved, kbs = {d for s in st for d in s["retrieved"]}, {s["kb"] for s in st}
         earlier = [s for s in x["steps"] if s["step"] < st[0]["step"]]
-        todo = {g["kb"] for g in reward.open_hops(gold, found)}
+        todo = {g["kb"] for g in open_hops()}
+        golds = [g["answer"] for g in open_hops() if g["doc_id"] in retrieved]  # the hops this search newly found
         e["steps"] += 1
         e["extra"] += not todo
         e["wrong_kb"] += bool(todo) and not todo & kbs
         e["reask"] += any(reward.re_asks(q, earlier) for q, _ in reward.pairs_of(st))
-        e["no_progress"] += not reward.label_route_reward(False, retrieved, gold, found)
-        golds = reward.label_answer_golds(retrieved, gold, found)
+        e["no_progress"] += not golds
         if golds:
             e["checkable"] += 1
             e["wrong_answer"] += reward.f1_recall(st[0]["answer"] or "", golds) < 1.0
         found |= retrieved
-    e["missed_hop"] = int(bool(reward.open_hops(gold, found)))
+    e["missed_hop"] = int(bool(open_hops()))
     return e
 
 def error_report(trajs):
@@ -128,8 +126,8 @@ def error_report(trajs):
 
 #### R1-Router's released step-unrolled format
 
-_PASSAGE = re.compile(r"(ter|tir|tar)-(\d+): ")
-_KB_OF = {"ter": "text", "tir": "image", "tar": "table"}
+_KB_OF_TAG = {kb.tag: kb.name for kb in dataio.KB_TABLE}  # "ter" -> "text"
+_PASSAGE = re.compile(rf"({'|'.join(_KB_OF_TAG)})-(\d+): ")
 
 class RecordedRetriever:
     """Answers each sub-question with the passages recorded in the released data (same search() as retrievers.py)."""
@@ -162,9 +160,9 @@ def read_r1router(path):
                     parts = _PASSAGE.split(body)[1:]  # [tag, idx, text, tag, idx, text, ...]
                     for g in pending:  # several retrievers: each KB's lookup gets the passages tagged with it
                         evidence[g["sub_question"], g["kb"]] = [
-                            dict(id=f"r1r{n}-{t}-{i}", kb=_KB_OF[t], title="", contents=txt.strip(), score=0.0)
+                            dict(id=f"r1r{n}-{t}-{i}", kb=_KB_OF_TAG[t], title="", contents=txt.strip(), score=0.0)
                             for t, i, txt in zip(parts[0::3], parts[1::3], parts[2::3])
-                            if len(pending) == 1 or _KB_OF[t] == g["kb"]]
+                            if len(pending) == 1 or _KB_OF_TAG[t] == g["kb"]]
                         g["answer"] = str(s["answer"]).strip()
                     gold += pending
                     pending = None
@@ -183,13 +181,12 @@ def to_r1router(x, system_route=rollout.SYSTEM_PROMPT, system_answer=rollout.DIR
     per sub-question (a multi-query step's sub-questions one after another, each with the step's answer), a
     sub-question sent to several KBs with its retriever list."""
     history, steps, i = f"Origin question: {x['question']}\n", [], 0
-    tag = {"text": "ter", "image": "tir", "table": "tar"}
     for group in reward.by_step(x["steps"]):
         for q, kbs in reward.pairs_of(group):
             i += 1
             steps.append(dict(step_type="ret", problem=history, system=system_route,
                               answer=dict(query=q, retriever=[reward.KB_TO_RET[kb].lower() for kb in kbs])))
-            passages = "".join(f"{tag[s['kb']]}-{j}: {d}\n" for s in group if s["sub_question"] == q
+            passages = "".join(f"{dataio.KB_OF[s['kb']].tag}-{j}: {d}\n" for s in group if s["sub_question"] == q
                                for j, d in enumerate(s["retrieved"]))  # ids; texts are in our transcript
             steps.append(dict(step_type="ans", system=system_answer, answer=group[0]["answer"],
                               problem=f"According to the related information searched: {passages} Give me the answer(with "
@@ -220,8 +217,7 @@ if __name__ == "__main__":
     ap.add_argument("--splits", nargs="+", default=["train", "dev"])
     ap.add_argument("--model", default=prepare.DEFAULT_MODEL, help="the policy whose tokenizer and chat template are used")
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port")
-    ap.add_argument("--teacher", default=None, help="teacher mode: HF folder of the teacher model, or guideline: "
-                    "the gold decomposition routed by R1-Router's routing guideline (rollout.GuidelinePolicy; -n 1)")
+    ap.add_argument("--teacher", default=None, help="teacher mode: HF folder of the teacher model")
     ap.add_argument("-n", type=int, default=4, help="teacher mode: samples per question")
     ap.add_argument("--temperature", type=float, default=1.0, help="teacher mode: sampling temperature")
     ap.add_argument("--top_k", type=int, default=20, help="teacher mode: sampling top-k (R1-Router's teacher: 20; 0: off)")
@@ -241,9 +237,6 @@ if __name__ == "__main__":
                          "lookups) as one multi-query step (RAG-R1)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
     ap.add_argument("--topk", type=int, default=3)
-    ap.add_argument("--gold_think", default="kb_last", choices=["kb_first", "kb_last"],
-                    help="the golden routing <think>: names the KB before the sub-question (kb_first) or names none, so "
-                         "the KB is chosen at <ret> after the sub-question is written (kb_last)")
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N questions of each split (0 = all)")
@@ -268,29 +261,24 @@ if __name__ == "__main__":
         tok = AutoTokenizer.from_pretrained(args.model)
         vis = vision.VisionIO.load(args.model, args.max_pixels)  # a VL policy's transcripts hold the question image and retrieved pictures
         settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
-                                    structure=args.structure, max_pairs=args.max_pairs, max_rets=args.max_rets,
-                                    gold_think=args.gold_think)
+                                    structure=args.structure, max_pairs=args.max_pairs, max_rets=args.max_rets)
         gold_settings = replace(settings, route_tokens=1024, answer_tokens=1024)
         if args.r1router:
             qs, ret = read_r1router(args.r1router)
-            trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, max_pairs=args.max_pairs, think=args.gold_think), ret, qs,
+            trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, max_pairs=args.max_pairs), ret, qs,
                                     s=gold_settings)
             write_trajectories(args.out, "train", trajs, tok, transcript.format_meta(args), args.max_pixels)
             print(f"imported {len(trajs)} R1-Router trajectories ({sum(x['format_ok'] for x in trajs)} well-formed) -> {args.out}/train.jsonl")
             sys.exit(0)
         import retrievers
         ret = retrievers.make_retriever(args.retriever, args.data)
-        guideline = args.teacher == "guideline"
         engine = engines.make_engine(args.backend, args.teacher, seed=args.seed, max_model_len=args.max_model_len,
-                                     max_pixels=args.max_pixels, max_images=settings.max_images) \
-            if args.teacher and not guideline else None
+                                     max_pixels=args.max_pixels, max_images=settings.max_images) if args.teacher else None
         for split in args.splits:
             qs = dataio.load_questions(args.data, split)
             qs = qs[args.offset:args.offset + args.limit] if args.limit else qs[args.offset:]
-            if guideline:  # writes its steps like the gold policy: no sampling, one trajectory a question
-                engine, settings = rollout.GuidelinePolicy(tok, qs, vis, args.max_pairs, args.gold_think), gold_settings
             if engine is None:
-                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs, args.gold_think), ret, qs,
+                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs), ret, qs,
                                         s=gold_settings)
                 report = f"{sum(x['format_ok'] for x in trajs)} of {len(trajs)} well-formed"
                 errors = dict(kept=error_report(trajs))
@@ -298,7 +286,7 @@ if __name__ == "__main__":
                 teach = replace(settings, top_k=args.top_k, route_tries=args.tries, answer_tries=args.tries)
                 trajs, sampled, counts = teacher_trajectories(engine, ret, qs, args.n, teach, args.seed, args.filter)
                 report = "teacher filters: " + ", ".join(f"{k} {v}" for k, v in counts.items())
-                kept = {x["qid"] for x in trajs}  # dropped: the questions without a kept trajectory (stepgrpo.py --dropped)
+                kept = {x["qid"] for x in trajs}  # dropped: the questions without a kept trajectory
                 errors = dict(filters=counts, dropped=[q["id"] for q in qs if q["id"] not in kept], kept=error_report(trajs),
                               sampled=error_report([x for x in sampled if x["format_ok"] and not x["overflow"]]))
             write_trajectories(args.out, split, trajs, tok, transcript.format_meta(args), args.max_pixels)

@@ -145,20 +145,21 @@ class Lora:
     targets: tuple = ("all-linear",)
     quant: str = "none"
 
-def lora_of(args):
-    """The script's LoRA flags -> Lora, or None (--lora_r 0: full fine-tuning). Exits on flags that cannot work."""
-    if args.lora_r < 0:
-        sys.exit(f"error: --lora_r {args.lora_r}: a rank is a positive number (0: full fine-tuning)")
-    if not args.lora_r:
-        if args.quant != "none":
-            sys.exit(f"error: --quant {args.quant} quantises a frozen base: it needs LoRA adapters (--lora_r)")
+def lora_of(r, quant="none", alpha=None, dropout=0.0, targets=("all-linear",)):
+    """A script's LoRA flags -> Lora, or None (--lora_r 0: full fine-tuning); alpha None: 2 r. Exits on flags that
+    cannot work."""
+    if r < 0:
+        sys.exit(f"error: --lora_r {r}: a rank is a positive number (0: full fine-tuning)")
+    if not r:
+        if quant != "none":
+            sys.exit(f"error: --quant {quant} quantises a frozen base: it needs LoRA adapters (--lora_r)")
         return None
-    if args.quant != "none":
+    if quant != "none":
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            sys.exit(f"error: --quant {args.quant} needs bitsandbytes (pip install bitsandbytes)")
-    return Lora(args.lora_r, args.lora_alpha, args.lora_dropout, tuple(args.lora_targets), args.quant)
+            sys.exit(f"error: --quant {quant} needs bitsandbytes (pip install bitsandbytes)")
+    return Lora(r, 2.0 * r if alpha is None else alpha, dropout, tuple(targets), quant)
 
 def add_lora(model, lora):
     """model -> peft model with fresh adapters (A seeded the same on every rank and on the meta device; B = 0, so the
@@ -548,6 +549,16 @@ class PeakMemory:
             self.done.set()
             self.thread.join()
             self.gib[self.phase] = self.peak / 2**30
+
+def gather_peaks(gib, world):
+    """{phase: [GiB on rank 0, rank 1, ...]} from every rank's PeakMemory readings (checkpoint: the last save's)."""
+    parts = [None] * world
+    dist.all_gather_object(parts, dict(gib))
+    return {k: [p.get(k, 0.0) for p in parts] for k in parts[0]}
+
+def highest(peaks, new):
+    """Per phase and rank, the larger of two {phase: [GiB per rank]} readings."""
+    return {k: [max(a, b) for a, b in zip(v, peaks.get(k, v))] for k, v in new.items()}
 
 def progress(rank, total, initial, desc):
     """A tqdm bar on rank 0 (None elsewhere)."""

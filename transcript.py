@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import reward
-from dataio import DataError
+from dataio import DataError, read_jsonl
 from vision import Img, images_in
 
 META = "meta.json"  # beside a folder of trajectories (synth.py): tokenizer_meta of the tokenizer that wrote their ids
@@ -23,12 +23,12 @@ def tokenizer_meta(tok):
     return dict(tokenizer=str(tok.name_or_path), vocab_sha256=hashlib.sha256(vocab.encode()).hexdigest()[:16])
 
 FORMAT = "transcript.json"  # in a checkpoint (sft.py, stepgrpo.py): the format_meta its policy was trained on
-FORMAT_FLAGS = ("gold_think", "structure", "max_pairs", "max_rets")
+FORMAT_FLAGS = ("structure", "max_pairs", "max_rets")
 
 def format_meta(args):
     """The flags that shape a trajectory's text. synth.py writes them into META, sft.py and stepgrpo.py into each
     checkpoint (FORMAT), and check_format compares: a policy run with another format than it was trained on (golden
-    prefixes that name the KB first for a kb_last router, one chat per step for a growing one) scores and trains
+    one chat per step for a router trained on a growing one, multi-query steps for a single-query one) scores and trains
     without an error, on prompts it has never seen."""
     return {k: getattr(args, k) for k in FORMAT_FLAGS}
 
@@ -45,6 +45,19 @@ def check_tokenizer(data, tok, print0):
                                f"{theirs.get('vocab_sha256')}) but the policy's tokenizer is {mine['tokenizer']} (vocab "
                                f"{mine['vocab_sha256']}); run synth.py --model with the policy")
     return theirs.get("format")
+
+def load_trajectories(folder, tok, print0):
+    """qid -> the trajectory of <folder>/train.jsonl (stepgrpo.py --prefixes): synth.py's rows (ids in the policy's
+    tokenizer, spans, steps with what they retrieved, gold_steps), checked like sft.py's data."""
+    check_tokenizer(folder, tok, print0)
+    path = Path(folder) / "train.jsonl"
+    store = {}
+    for i, x in enumerate(read_jsonl(path), 1):
+        if not all(k in x for k in ("qid", "ids", "spans", "segments", "images", "steps", "gold_steps", "answers")):
+            raise DataError(f"{path}: row {i}: not a synth.py trajectory (needs qid, ids, spans, segments, images, "
+                            "steps, gold_steps, answers)")
+        store[x["qid"]] = x
+    return store
 
 def data_meta(data):
     """A trajectory folder's META ({} when it has none): the tokenizer, the format, and a VL policy's picture cap

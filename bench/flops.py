@@ -161,13 +161,14 @@ def run_compute(folder):
         return state["step"], len(recs), len(recs) * rows, train, None
     if "rollout_tokens" not in recs[0]:
         raise SystemExit(f"error: {folder}/log.jsonl: no rollout_tokens (a log written before they were counted)")
-    passes = 3 * a["ppo_epochs"] + (a["old_logprobs"] == "trainer") + (a["kl_coef"] > 0)
+    epochs = a.get("ppo_epochs", 1)  # update passes a step: one since the flag went (runs before it recorded theirs)
+    passes = 3 * epochs + (a["old_logprobs"] == "trainer") + (a["kl_coef"] > 0)
     train = rollout = 0.0
     for r in recs:  # a record's token counts are the ranks' mean
         ctx = r["update_tokens"] / max(r["update_rows"], 1) / 2
         train += r["world"] * passes * forward_flops(cfg, r["update_tokens"], r["update_policy"], ctx)
         rollout += r["world"] * forward_flops(cfg, r["rollout_tokens"], r["rollout_generated"], ctx)
-    return state["step"], len(recs) * a["ppo_epochs"], len(recs) * a["batch_questions"], train, rollout
+    return state["step"], len(recs) * epochs, len(recs) * a["batch_questions"], train, rollout
 
 def compute_table(folders):
     print("| run | checkpoint step | updates | rows (SFT) or questions (Step-GRPO) seen | training TFLOP | rollout TFLOP "

@@ -90,9 +90,9 @@ def run_ours():
         t2 = time.perf_counter()
         denom = sum(len(ids) for ids, _ in outs)  # token normalisation over the whole batch
         for i in range(0, N, M):
-            ids, attn, _, sel, old, a, seq = grpo.collate(seqs[i:i + M], pad, torch.device("cpu"))  # unpacked, as TRL
+            ids, attn, _, sel, old, a = grpo.collate(seqs[i:i + M], pad, torch.device("cpu"))  # unpacked, as TRL
             logp, _ = grpo.token_logprobs(model, ids, attn, sel)
-            loss, _, _ = grpo.grpo_loss(logp, old, logp.detach(), a, seq, 0.2, 0.0, "token", denom)
+            loss, _, _ = grpo.grpo_loss(logp, old, logp.detach(), a, 0.2, 0.0, denom)
             loss.backward()
         trainutil.clip_grad_norm(model, 1.0)
         opt.step()

@@ -9,12 +9,12 @@ scripts' main() in this process:
     sft        SFT 2 steps in bf16, a checkpoint after each
     resume     SFT 1 step, then --resume to 2, with --activation_checkpointing (the documented 7B commands'): the
                weights equal the straight run's (without it; recomputing the forward changes nothing)
-    grpo-hf    Step-GRPO 2 steps, --engine hf, the engine checked against the trainer after every sync
+    grpo-hf    Step-GRPO 2 steps, --backend hf, the engine checked against the trainer after every sync
     grpo-vllm  the same with the vLLM engine (skipped where vllm does not import)
-    onpolicy   Step-GRPO 1 step over the policy's own trajectories (--rollout onpolicy, --engine hf)
+    onpolicy   Step-GRPO 1 step over the policy's own trajectories (--rollout onpolicy, --backend hf)
     lora       Step-GRPO 1 step with LoRA adapters (the merged weights synced and checked)
     qlora      the same on an nf4 base (skipped where bitsandbytes does not import)
-    visual     the VL policy: SFT 2 steps on visual questions, then Step-GRPO 1 step (--engine hf), both with
+    visual     the VL policy: SFT 2 steps on visual questions, then Step-GRPO 1 step (--backend hf), both with
                --activation_checkpointing, as docs/gpu.md's 7B VL commands
 and prints one table: each check's result, seconds and peak memory. --dry: the same on the CPU in fp32 (the cuda
 check and bf16 skipped, with a line saying so); tests/test_gpu_check.py runs it. Needs torch, transformers, peft,
@@ -229,8 +229,8 @@ def checks(c):
         "--max_len", 1024, "--eval_every", 0, "--save_every", 1, "--keep", 0, "--warmup_steps", 0, "--lr", 1e-3, *common, *extra])
     grpo = lambda model, out, steps, *extra: run(stepgrpo.main, [
         "--model", model, "--data", c.data, "--out", out, "--train_steps", steps, "--batch_questions", 2, "-n", 2,
-        "--retriever", "bm25", "--eval_questions", 0, "--save_every", 0, "--lr", 1e-2, "--kl_coef", 0.1,
-        "--weight_decay", 0.1, "--check_sync", "every", *common, *extra])
+        "--retriever", "bm25", "--eval_questions", 0, "--save_every", 1, "--lr", 1e-2, "--kl_coef", 0.1,
+        "--entropy_coef", 0.1, *common, *extra])  # a checkpoint a step: every sync checked against the trainer
     sft_final, W = c.work / "sft" / "final", c.work  # the Step-GRPO checks start from the SFT check's checkpoint
 
     def cuda():
@@ -258,7 +258,7 @@ def checks(c):
 
     def step_grpo(model, engine, out, steps, *extra):
         def check():
-            grpo(model, W / out, steps, "--engine", engine, *extra)
+            grpo(model, W / out, steps, "--backend", engine, *extra)
             recs = records(W / out)
             assert [r["step"] for r in recs] == list(range(1, steps + 1)) and all("sync_max_diff" in r for r in recs)
             return (f"sync_mean_diff {max(r['sync_mean_diff'] for r in recs):.1e}, sync_max_diff "
@@ -283,8 +283,8 @@ def checks(c):
             ("grpo-hf", step_grpo(sft_final, "hf", "grpo-hf", 2), None),
             ("grpo-vllm", step_grpo(sft_final, "vllm", "grpo-vllm", 2) if has("vllm") else None, "vllm is not installed"),
             ("onpolicy", step_grpo(sft_final, "hf", "onpolicy", 1, "--rollout", "onpolicy"), None),
-            ("lora", step_grpo(sft_final, "hf", "lora", 1, "--lora_r", 4, "--lora_alpha", 8), None),
-            ("qlora", step_grpo(sft_final, "hf", "qlora", 1, "--lora_r", 4, "--lora_alpha", 8, "--quant", "nf4")
+            ("lora", step_grpo(sft_final, "hf", "lora", 1, "--lora_r", 4), None),
+            ("qlora", step_grpo(sft_final, "hf", "qlora", 1, "--lora_r", 4, "--quant", "nf4")
              if has("bitsandbytes") else None, "bitsandbytes is not installed"),
             ("visual", visual, None)]
 

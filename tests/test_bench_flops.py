@@ -38,8 +38,9 @@ def test_a_runs_compute_counts_its_own_steps_to_its_pick(tmp_path):
     sft = _run(tmp_path / "sft", "final", 5, dict(global_batch=4, args={}),
                [dict(step=s, tokens=200, loss_tokens=80) for s in (4, 5)])
     assert bench_flops.run_compute(sft) == (5, 2, 8, 2 * 3 * F(200, 80, 25), None)
-    # Step-GRPO picked at step 2 of 3 on 2 ranks (per-rank means logged), 2 PPO epochs, the old logprobs recomputed:
-    # 3 x 2 + 1 forwards over the update's tokens, one over the rollouts'; step 3 and the step-0 dev record left out
+    # Step-GRPO picked at step 2 of 3 on 2 ranks (per-rank means logged), a run of 2 PPO epochs (recorded by runs made
+    # when the flag existed), the old logprobs recomputed: 3 x 2 + 1 forwards over the update's tokens, one over the
+    # rollouts'; step 3 and the step-0 dev record left out
     recs = [dict(step=0, dev_score=0.5)] + [dict(step=s, world=2, update_tokens=100, update_rows=2, update_policy=40,
                                                   rollout_tokens=120, rollout_generated=50) for s in (1, 2, 3)]
     args = dict(ppo_epochs=2, old_logprobs="trainer", kl_coef=0.0, batch_questions=4)
@@ -47,3 +48,6 @@ def test_a_runs_compute_counts_its_own_steps_to_its_pick(tmp_path):
     step, updates, seen, train, rollout = bench_flops.run_compute(grpo)
     assert (step, updates, seen) == (2, 4, 8)
     assert train == pytest.approx(2 * 2 * 7 * F(100, 40, 25)) and rollout == pytest.approx(2 * 2 * F(120, 50, 25))
+    del args["ppo_epochs"]  # today's runs: one pass a step
+    step, updates, seen, train, _ = bench_flops.run_compute(_run(tmp_path / "grpo1", "best", 2, dict(args=args), recs))
+    assert (step, updates, seen) == (2, 2, 8) and train == pytest.approx(2 * 2 * 4 * F(100, 40, 25))

@@ -34,7 +34,7 @@ def test_trajectories_of_another_tokenizer_are_refused(tiny_model_dir, tmp_path,
     other.name_or_path = "models/another"
     rows = [dict(ids=[1, 2, 3], mask=[0, 1, 1], logprobs=[0.0] * 3)]
     mine, theirs, bare = tmp_path / "mine", tmp_path / "theirs", tmp_path / "bare"
-    fmt = dict(gold_think="kb_last", structure="transcript", max_pairs=1, max_rets=1)
+    fmt = dict(structure="transcript", max_pairs=1, max_rets=1)
     synth.write_trajectories(mine, "train", rows, tok, fmt)
     synth.write_trajectories(theirs, "train", rows, other, fmt)
     meta = json.loads((mine / "meta.json").read_text())
@@ -59,7 +59,7 @@ def test_a_picture_cap_goes_from_the_trajectories_to_training_and_an_engines_con
     # Idefics3, the CPU suite's VL policy, has no such cap). Both engines take --max_model_len and --max_pixels.
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    fmt = dict(gold_think="kb_last", structure="transcript", max_pairs=1, max_rets=1)
+    fmt = dict(structure="transcript", max_pairs=1, max_rets=1)
     synth.write_trajectories(tmp_path / "capped", "train", [dict(ids=[1, 2], mask=[0, 1])], tok, fmt, 401408)
     synth.write_trajectories(tmp_path / "text", "train", [dict(ids=[1, 2], mask=[0, 1])], tok, fmt)
     assert transcript.data_meta(tmp_path / "capped")["max_pixels"] == 401408
@@ -347,8 +347,7 @@ def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(wide_model_dir):
     ids = torch.randint(5, V, (1, N + 1), generator=torch.Generator().manual_seed(0))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         logp, entropy = grpo.token_logprobs(model, ids, torch.ones(1, N + 1), torch.ones(1, N, dtype=torch.bool))
-        loss = grpo.grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(N), torch.zeros(N, dtype=torch.long), 0.2,
-                              0.0, "token", N, entropy)[0]
+        loss = grpo.grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(N), 0.2, 0.0, N, entropy)[0]
         loss.backward()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())  # nbytes: + an allocation, - a free
@@ -365,7 +364,7 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
     monkeypatch.setattr(trainutil, "check_gpu_budget", lambda *a: calls.append(a) or sys.exit("checked"))
     own = trainutil.init_group(1)
     try:
-        args = stepgrpo.get_args(["--model", str(tiny_model_dir), "--micro_batch", "3"])  # --engine vllm, the default
+        args = stepgrpo.get_args(["--model", str(tiny_model_dir), "--micro_batch", "3"])  # --backend vllm, the default
         with pytest.raises(SystemExit, match="checked"):  # before the engine is built
             stepgrpo.setup_policy(args, tiny_model_dir, tiny_model_dir, False, None, 0, 1, torch.device("cpu"), print)
     finally:
@@ -402,7 +401,7 @@ def test_device_cpu_keeps_every_part_off_a_gpu(monkeypatch, tiny_model_dir, tiny
     with peak("update"):
         pass
     assert peak.gib["update"] > 0  # this process's resident memory
-    assert "use --engine hf" in one_line_exit(engines.VLLMEngine, tiny_model_dir, 4096, "auto", 0, 0.5, 16, None, cpu)
+    assert "use --backend hf" in one_line_exit(engines.VLLMEngine, tiny_model_dir, 4096, "auto", 0, 0.5, 16, None, cpu)
 
 def test_a_run_names_the_vector_unit_its_speed_depends_on(monkeypatch):
     # the first line of sft.py / stepgrpo.py: the CPU's capability and whether it has native bf16, or the GPU's name

@@ -120,14 +120,13 @@ def test_a_vl_policy_gets_adapters_in_its_decoder_and_vision_tower_and_merges_to
     assert all(torch.equal(merged[k], v) for k, v in hf.named_parameters())
 
 def test_lora_flags_that_cannot_work_exit_with_one_line(tiny_model_dir):
-    from argparse import Namespace
     from transformers import AutoConfig, AutoModelForCausalLM
-    flags = lambda r, quant="none": Namespace(lora_r=r, lora_alpha=32.0, lora_dropout=0.0, lora_targets=["all-linear"], quant=quant)
-    assert trainutil.lora_of(flags(0)) is None and trainutil.lora_of(flags(8)).r == 8
+    assert trainutil.lora_of(0) is None and trainutil.lora_of(8).r == 8 and trainutil.lora_of(8).alpha == 16.0
+    assert trainutil.lora_of(8, alpha=32.0, dropout=0.05).alpha == 32.0  # sft.py's flags
     with pytest.raises(SystemExit, match="a rank is a positive number"):
-        trainutil.lora_of(flags(-4))
+        trainutil.lora_of(-4)
     with pytest.raises(SystemExit, match="--quant nf4 quantises a frozen base: it needs LoRA adapters"):
-        trainutil.lora_of(flags(0, "nf4"))
+        trainutil.lora_of(0, "nf4")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))
     with pytest.raises(SystemExit, match="--lora_targets qkv_proj: .*not found"):
@@ -216,7 +215,7 @@ def grpo(model, data, out, *extra, nproc=1):
 def lora_grpo(lora_run, tiny_index, tmp_path_factory):
     """2-rank Step-GRPO from the SFT-LoRA checkpoint, 2 steps, the engine checked after every sync: (folder, log)."""
     out = tmp_path_factory.mktemp("lora-grpo") / "run"
-    return out, grpo(lora_run / "final", tiny_index, out, "--train_steps", "2", "--check_sync", nproc=2)
+    return out, grpo(lora_run / "final", tiny_index, out, "--train_steps", "2", nproc=2)
 
 @pytest.mark.slow
 def test_lora_step_grpo_from_an_sft_lora_checkpoint_keeps_the_engine_equal_to_the_trainer(lora_run, lora_grpo):
@@ -230,7 +229,7 @@ def test_lora_step_grpo_from_an_sft_lora_checkpoint_keeps_the_engine_equal_to_th
 @pytest.mark.slow
 def test_lora_step_grpo_resumes_exactly(lora_run, lora_grpo, tiny_index, tmp_path):
     (straight, a), resumed = lora_grpo, interrupted_copy(lora_grpo[0], 1, tmp_path / "resumed")
-    b = grpo(lora_run / "final", tiny_index, resumed, "--train_steps", "2", "--check_sync", "--resume", nproc=2)
+    b = grpo(lora_run / "final", tiny_index, resumed, "--train_steps", "2", "--resume", nproc=2)
     assert adapter_diff(straight / "step_2", resumed / "step_2") == 0.0
     assert adapter_diff(straight / "step_2", straight / "step_1") > 1e-4
     assert [r["step"] for r in b] == [1, 2]
@@ -240,7 +239,7 @@ def test_lora_step_grpo_resumes_exactly(lora_run, lora_grpo, tiny_index, tmp_pat
 @pytest.mark.slow
 def test_qlora_nf4_base_on_cpu_trains_adapters_and_syncs_the_dequantised_policy(tiny_model_dir, tiny_index, tmp_path):
     pytest.importorskip("bitsandbytes")
-    recs = grpo(tiny_model_dir, tiny_index, tmp_path / "q", "--train_steps", "1", "--check_sync", "--quant", "nf4")
+    recs = grpo(tiny_model_dir, tiny_index, tmp_path / "q", "--train_steps", "1", "--quant", "nf4")
     assert recs[0]["sync_max_diff"] < 1e-4
     base, final = load_file(tiny_model_dir / "model.safetensors"), load_file(tmp_path / "q" / "final" / "model.safetensors")
     # the export is the dequantised nf4 base plus the adapters: bitsandbytes' own round trip of the base weight
@@ -248,6 +247,6 @@ def test_qlora_nf4_base_on_cpu_trains_adapters_and_syncs_the_dequantised_policy(
     q, ad = "model.layers.0.self_attn.q_proj", load_file(tmp_path / "q" / "final" / ADAPTERS)
     a, b = (ad[f"base_model.model.{q}.lora_{x}.weight"] for x in "AB")
     nf4 = bf.dequantize_4bit(*bf.quantize_4bit(base[q + ".weight"], quant_type="nf4", compress_statistics=True))
-    assert torch.allclose(final[q + ".weight"] - 32 / 4 * b @ a, nf4, atol=1e-6)
+    assert torch.allclose(final[q + ".weight"] - 2.0 * b @ a, nf4, atol=1e-6)  # stepgrpo.py's scale alpha / r = 2
     assert (nf4 - base[q + ".weight"]).abs().max() > 1e-3 and (b @ a).abs().max() > 0
     assert torch.equal(base["model.embed_tokens.weight"], final["model.embed_tokens.weight"])  # not quantised, frozen

@@ -518,31 +518,3 @@ def test_group_steps_packs_independent_lookups():
     blank = [dict(sub_question="", kb="text", answer="p"), dict(sub_question="", kb="text", answer="q")]
     assert step(group_steps(blank, 1)) == [0, 1]
     assert group_answer(by_step(group_steps(multi, 2))[0]) == "1962; 1965" and group_answer(chain[:1]) == "Uldoria"
-
-
-from reward import label_answer_golds, label_route_reward, next_hop_kb, open_hops  # noqa: E402
-
-def test_label_rewards_score_progress_on_the_supporting_documents():
-    # a 2-hop chain: hop 1's document in the text KB, hop 2's in the table KB; a comparison's hops in any order
-    hops = [dict(sub_question="q1", kb="text", doc_id="t1", answer="Uldoria"),
-            dict(sub_question="q2", kb="table", doc_id="b2", answer="Suldor")]
-    assert [g["doc_id"] for g in open_hops(hops, {"t1", "x"})] == ["b2"]
-    assert next_hop_kb(hops, set()) == "text" and next_hop_kb(hops, {"t1"}) == "table" and next_hop_kb(hops, {"t1", "b2"}) == "stop"
-    # a search is right when its evidence holds a supporting document not found before, whatever its wording or order
-    assert label_route_reward(False, ["t9", "t1"], hops, set()) == 1.0
-    assert label_route_reward(False, ["b2"], hops, set()) == 1.0        # hop 2's document first: progress all the same
-    assert label_route_reward(False, ["t1"], hops, {"t1"}) == 0.0       # a re-ask finds nothing new
-    assert label_route_reward(False, ["t7"], hops, set()) == 0.0        # wrong KB or wrong document
-    assert label_route_reward(False, ["t1"], hops, {"t1", "b2"}) == 0.0  # an extra search after everything is found
-    # a stop is right exactly when every supporting document is found
-    assert label_route_reward(True, [], hops, {"t1", "b2"}) == 1.0 and label_route_reward(True, [], hops, {"t1"}) == 0.0
-    assert label_route_reward(True, [], [], set()) == 1.0               # a question that needs no retrieval
-    # labels_kb: half for naming the KB of a hop not found yet, half for finding its document
-    assert label_route_reward(False, ["t7"], hops, {"t1"}, kbs=["table"]) == 0.5   # hop 2's KB, its document missed
-    assert label_route_reward(False, ["b2"], hops, {"t1"}, kbs=["table"]) == 1.0
-    assert label_route_reward(False, ["t7"], hops, {"t1"}, kbs=["text"]) == 0.0    # hop 1's KB, already found
-    assert label_route_reward(False, ["t1"], hops, {"t1", "b2"}, kbs=["text"]) == 0.0  # nothing left to find
-    assert label_route_reward(True, [], hops, {"t1"}, kbs=None) == 0.0
-    # the intermediate answer is checked against the hops the step newly found; nothing new: no label
-    assert label_answer_golds(["t1", "b2"], hops, set()) == ["Uldoria", "Suldor"]
-    assert label_answer_golds(["t1", "b2"], hops, {"t1"}) == ["Suldor"] and label_answer_golds(["t1"], hops, {"t1"}) == []

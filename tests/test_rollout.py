@@ -32,20 +32,21 @@ def hf_engine(tiny_model):
 def retriever(tiny_index):
     return retrievers.Retriever(tiny_index, "bm25")
 
-def test_gold_think_kb_last_names_no_kb_before_the_sub_question(tiny_index, retriever, hf_engine):
-    # the same routes, KBs and answers either way; kb_last's <think> names no retriever, so the choice is made at <ret>
+def test_the_golden_routing_think_names_no_kb_before_the_sub_question(tiny_index, retriever, hf_engine):
+    # the gold steps' KBs and answers; the routing <think> names no retriever, so the choice is made at <ret>, after
+    # the sub-question is written
     tok, qs = hf_engine.tok, dataio.load_questions(tiny_index, "train")[:20]
-    first = rollout.rollout(rollout.GoldPolicy(tok, qs, think="kb_first"), retriever, qs)
-    last = rollout.rollout(rollout.GoldPolicy(tok, qs), retriever, qs)  # kb_last: the default
-    assert all(x["format_ok"] for x in first + last)
-    assert [x["steps"] for x in first] == [x["steps"] for x in last]
-    for x, y in zip(first, last):
-        for a, b in zip(x["spans"], y["spans"]):
+    golds = rollout.rollout(rollout.GoldPolicy(tok, qs), retriever, qs)
+    assert all(x["format_ok"] for x in golds)
+    assert [[(st["kb"], st["answer"]) for st in x["steps"]] for x in golds] == \
+        [[(st["kb"], st["answer"]) for st in q["steps"]] for q in qs]
+    for x in golds:
+        for a in x["spans"]:
             if a["kind"] == "route" and a["step"] < len(x["gold_steps"]):
-                think = lambda z, sp: tok.decode(z["ids"][sp["start"]:sp["end"]]).split("</think>")[0]
-                assert "retriever" in think(x, a) and think(y, b) == "<think>" + rollout.GoldPolicy.NEXT
-    # golden prefixes follow the setting (Step-GRPO's teacher_prefix groups start from them)
-    _, prefixes = rollout.golden_prefixes(tok, retriever, qs[:4], rollout.Settings(gold_think="kb_last"))
+                think = tok.decode(x["ids"][a["start"]:a["end"]]).split("</think>")[0]
+                assert think == "<think>" + rollout.GoldPolicy.THINK
+    # golden prefixes are written the same way (Step-GRPO's teacher_prefix groups start from them)
+    _, prefixes = rollout.golden_prefixes(tok, retriever, qs[:4])
     assert all("retriever." not in tok.decode(p) for _, _, p, _ in prefixes)
 
 def test_gold_policy_through_the_loop_builds_exact_masks_and_spans(tiny_index, retriever, hf_engine):
@@ -408,8 +409,7 @@ def test_released_evaluation_retries_reminds_and_falls_back(tiny_index, retrieve
 
 def test_one_query_a_step_reproduces_r1_routers_trajectories_token_for_token(tiny_index, retriever):
     # sha256 of the gold trajectories (ids, mask, spans; SmolLM2's tokenizer) of the tiny world's train and test
-    # questions: the step loop, the every-KB mode and the released structure, as the code wrote them before multi-query
-    # steps existed
+    # questions: the step loop, the every-KB mode and the released structure, as the code wrote them at 865eb14
     import hashlib
     import json
     from transformers import AutoTokenizer
@@ -417,9 +417,9 @@ def test_one_query_a_step_reproduces_r1_routers_trajectories_token_for_token(tin
     for split in ("train", "test"):
         qs = dataio.load_questions(tiny_index, split)
         for s in (rollout.Settings(), rollout.Settings(route_mode="all"), rollout.Settings(structure="released")):
-            for x in rollout.rollout(rollout.GoldPolicy(tok, qs, think="kb_first"), retriever, qs, s=s):
+            for x in rollout.rollout(rollout.GoldPolicy(tok, qs), retriever, qs, s=s):
                 h.update(json.dumps([x["ids"], x["mask"], x["spans"]]).encode())
-    assert h.hexdigest() == "8f196ddee5b0c4095da519a995a40b7ac85487b929691bfeeab40d55c1a7ee51"
+    assert h.hexdigest() == "56e40f98f164ddfde39b464334c30269e5c50a42f5da16e6aba4df4c58a751d1"
 
 class Spy(retrievers.Retriever):
     """The real BM25 retriever, recording the queries of each search call."""

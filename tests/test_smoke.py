@@ -75,10 +75,10 @@ def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_di
     assert res["sft/no_retrieval"]["n"] == 6
     # each checkpoint records the transcript format it was trained on; another one is refused in one line
     for ck in (sft, grpo):
-        assert json.loads((ck / "transcript.json").read_text())["gold_think"] == "kb_last"
+        assert json.loads((ck / "transcript.json").read_text()) == dict(structure="transcript", max_pairs=1, max_rets=1)
     r = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--model", str(sft), "--data", str(world),
-                        "--gold_think", "kb_first", "--structure", "released", "--out", str(tmp_path / "x")],
+                        "--max_pairs", "2", "--structure", "released", "--out", str(tmp_path / "x")],
                        capture_output=True, text=True, cwd=ROOT)
     last = r.stderr.strip().splitlines()[-1]  # one line, not a traceback
     assert r.returncode != 0 and last.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
-    assert "--gold_think kb_first (trained: kb_last), --structure released (trained: transcript)" in last
+    assert "--structure released (trained: transcript), --max_pairs 2 (trained: 1)" in last

@@ -21,6 +21,7 @@ import reward
 import grpo
 import stepgrpo
 import steprewards
+import transcript
 
 def sp(kind, step):
     return dict(kind=kind, step=step, start=0, end=1)
@@ -42,12 +43,6 @@ def test_group_advantages_normalise_each_step_against_the_same_step():
     assert adv[2][4] == pytest.approx(R[2]) and adv[0][3] == pytest.approx(R[0])  # finals all equal -> only R
     out = grpo.group_advantages(spans, rewards, outcomes, mode="outcome")
     assert all(a == pytest.approx(R[i]) for i, s in enumerate(out) for a in s)  # plain GRPO: one value per sample
-    # --outcome_on final: the same step parts, the outcome part on the final answer alone
-    fin = grpo.group_advantages(spans, rewards, outcomes, outcome_on="final")
-    for i, s in enumerate(spans):
-        for j, span in enumerate(s):
-            assert fin[i][j] == pytest.approx(adv[i][j] - (0.0 if span["kind"] == "final" else R[i]))
-    assert fin[2][3] == 0.0 and fin[0][3] == pytest.approx(R[0])  # a lone answer step: no credit at all
 
 def test_balance_kb_weighs_each_gold_route_class_equally():
     # 3 questions, max 3 steps: [text, text] -> text, text, stop; [table] -> table, stop; [t, t, image] (3 steps: no stop)
@@ -77,33 +72,9 @@ def test_identical_rewards_give_zero_advantage():
     # exactly 0 (so main() can skip the row): the mean of 7 copies of 0.1 is not 0.1 in floating point
     assert np.mean([0.1] * 7) != 0.1 and grpo.norm([0.1] * 7).tolist() == [0.0] * 7
 
-def test_dropped_questions_come_from_the_teachers_filter_report(tmp_path):
-    (tmp_path / "train.errors.json").write_text(json.dumps(dict(filters={}, dropped=["q2", "q5"], kept={})))
-    assert stepgrpo.load_dropped(tmp_path) == {"q2", "q5"}
-    with pytest.raises(dataio.DataError, match=r"gold.*train.errors.json: no list of dropped questions"):
-        stepgrpo.load_dropped(tmp_path / "gold")
-
-def test_a_teachers_pool_is_what_it_kept_and_what_it_dropped(tmp_path):
-    rows = [dict(qid="q1", ids=[1]), dict(qid="q4", ids=[2])]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert stepgrpo.load_pool(tmp_path) == {"q1", "q4"}  # golden data: no report, nothing dropped
-    (tmp_path / "train.errors.json").write_text(json.dumps(dict(filters={}, dropped=["q2", "q5"], kept={})))
-    assert stepgrpo.load_pool(tmp_path) == {"q1", "q2", "q4", "q5"}
-    (tmp_path / "train.errors.json").write_text("{not json")
-    with pytest.raises(dataio.DataError, match=r"train.errors.json: not a synth.py report"):
-        stepgrpo.load_pool(tmp_path)
-    (tmp_path / "train.jsonl").write_text(json.dumps(dict(ids=[1])) + "\n")
-    with pytest.raises(dataio.DataError, match=r"train.jsonl: row 1: no qid"):
-        stepgrpo.load_pool(tmp_path)
-    args = stepgrpo.get_args(["--pool", str(tmp_path), "--dropped", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--pool picks a teacher's questions"):
-        stepgrpo.check_args(args, 1)
-
 def test_loss_matches_a_direct_computation():
     torch.manual_seed(0)
-    lens = [4, 1, 3]  # policy tokens of three sequences, flattened as collate() does
-    seq = torch.tensor([b for b, n in enumerate(lens) for _ in range(n)])
-    N = len(seq)
+    N = 8
     logp, old, ref = -torch.rand(N) * 3, -torch.rand(N) * 3, -torch.rand(N) * 3
     adv = torch.randn(N)
     eps, beta = 0.2, 0.05
@@ -114,14 +85,11 @@ def test_loss_matches_a_direct_computation():
         pg = -min(ratio * a, min(max(ratio, 1 - eps), 1 + eps) * a)
         d = (ref[i] - logp[i]).item()
         per_tok.append(pg + beta * (math.exp(d) - d - 1))
-    loss, kl, clipped = grpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "token", N)
+    loss, kl, clipped = grpo.grpo_loss(logp, old, ref, adv, eps, beta, N)
     assert loss.item() == pytest.approx(sum(per_tok) / N, rel=1e-5)
-    loss, _, _ = grpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "sequence", 3)
-    means = [sum(per_tok[i] for i in range(N) if seq[i] == b) / n for b, n in enumerate(lens)]
-    assert loss.item() == pytest.approx(sum(means) / 3, rel=1e-5)
     assert torch.all(kl >= 0) and clipped.tolist() == [float(abs(math.exp(logp[i] - old[i]) - 1) > eps) for i in range(N)]
     ent = torch.rand(N) * 2  # the entropy bonus: -coef H_t on every token
-    loss, _, _ = grpo.grpo_loss(logp, old, ref, adv, seq, eps, beta, "token", N, ent, 1e-3)
+    loss, _, _ = grpo.grpo_loss(logp, old, ref, adv, eps, beta, N, ent, 1e-3)
     assert loss.item() == pytest.approx(sum(p - 1e-3 * h for p, h in zip(per_tok, ent.tolist())) / N, rel=1e-5)
 
 def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
@@ -133,13 +101,13 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
     try:
         model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
         rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, 0.5, 0.5, 0.5])]
-        ids, attn, pos, sel, old, adv, seq = grpo.collate(rows, 0, torch.device("cpu"))
+        ids, attn, pos, sel, old, adv = grpo.collate(rows, 0, torch.device("cpu"))
 
         def grad(coef, only_entropy=False):
             model.zero_grad()
             logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos, entropy_grad=True)
-            loss = -ent.sum() if only_entropy else grpo.grpo_loss(logp, old, logp.detach(), adv, seq, 0.2, 0.0,
-                                                                        "token", 3.0, ent, coef)[0]
+            loss = -ent.sum() if only_entropy else grpo.grpo_loss(logp, old, logp.detach(), adv, 0.2, 0.0, 3.0, ent,
+                                                                        coef)[0]
             loss.backward()
             return model.lm_head.weight.grad.to_local().clone()
         g0, g1, gh = grad(0.0), grad(0.5), grad(0.0, only_entropy=True)
@@ -147,10 +115,9 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
         model.zero_grad()
         with torch.no_grad():
             mine = grpo.token_logprobs(model, ids, attn, sel, pos)[0]
-        args = Namespace(temperature=1.0, old_logprobs="trainer", ppo_epochs=1, entropy_coef=0.0, clip_eps=0.2,
-                         kl_coef=0.0, loss_norm="token", grad_clip=0.0)
+        args = Namespace(old_logprobs="trainer", entropy_coef=0.0, kl_coef=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        sums, _ = stepgrpo.update(model, None, opt, [stepgrpo.Micro(ids, attn, pos, sel, old, adv, seq, {}, 1.0)], 3.0, args)
+        sums, _ = stepgrpo.update(model, None, opt, [stepgrpo.Micro(ids, attn, pos, sel, old, adv, {}, 1.0)], 3.0, args)
     finally:
         if own:
             torch.distributed.destroy_process_group()
@@ -163,10 +130,9 @@ def test_only_policy_tokens_reach_the_loss(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     seqs = [dict(ids=[5, 6, 7, 8, 9], mask=[0, 0, 1, 1, 0], old=[0.0] * 5, adv=[0.0, 0.0, 2.0, 2.0, 0.0]),
             dict(ids=[5, 9, 11], mask=[0, 1, 1], old=[0.0, -0.1, -0.2], adv=[0.0, -1.0, -1.0])]
-    ids, attn, pos, sel, old, adv, seq = grpo.collate(seqs, pad_id=0, device="cpu")
+    ids, attn, pos, sel, old, adv = grpo.collate(seqs, pad_id=0, device="cpu")
     assert pos is None and sel.tolist() == [[False, True, True, False], [True, True, False, False]]
     assert old.tolist() == pytest.approx([0.0, 0.0, -0.1, -0.2]) and adv.tolist() == [2.0, 2.0, -1.0, -1.0]
-    assert seq.tolist() == [0, 0, 1, 1]
     logp, ent = grpo.token_logprobs(model, ids, attn, sel)
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=attn).logits[:, :-1].log_softmax(-1)  # [B, T-1, V]
@@ -174,8 +140,8 @@ def test_only_policy_tokens_reach_the_loss(tiny_model_dir):
     assert torch.allclose(logp, torch.stack(want), atol=1e-5) and ent.shape == (4,)
 
 def test_packed_group_scores_like_separate_rows(tiny_model_dir):
-    # --share_prefix: a group's completions packed behind one copy of their prompt give the same logprobs, advantages,
-    # sequence indices and loss (both normalisations) as one row per completion, with padding in the batch
+    # a group's completions packed behind one copy of their prompt give the same logprobs, advantages and loss as one
+    # row per completion, with padding in the batch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     g = torch.Generator().manual_seed(0)
@@ -185,12 +151,12 @@ def test_packed_group_scores_like_separate_rows(tiny_model_dir):
     rows = [dict(ids=p + c, mask=[0] * len(p) + [1] * len(c), old=[0.0] * len(p) + lps, adv=[a] * (len(p) + len(c)))
             for p, group, adv in groups for (c, lps), a in zip(group, adv)]
     packed = [grpo.pack_group(p, group, adv) for p, group, adv in groups]
-    assert len(packed[0]["ids"]) == 8 + 3 * 1 + 3 + 1 + 4 and packed[0]["n_seq"] == 3
+    assert len(packed[0]["ids"]) == 8 + 3 * 1 + 3 + 1 + 4
     A, B = grpo.collate(rows, 0, "cpu"), grpo.collate(packed, 0, "cpu")
     assert A[2] is None and B[1].shape == (2, 1, 19, 19)
     assert B[2][0].tolist() == list(range(12)) + [8, 9] + list(range(8, 13))  # each branch continues the prompt
     assert B[2][1].tolist()[:12] == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]
-    for k in (4, 5, 6):  # old, adv, seq
+    for k in (4, 5):  # old, adv
         assert torch.equal(A[k], B[k])
     with torch.no_grad():
         la, ea = grpo.token_logprobs(model, A[0], A[1], A[3], A[2])
@@ -198,9 +164,8 @@ def test_packed_group_scores_like_separate_rows(tiny_model_dir):
     assert torch.allclose(la, lb, atol=1e-5) and torch.allclose(ea, eb, atol=1e-4)
     wrong = grpo.token_logprobs(model, B[0], torch.ones_like(B[0]), B[3])[0]  # the packed row with a plain causal mask
     assert not torch.allclose(la, wrong, atol=1e-3)
-    for norm_mode, denom in (("token", len(la)), ("sequence", 5)):
-        loss = lambda L, seq: grpo.grpo_loss(L, A[4] - 0.1, L, A[5], seq, 0.2, 0.0, norm_mode, denom)[0]
-        assert loss(la, A[6]).item() == pytest.approx(loss(lb, B[6]).item(), abs=1e-6)
+    loss = lambda L: grpo.grpo_loss(L, A[4] - 0.1, L, A[5], 0.2, 0.0, len(la))[0]
+    assert loss(la).item() == pytest.approx(loss(lb).item(), abs=1e-6)
 
 def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
     # main() skips rows whose advantages are all 0 when --kl_coef is 0, keeping the full batch's denominator: the
@@ -210,24 +175,33 @@ def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
     live = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.0, -4.5, -4.0], adv=[0.0, 1.0, 1.0, 1.0]),
             dict(ids=[5, 9, 11], mask=[0, 1, 1], old=[0.0, -4.2, -4.4], adv=[0.0, -1.0, -1.0])]
     dead = dict(ids=[5, 12, 13, 14, 15], mask=[0, 0, 1, 1, 1], old=[0.0, 0.0, -4.1, -4.3, -4.6], adv=[0.0] * 5)
-    def grads(rows, kl_coef, norm_mode, denom):
+    def grads(rows, kl_coef, entropy_coef=0.0):
         model.zero_grad()
-        ids, attn, pos, sel, old, adv, seq = grpo.collate(rows, 0, "cpu")
-        logp, _ = grpo.token_logprobs(model, ids, attn, sel, pos)
-        grpo.grpo_loss(logp, old, old - 0.3, adv, seq, 0.2, kl_coef, norm_mode, denom)[0].backward()
+        ids, attn, pos, sel, old, adv = grpo.collate(rows, 0, "cpu")
+        logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos, entropy_grad=True)
+        grpo.grpo_loss(logp, old, old - 0.3, adv, 0.2, kl_coef, 8, ent, entropy_coef)[0].backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
-    for norm_mode, denom in (("token", 8), ("sequence", 3)):
-        full = grads(live + [dead], 0.0, norm_mode, denom)
-        assert full.abs().max() > 1e-4 and torch.allclose(grads(live, 0.0, norm_mode, denom), full, atol=1e-7)
-    assert not torch.allclose(grads(live, 0.1, "token", 8), grads(live + [dead], 0.1, "token", 8), atol=1e-5)
+    full = grads(live + [dead], 0.0)
+    assert full.abs().max() > 1e-4 and torch.allclose(grads(live, 0.0), full, atol=1e-7)
+    assert not torch.allclose(grads(live, 0.1), grads(live + [dead], 0.1), atol=1e-5)
+    assert not torch.allclose(grads(live, 0.0, 0.1), grads(live + [dead], 0.0, 0.1), atol=1e-5)
+    # micro_batches keeps such a row when a KL or an entropy term gives it a gradient, and only then
+    live_rows = lambda **kw: len(stepgrpo.micro_batches(live + [dead], Namespace(**{"kl_coef": 0.0, "entropy_coef": 0.0,
+                                                        "micro_batch": 8, **kw}), 0, torch.device("cpu"))[0][0].old)
+    import trainutil
+    own = trainutil.init_group(1)
+    try:
+        assert live_rows() == 5 and live_rows(kl_coef=0.1) == live_rows(entropy_coef=1e-3) == 8
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
 
-def test_check_sync_runs_on_the_first_step_and_stops_above_the_tolerance(tiny_model_dir, monkeypatch):
-    # --check_sync first (the default): the first step's sync is checked and logged as sync_max_diff, later ones not;
-    # an engine that missed the update (a sync that did nothing) is off by more than --sync_tol and the run stops
+def test_the_first_sync_is_checked_and_stops_above_the_tolerance(tiny_model_dir, monkeypatch):
+    # a process's first sync is checked and logged as sync_max_diff, later ones only at a checkpoint (check); an engine
+    # that missed the update
+    # (a sync that did nothing) is off by more than the tolerance and the run stops
     import engines
     import trainutil
-    assert [stepgrpo.get_args(a).check_sync for a in ([], ["--check_sync"], ["--check_sync", "off"])] == \
-        ["first", "every", "off"]
     args = stepgrpo.get_args(["--dtype", "fp32", "--lr", "1e-2"])
     uniform = -math.log(json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"])  # the random policy's
     row = dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0] + [uniform] * 3, adv=[0.0, 1.0, 1.0, 1.0])
@@ -243,9 +217,11 @@ def test_check_sync_runs_on_the_first_step_and_stops_above_the_tolerance(tiny_mo
         step = lambda: stepgrpo.train_step(model, None, opt, engine, None, [], args, None, None, 0, peak, seed=0)[-1]
         first, second = step(), step()
         assert first["sync_mean_diff"] <= first["sync_max_diff"] < 1e-4 and "sync_max_diff" not in second
-        args.check_sync = "every"
+        checked = stepgrpo.train_step(model, None, opt, engine, None, [], args, None, None, 0, peak, seed=0, check=True)
+        assert checked[-1]["sync_max_diff"] < 1e-4  # a checkpoint's step
+        peak = trainutil.PeakMemory()  # a new process (a resumed run): its first sync is checked again
         monkeypatch.setattr(engine, "sync_weights", lambda weights: None)  # the engine misses the update
-        missed = "^error: after the weight sync the engine's logprobs differ .* on average \\(--sync_tol 0.001"
+        missed = "^error: after the weight sync the engine's logprobs differ .* on average \\(tolerance 0.001"
         with pytest.raises(SystemExit, match=missed):
             step()
     finally:
@@ -254,7 +230,7 @@ def test_check_sync_runs_on_the_first_step_and_stops_above_the_tolerance(tiny_mo
 
 @pytest.mark.slow
 def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_by_vllm(tiny_model_dir, tiny_index):
-    # --engine hf (setup_policy's HFEngine) samples; the update sees only the samples and their logprobs, and vLLM's
+    # --backend hf (setup_policy's HFEngine) samples; the update sees only the samples and their logprobs, and vLLM's
     # logprobs of the same tokens equal transformers', so one update from either set of rows gives the same weights
     # (while old logprobs shifted by 0.05, 500x the logprob tolerance, would not)
     import dataio
@@ -262,7 +238,7 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
     import retrievers
     import rollout
     import trainutil
-    args = stepgrpo.get_args(["--model", str(tiny_model_dir), "--engine", "hf", "--dtype", "fp32", "--micro_batch", "4"])
+    args = stepgrpo.get_args(["--model", str(tiny_model_dir), "--backend", "hf", "--dtype", "fp32", "--micro_batch", "4"])
     own, cpu = trainutil.init_group(1), torch.device("cpu")
     vllm = engines.VLLMEngine(tiny_model_dir, max_model_len=2048)
     try:
@@ -305,10 +281,10 @@ def run(args, nproc=1, env=None):
     return r
 
 def common(model, data, out):
-    # the tiny random policy cannot write the step format, so every reward and advantage is 0: weight decay and the
-    # KL term (once the policy has moved away from the reference) are what change the weights here
+    # the tiny random policy cannot write the step format, so every reward and advantage is 0: the entropy bonus and
+    # the KL term (once the policy has moved away from the reference) are what change the weights here
     return ["--model", str(model), "--data", str(data), "--out", str(out), "--batch_questions", "2", "-n", "2",
-            "--retriever", "bm25", "--eval_questions", "0", "--lr", "1e-2", "--weight_decay", "0.1",
+            "--retriever", "bm25", "--eval_questions", "0", "--lr", "1e-2", "--entropy_coef", "0.1",
             "--kl_coef", "0.1", "--wandb_mode", "disabled", "--save_every", "1"]
 
 def records(out):
@@ -316,13 +292,13 @@ def records(out):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, tiny_model_dir, tiny_index):
-    """One 2-rank teacher_prefix run of 2 steps (fp32, the engine checked against the trainer after every sync, a
-    checkpoint a step): the sync test's teacher_prefix case and the killed-rank test's uninterrupted run."""
+    """One 2-rank teacher_prefix run of 2 steps (fp32, a checkpoint a step, so the engine is checked against the
+    trainer after every sync): the sync test's teacher_prefix case and the killed-rank test's uninterrupted run."""
     out = tmp_path_factory.mktemp("two-ranks") / "run"
     run(common(tiny_model_dir, tiny_index, out) + TWO_RANKS, nproc=2)
     return out
 
-TWO_RANKS = ["--train_steps", "2", "--dtype", "fp32", "--check_sync"]
+TWO_RANKS = ["--train_steps", "2", "--dtype", "fp32"]
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tiny_model_dir, tiny_index):
@@ -343,17 +319,17 @@ def hidden_vllm(tmp_path):
                                                    ("onpolicy", "released", "hf")])
 @pytest.mark.slow
 def test_two_ranks_sync_the_engine_after_every_update(tmp_path, tiny_model_dir, tiny_index, mode, structure, engine, request):
-    # the HF engine's case runs where vllm cannot be imported: --engine hf needs none of it
+    # the HF engine's case runs where vllm cannot be imported: --backend hf needs none of it
     if mode == "teacher_prefix":  # the default rollout: the shared 2-rank run
         out = request.getfixturevalue("two_ranks")
     else:
         out = tmp_path / "run"
         run(common(tiny_model_dir, tiny_index, out) + ["--rollout", mode, "--structure", structure, "--train_steps", "2",
-                                                       "--check_sync", "--dtype", "fp32", "--engine", engine], nproc=2,
+                                                       "--dtype", "fp32", "--backend", engine], nproc=2,
             env=hidden_vllm(tmp_path) if engine == "hf" else None)
     recs = records(out)
     assert [r["step"] for r in recs] == [1, 2]
-    assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # the engine scores exactly like the trainer after each sync
+    assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # checked at every checkpoint: the engine scores like the trainer
     # the rollouts' forward work (bench/flops.py --runs): with no row skipped, the update's rows are the rollouts, a
     # packed teacher-prefix group with the prompt's last token once more a completion (grpo.pack_group; -n 2)
     extra = lambda r: (2 - 1) * r["update_rows"] if mode == "teacher_prefix" else 0
@@ -368,11 +344,11 @@ def test_two_ranks_sync_the_engine_after_every_update(tmp_path, tiny_model_dir, 
 @pytest.mark.slow
 def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(tmp_path, tiny_model_dir, tiny_index):
     # the tiny random policy earns 0 advantage everywhere: with --kl_coef 0 every row is skipped, yet both ranks still
-    # run one (zero-weight) micro-batch so FSDP's collectives match, and without weight decay nothing moves (the HF
-    # engine: the engine is not what this checks)
+    # run one (zero-weight) micro-batch so FSDP's collectives match, and without an entropy bonus nothing moves (the
+    # HF engine: the engine is not what this checks)
     out = tmp_path / "run"
-    args = common(tiny_model_dir, tiny_index, out) + ["--train_steps", "2", "--dtype", "fp32", "--engine", "hf"]
-    args[args.index("--kl_coef") + 1], args[args.index("--weight_decay") + 1] = "0", "0"
+    args = common(tiny_model_dir, tiny_index, out) + ["--train_steps", "2", "--dtype", "fp32", "--backend", "hf"]
+    args[args.index("--kl_coef") + 1], args[args.index("--entropy_coef") + 1] = "0", "0"
     run(args, nproc=2)
     assert [r["skipped"] for r in records(out)] == [1.0, 1.0]
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
@@ -463,7 +439,7 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
         seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode,
                                                  steprewards.Weights(), seed=0)
         groups = len(prefixes) if spans == "all" else n_route
-        assert len(seqs) == groups and sum(s["n_seq"] for s in seqs) == 2 * groups
+        assert len(seqs) == groups and sum(1 + s["seg"][-1] for s in seqs) == 2 * groups
         assert st["kb_acc"] == [1.0] * 2 * n_route and st["route_r"] == pytest.approx([1.2] * 2 * n_route)
         # one per sampled retrieval (every route prefix but each question's stop): the gold never re-asks
         assert st["reask"] == [0.0] * (2 * n_route - 2 * len(qs))
@@ -535,21 +511,6 @@ def test_released_structure_trains_on_one_row_a_chat(tiny_index, encoder):
     assert len(seqs) == sum(len(x["spans"]) for x in golds[::2])
     assert all(tok.decode(s["ids"]).count("<|im_start|>system") == 1 for s in seqs)
 
-def test_onpolicy_groups_scored_by_labels(tiny_index, encoder):
-    # --rollout onpolicy --step_reward labels through the real loop and retrieval: the gold policy's search is right
-    # exactly when BM25 brings back a supporting document it had not found, its stop when all are found
-    import rollout
-    tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
-    args.rollout, args.step_reward = "onpolicy", "labels"
-    _, st = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
-    want = []
-    for x in rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, 2, stepgrpo.settings(args)):
-        for t in [sp["step"] for sp in x["spans"] if sp["kind"] == "route"]:
-            todo = [g["doc_id"] for g in x["gold_steps"] if g["doc_id"] not in steprewards.found_before(x, t)]
-            searched = t < len(reward.by_step(x["steps"]))  # else the route was the stop
-            want.append(0.2 + (bool(set(todo) & steprewards.found_before(x, t + 1)) if searched else not todo))
-    assert st["route_r"] == pytest.approx(want) and 0.2 < np.mean(want) < 1.2
-
 def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, encoder):
     # an engine that, past the first step, re-asks the previous gold sub-question: exactly those route completions are
     # logged as re-asks and score below the gold's 1.2 (wrong sub-question and KB for this step)
@@ -559,7 +520,7 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
         def step_text(self, q, turn, phase):
             if phase == "route" and turn > 0:
                 g = q["steps"][turn // 2 - 1]
-                return reward.format_route(self.WHY[g["kb"]], [(g["sub_question"], g["kb"])])
+                return reward.format_route(self.THINK, [(g["sub_question"], g["kb"])])
             return super().step_text(q, turn, phase)
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
     st = stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)[1]
@@ -578,13 +539,13 @@ def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
             stepgrpo.check_args(stepgrpo.get_args(["--data", str(tmp_path), *extra]), 1)
         msg = str(e.value.code)  # what the command prints: one line, not a traceback
         assert msg.startswith("error: ") and "\n" not in msg and flag in msg, msg
-    # the real command line: a policy trained on kb_first transcripts, given kb_last golden prefixes (the default)
+    # the real command line: a policy trained on one chat a step, given growing transcripts (the default)
     (tmp_path / "sft").mkdir()
-    (tmp_path / "sft" / "transcript.json").write_text(json.dumps(dict(gold_think="kb_first", structure="transcript")))
+    (tmp_path / "sft" / "transcript.json").write_text(json.dumps(dict(structure="released", max_pairs=1)))
     r = subprocess.run([sys.executable, "stepgrpo.py", "--model", str(tmp_path / "sft"), "--data", str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and r.stderr.strip() == (f"error: {tmp_path / 'sft'} was trained on another transcript "
-                                                      "format: --gold_think kb_last (trained: kb_first); pass the "
+                                                      "format: --structure transcript (trained: released); pass the "
                                                       "trained values"), r.stderr
 
 def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_dir, tiny_index):
@@ -609,7 +570,7 @@ def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_
 def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(straight, tmp_path, tiny_model_dir, tiny_index,
                                                                          capsys):
     plain, evald = straight, tmp_path / "eval"
-    stepgrpo.main(common(tiny_model_dir, tiny_index, evald) + ["--train_steps", "3", "--keep", "1", "--eval_questions", "3"])
+    stepgrpo.main(common(tiny_model_dir, tiny_index, evald) + ["--train_steps", "3", "--eval_questions", "3"])
     a, b = load_file(plain / "final" / "model.safetensors"), load_file(evald / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the greedy dev rollouts do not disturb training
     recs = records(evald)
@@ -618,8 +579,8 @@ def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(straig
     scores = {x["step"]: x["dev_score"] for x in recs[1:]}
     best = max(scores, key=scores.get)  # the earliest of equal scores
     assert (evald / "best").resolve().name == f"step_{best}" and (evald / "best" / "model.safetensors").exists()
-    # --keep 1 keeps the newest checkpoint and the best one only
-    assert sorted(p.name for p in evald.glob("step_*")) == sorted({f"step_{best}", "step_3"})
+    # the newest KEEP checkpoints and the best one are kept
+    assert sorted(p.name for p in evald.glob("step_*")) == sorted({f"step_{best}", "step_1", "step_2", "step_3"})
     assert f"best on dev (mean of F1-Recall and routing accuracy): step {best}" in capsys.readouterr().out
 
 class TinyLM(torch.nn.Module):
@@ -639,7 +600,7 @@ class TinyLM(torch.nn.Module):
 
 def test_step_bookkeeping_stays_on_the_data_device(monkeypatch):
     # the training step's tensor bookkeeping on the meta device, as a GPU run does it on CUDA: collate (packed rows
-    # too), the policy's logprobs, the loss in both normalisations, its backward and the logged sums; a tensor made on
+    # too), the policy's logprobs, the loss, its backward and the logged sums; a tensor made on
     # the CPU anywhere in them meets a meta tensor and fails here, not on a user's cluster (sft.py's loss too)
     import sft
     meta = torch.device("meta")
@@ -654,13 +615,12 @@ def test_step_bookkeeping_stays_on_the_data_device(monkeypatch):
     monkeypatch.setattr(fx_config, "meta_nonzero_assume_all_nonzero", True)
     rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -0.2, -0.3, -0.4], adv=[0.0, 0.5, 0.5, 0.5]),
             dict(ids=[5, 9, 9, 8], mask=[0, 1, 1, 1], old=[0.0, -0.1, -0.3, -0.2], adv=[0.0, -1.0, -1.0, -1.0])]
-    ids, attn, pos, sel, old, adv, seq = grpo.collate(rows, 0, meta)
+    ids, attn, pos, sel, old, adv = grpo.collate(rows, 0, meta)
     logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos)
     sums = {k: torch.zeros((), dtype=torch.float64, device=meta) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
-    for norm_mode in ("token", "sequence"):
-        loss, kl, clipped = grpo.grpo_loss(logp, old, logp.detach() - 0.1, adv, seq, 0.2, 0.1, norm_mode, 5.0)
-        loss.backward(retain_graph=True)
-        stepgrpo.add_stats(sums, 1.0, loss, kl, clipped, ent)
+    loss, kl, clipped = grpo.grpo_loss(logp, old, logp.detach() - 0.1, adv, 0.2, 0.1, 5.0)
+    loss.backward()
+    stepgrpo.add_stats(sums, 1.0, loss, kl, clipped, ent)
     assert all(t.device == meta for t in (logp, ent, loss, kl, clipped, *sums.values()))
     assert all(p.grad is not None and p.grad.device == meta for p in model.parameters())
     s, n = sft.loss_sum(model, *sft.collate([([5, 6, 7], [1, 1, 1])], 0, meta))
@@ -674,8 +634,7 @@ def test_the_logged_loss_does_not_depend_on_the_world_size(monkeypatch):
     import trainutil
     rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, 0.5, 0.5, 0.5]),
             dict(ids=[5, 9, 9], mask=[0, 1, 1], old=[0.0, -4.1, -4.3], adv=[0.0, -1.0, -1.0])]
-    args = Namespace(kl_coef=0.0, micro_batch=2, loss_norm="token", ppo_epochs=1, old_logprobs="sampler", clip_eps=0.2,
-                     entropy_coef=0.0)
+    args = Namespace(kl_coef=0.0, micro_batch=2, old_logprobs="sampler", entropy_coef=0.0)
 
     def logged_loss():
         torch.manual_seed(0)
@@ -724,10 +683,10 @@ def test_both_rollout_modes_score_gold_multi_query_steps_in_full(tiny_index, enc
     assert st["retrievals"] == [2] * 12 and st["route_r"] == pytest.approx([1.2] * 2 * (3 * 2 + 3 * 3))
     assert len(rows) == 12 and all(a == 0.0 for r in rows for a in r["adv"])  # the same trajectory twice: no advantage
 
-def test_teacher_written_prefixes_score_against_the_teacher_or_the_labels(tiny_index, encoder):
+def test_teacher_written_prefixes_score_against_the_teacher(tiny_index, encoder):
     # a teacher that sends every first sub-question to a wrong KB writes the stored trajectories; GoldPolicy as the
-    # engine writes the gold step at each of their prefixes. --step_reward teacher (R1-Router) scores that gold step
-    # against the teacher's, so the right KB loses its half; labels score it by the supporting document it retrieves
+    # engine writes the gold step at each of their prefixes. R1-Router's step reward scores that gold step against
+    # the teacher's, so the right KB loses its half
     import rollout
 
     class WrongFirstKB(rollout.GoldPolicy):
@@ -735,7 +694,7 @@ def test_teacher_written_prefixes_score_against_the_teacher_or_the_labels(tiny_i
             if phase == "route" and turn == 0 and q["steps"]:
                 g = q["steps"][0]
                 kb = "table" if g["kb"] == "text" else "text"
-                return reward.format_route(self.NEXT, [(g["sub_question"], kb)])
+                return reward.format_route(self.THINK, [(g["sub_question"], kb)])
             return super().step_text(q, turn, phase)
     tok, qs, ret, args, _ = teacher_setup(tiny_index)
     teacher = rollout.rollout(WrongFirstKB(tok, qs), ret, qs, 1, rollout.Settings(route_tokens=1024, answer_tokens=1024))
@@ -748,32 +707,10 @@ def test_teacher_written_prefixes_score_against_the_teacher_or_the_labels(tiny_i
     # the teacher's own later steps are the gold's: full reward there; the first step: format + cosine 1, wrong KB
     assert st["route_r"] == pytest.approx([0.7 if f else 1.2 for f in first])
     assert st["kb_acc"] == [0.0 if f else 1.0 for f in first]
-    args.step_reward = "labels"
-    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(),
-                                       seed=0, store=store)[1]
-    want, kb_half = [], []
-    for x, sp in routes:
-        found, gold = steprewards.found_before(x, sp["step"]), reward.by_step(x["gold_steps"])
-        if sp["step"] < len(gold):  # the engine searches the gold step: progress iff that finds an open hop's document
-            g = gold[sp["step"]][0]
-            hits = {d["id"] for d in ret.search([g["sub_question"]], g["kb"], args.topk)[0]}
-            todo = reward.open_hops(x["gold_steps"], found)
-            want += [0.2 + any(h["doc_id"] in hits for h in todo)] * 2
-            kb_half += [0.5 * any(h["kb"] == g["kb"] for h in todo)] * 2
-        else:  # the engine stops: right iff the teacher's prefix found every supporting document
-            want += [0.2 + (not reward.open_hops(x["gold_steps"], found))] * 2
-            kb_half += [None] * 2
-    assert st["route_r"] == pytest.approx(want)
-    assert max(r for r, f in zip(st["route_r"], first) if f) == pytest.approx(1.2)  # the right KB is rewarded now
-    assert [a for a, f in zip(st["kb_acc"], first) if f] == [1.0] * sum(first)
-    args.step_reward = "labels_kb"  # a search: half for an open hop's KB, half for its document; a stop as before
-    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(),
-                                       seed=0, store=store)[1]
-    assert st["route_r"] == pytest.approx([r if k is None else 0.2 + k + 0.5 * (r - 0.2) for r, k in zip(want, kb_half)])
 
 def test_prefixes_folder_must_hold_synth_trajectories(tmp_path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     (tmp_path / "train.jsonl").write_text(json.dumps({"qid": "q1", "ids": [1]}) + "\n")
     with pytest.raises(dataio.DataError, match=r"train.jsonl: row 1: not a synth.py trajectory"):
-        stepgrpo.load_prefixes(tmp_path, tok, print)
+        transcript.load_trajectories(tmp_path, tok, print)

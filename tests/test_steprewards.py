@@ -70,29 +70,6 @@ def test_span_rewards_follow_the_formulas():
     r, outcome = steprewards.span_rewards(cut, enc, w)
     assert r[2] == pytest.approx(0.2 + 1.0 + 0.5) and outcome == 0.0
 
-def test_span_rewards_from_labels():
-    # --step_reward labels on on-policy trajectories: a search is right when its evidence holds a supporting document
-    # not found before (whatever its wording or the gold step index), a stop when every one is found; an answer is
-    # scored against the hops whose documents its step newly found
-    w, enc = steprewards.Weights(format=0.2), BowEncoder()
-    spans = [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("answer", 2), ("route", 3), ("final", 3)]
-    x = traj([dict(sub_question="Who founded Y?", kb="table", retrieved=["d2"], answer="Ly Normi"),  # the 2nd hop first
-              dict(sub_question="Who founded Y again?", kb="table", retrieved=["d2"], answer="Ly Normi"),  # a re-find
-              dict(sub_question="Where is X?", kb="text", retrieved=["d1"], answer="Norway")],  # the 1st, answered wrong
-             spans, "Ly Normi")
-    r, outcome = steprewards.span_rewards(x, enc, w, "labels")
-    assert r == pytest.approx([1.2, 1.2, 0.2, 0.2, 1.2, 0.2, 1.2, 0.2]) and outcome == 1.0
-    early = traj([dict(sub_question="Which country is X in?", kb="text", retrieved=["d1"], answer="Uldoria")],
-                 [("route", 0), ("answer", 0), ("route", 1), ("final", 1)], "Uldoria")
-    assert steprewards.span_rewards(early, enc, w, "labels")[0] == pytest.approx([1.2, 1.2, 0.2, 0.2])  # d2 still open
-    # labels_kb: the re-find (table, nothing new: d1's KB is text) earns nothing; a text search that misses d1 earns half
-    assert steprewards.span_rewards(x, enc, w, "labels_kb")[0] == pytest.approx([1.2, 1.2, 0.2, 0.2, 1.2, 0.2, 1.2, 0.2])
-    miss = traj([dict(sub_question="Who founded Y?", kb="table", retrieved=["d2"], answer="Ly Normi"),
-                 dict(sub_question="Where?", kb="text", retrieved=["d7"], answer="Norway")],
-                [("route", 0), ("answer", 0), ("route", 1), ("answer", 1), ("route", 2), ("final", 2)], "Ly Normi")
-    assert steprewards.span_rewards(miss, enc, w, "labels_kb")[0] == pytest.approx([1.2, 1.2, 0.7, 0.2, 0.2, 0.2])
-    assert steprewards.span_rewards(miss, enc, w, "labels")[0] == pytest.approx([1.2, 1.2, 0.2, 0.2, 0.2, 0.2])
-
 def test_span_rewards_of_multi_query_steps():
     # both gold lookups belong to routing step 0 (independent): asked together, in either order, the step earns the
     # full route reward, the hit reward and, answered together, the answer reward of "Uldoria; Ly Normi"

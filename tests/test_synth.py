@@ -3,7 +3,6 @@ import json
 
 import pytest
 
-import corpus
 import dataio
 import retrievers
 import rollout
@@ -67,39 +66,6 @@ def test_teacher_mode_counts_survivors(tiny_index, tok):
     kept, sampled, counts = synth.teacher_trajectories(rollout.GoldPolicy(tok, wrong), ret, qs, n=2, settings=rollout.Settings())
     assert len(sampled) == 12 and counts["sampled"] == 12 and counts["answer"] == 6 and counts["kept_trajectories"] == 6
     assert [x["qid"] for x in kept] == [q["id"] for q in qs[0::2]] and counts["kept_questions"] == 3
-
-def test_guideline_routes_by_r1routers_rules():
-    # R1-Router's routing guideline taken literally, on every relation of the mini-world: the six it misroutes
-    wrong = {rel for rel, (_, _, kb, tpl, _) in corpus.RELATIONS.items()
-             if rollout.guideline_kb(tpl.format(s="Ulla Brenmark", year=2003, month="July")) != kb}
-    assert wrong == {"birth_year", "founded_city", "capital", "currency", "language", "book_in"}
-    assert rollout.guideline_kb("How many stripes does the flag of Selstoa have?") == "image"  # visual before numeric
-    assert rollout.guideline_kb("Who is the mayor of Rainsborough?") == "text"  # whole words only
-
-def test_guideline_teacher_searches_the_rules_kb_then_asks_again(tiny_index, tok):
-    # through the real loop and retrieval: a hop the rule misroutes is searched at the rule's KB (answer "unknown"),
-    # then asked again at the gold KB; a plan longer than max_steps ends "unknown" and the paper's filter drops it
-    qs = dataio.load_questions(tiny_index, "train")
-    policy = rollout.GuidelinePolicy(tok, qs)
-    s = rollout.Settings(route_tokens=1024, answer_tokens=1024)
-    kept, sampled, counts = synth.teacher_trajectories(policy, retrievers.Retriever(tiny_index, "bm25"), qs, 1, s)
-    by_q = {q["id"]: q for q in qs}
-    for x in sampled:
-        q, plan = by_q[x["qid"]], policy.plan(by_q[x["qid"]])
-        misses = [st["kb"] != rollout.guideline_kb(st["sub_question"]) for st in q["steps"]]
-        assert len(plan) == len(q["steps"]) + sum(misses)
-        if len(plan) > s.max_steps:
-            assert x["final_answer"] == "unknown" and x["qid"] not in {y["qid"] for y in kept}
-            continue
-        assert [(st["sub_question"], st["kb"]) for st in x["steps"]] == [(g[0]["sub_question"], g[0]["kb"]) for g in plan]
-        for i, st in enumerate(x["steps"]):
-            if i + 1 < len(x["steps"]) and x["steps"][i + 1]["sub_question"] == st["sub_question"]:
-                assert st["answer"] == "unknown" and x["steps"][i + 1]["kb"] != st["kb"]  # the miss, then the re-ask
-        assert x["final_answer"] == q["answers"][0]
-    assert any(any(st["answer"] == "unknown" for st in x["steps"]) for x in kept), "no misrouted hop in the tiny world"
-    assert counts["kept_questions"] == len(kept) < len(qs)
-    report = synth.error_report(kept)
-    assert report["wrong_kb"] > 0 and report["reask"] > 0
 
 R1R_ROW = {"images": [], "steps": [
     {"step_type": "ret", "problem": "Origin question: Who founded the firm that built the Tova bridge?\n", "system": "s",

@@ -76,7 +76,7 @@ def test_step_grpo_flags_reach_the_engine(monkeypatch):
     assert made[-1]["max_model_len"] == 4096 and made[-1]["max_pixels"] is None
     setup(["--max_model_len", "8192", "--max_pixels", "401408"])
     assert made[-1]["max_model_len"] == 8192 and made[-1]["max_pixels"] == 401408
-    setup(["--engine", "hf", "--max_model_len", "8192", "--max_pixels", "401408"])  # the HF engine takes both too
+    setup(["--backend", "hf", "--max_model_len", "8192", "--max_pixels", "401408"])  # the HF engine takes both too
     assert made[-1]["max_model_len"] == 8192 and made[-1]["max_pixels"] == 401408
 
 def test_sft_and_the_hf_engine_take_the_cap(tiny_vl, tiny_index, tmp_path, processor_kwargs):
