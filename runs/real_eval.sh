@@ -14,7 +14,7 @@ test -f $REAL/traj/musique_train.jsonl || $PY synth.py --data $REAL --out $REAL/
 test -e $OUT/sft/final || $PY sft.py --model $DEMO/sft/final --data $REAL/traj --train_splits musique_train \
   --train_steps 6 --lr 1e-4 --warmup_steps 1 --eval_every 0 --save_every 0 --keep 1 --out $OUT/sft
 test -e $OUT/stepgrpo/final || $PY stepgrpo.py --model $OUT/sft/final --data $REAL --split musique_train \
-  --train_steps 2 --batch_questions 4 --eval_questions 0 --save_every 0 --keep 1 --out $OUT/stepgrpo
+  --train_steps 2 --batch_questions 4 --eval_questions 0 --save_every 0 --out $OUT/stepgrpo
 for split in musique hotpotqa wtq; do
   e=$OUT/eval-$split
   test -f $e/prompt-only/results.json || $PY evaluate.py --model models/SmolLM2-135M-Instruct --name prompt-only \

@@ -14,7 +14,7 @@ set -euo pipefail
 PY=${PY:-.venv/bin/python}
 DATA=data/mini
 OUT=out/released
-GRPO="--train_steps 3 --batch_questions 8 --eval_questions 0 --save_every 0 --keep 1"
+GRPO="--train_steps 3 --batch_questions 8 --eval_questions 0 --save_every 0"
 RELEASED="--teacher_spans all --no-balance_kb --w_format 0 --entropy_coef 1e-3 --old_logprobs trainer --route_credit whole --adv_std"
 EVAL="--methods routed --data $DATA --split test"
 start=$(date +%s)

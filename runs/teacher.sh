@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
 # The teacher condition (README "Results"; docs/LOG.md): R1-Router's data procedure at this scale (the teacher and
 # its filtered trajectories: runs/teacher_data.sh), then SFT, SFT-continued and Step-GRPO with R1-Router's step
-# rewards and with label rewards, every arm trained only on what the teacher kept and on the questions' labels.
+# rewards, every arm trained only on what the teacher kept.
 #   per seed, from the prompt-only policy:
 #     sft              SFT on the kept trajectories, SFT_STEPS x 4
 #     sft-cont         that SFT run resumed on the same trajectories, MORE steps (about a Step-GRPO arm's wall clock:
 #                      64 SFT steps ~16 min, 4 Step-GRPO steps ~20 min here)
 #     grpo-teacher     Step-GRPO from sft, groups at the kept trajectories' prefixes, every step kind, R1-Router's
 #                      rewards (against the teacher's sub-question, KB and intermediate answer; the gold final answer)
-#     grpo-labels      the same with label rewards (a search that finds a new supporting document, a stop once all
-#                      are found, intermediate answers against the hop answers; reward.label_*)
-#     grpo-dropped     (ARMS="... dropped") on-policy Step-GRPO with label rewards on the questions the filter dropped
-#                      (stepgrpo.py --dropped: what SFT on the kept trajectories never sees)
 #   each arm's checkpoint picked on the first DEV_N dev questions (the mean of F1-Recall and routing accuracy, greedy;
 #   the start is not a candidate) -> the first TEST_N test questions, greedy and --protocol released (R1-Router's
 #   sampled evaluation), sft with the ceilings -> paired intervals of each Step-GRPO arm against sft-cont and sft.
@@ -20,37 +16,30 @@
 #   DEV_ONLY=1 bash runs/teacher.sh           # a dev screen: every arm trained and dev-picked, no test row
 #   HOLDOUT=3hop bash runs/teacher.sh         # the same in a world whose train and dev hold no 3-hop chain (corpus.py
 #                                             # --holdout; its test split is the default world's): out/teacher-no3hop
-#   TEACHER=guideline bash runs/teacher.sh    # the teacher routes by R1-Router's guideline, not a sampled SFT policy
-#                                             # (runs/teacher_data.sh): data/mini/traj-guideline, out/teacher-guideline
 #   FROM=sft-cont bash runs/teacher.sh        # every Step-GRPO arm and a new SFT-continued control start from
 #                                             # sft-cont's dev pick, not from sft: <seed>/from-sft-cont, rows cont-*
-#   EXTRA="--lr 5e-6" TAG=-lr5e-6 bash runs/teacher.sh  # a variant of every Step-GRPO arm: stepgrpo.py flags after
-#                                             # the arm's own (the later one wins), its folders grpo-<arm>-lr5e-6
+#   EXTRA="--lr 5e-6" TAG=-lr5e-6 bash runs/teacher.sh  # a variant of the Step-GRPO arm: stepgrpo.py flags after
+#                                             # the arm's own (the later one wins), its folder grpo-teacher-lr5e-6
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-0}
 SFT_STEPS=${SFT_STEPS:-96} MORE=${MORE:-64} EVERY=${EVERY:-16} GRPO_STEPS=${GRPO_STEPS:-4}
-GRPO="--batch_questions 16 --lr 2e-5 --train_steps $GRPO_STEPS --save_every 2 --keep 3"
+GRPO="--batch_questions 16 --lr 2e-5 --train_steps $GRPO_STEPS --save_every 2"
 DEV_N=${DEV_N:-100} TEST_N=${TEST_N:-500}
-ARMS=${ARMS:-"teacher labels"}
 FROM=${FROM:-sft}
 EXTRA=${EXTRA:-} TAG=${TAG:-}
-GARMS=$(printf "grpo-%s$TAG " $ARMS)  # the Step-GRPO arms' folder names
+GARMS=grpo-teacher$TAG  # the Step-GRPO arm's folder name
 test -z "$EXTRA" || test -n "$TAG" || { echo "error: EXTRA=\"$EXTRA\" needs TAG, its arms' folder suffix"; exit 2; }
 DATA=data/mini${HOLDOUT:+-no$HOLDOUT}
-case ${TEACHER:=sampled} in
-  sampled) TRAJ=$DATA/traj-teacher suffix= ;;
-  guideline) TRAJ=$DATA/traj-guideline suffix=-guideline ;;
-  *) echo "error: TEACHER=$TEACHER: sampled or guideline"; exit 2 ;;
-esac
-OUT=out/teacher${HOLDOUT:+-no$HOLDOUT}$suffix
+TRAJ=$DATA/traj-teacher
+OUT=out/teacher${HOLDOUT:+-no$HOLDOUT}
 start=$(date +%s)
 arms() { test $FROM = sft && echo $1 || echo $1/from-$FROM; }  # where a seed's Step-GRPO arms and their control go
 source runs/common.sh  # dev, pick, continue_sft (the SFT-continued control, dev-picked -> <out>/best)
 
 test -f $DATA/world.json || $PY corpus.py --world mini --out $DATA ${HOLDOUT:+--holdout $HOLDOUT}
 test -f $DATA/index/meta.json || $PY retrievers.py build --data $DATA
-TEACHER=$TEACHER PY=$PY bash runs/teacher_data.sh $DATA $OUT
+PY=$PY bash runs/teacher_data.sh $DATA $OUT
 for s in $SEEDS; do
   d=$OUT/s$s
   test -e $d/sft/final || $PY sft.py --data $TRAJ --seed $s --train_steps $SFT_STEPS --grad_accum 4 --eval_every 0 \
@@ -61,15 +50,8 @@ for s in $SEEDS; do
     from=$d/sft-cont/best
     continue_sft $from $a/sft-cont --data $TRAJ --grad_accum 4 --seed $s
   fi
-  for arm in $ARMS; do
-    case $arm in
-      dropped) how="--rollout onpolicy --dropped $TRAJ --step_reward labels" ;;
-      *) how="--prefixes $TRAJ --teacher_spans all --step_reward $arm" ;;
-    esac
-    g=grpo-$arm$TAG
-    test -e $a/$g/final || $PY stepgrpo.py --data $DATA --model $from --seed $s $how $GRPO $EXTRA \
-      --eval_questions $DEV_N --out $a/$g --resume auto
-  done
+  test -e $a/$GARMS/final || $PY stepgrpo.py --data $DATA --model $from --seed $s --prefixes $TRAJ --teacher_spans all \
+    $GRPO $EXTRA --eval_questions $DEV_N --out $a/$GARMS --resume auto
   test -z "${DEV_ONLY:-}" || continue
   for row in "$d/sft:final:routed oracle gold_steps" $a/sft-cont:best:routed $(printf "$a/%s:best:routed " $GARMS); do
     IFS=: read run ck methods <<< "$row"

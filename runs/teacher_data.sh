@@ -7,20 +7,11 @@
 #                 twice) on the next N training questions, real retrieval, kept when the final answer's token recall
 #                 is 1 (R1-Router's data_filter.py; the steps are never checked)   -> DATA/traj-teacher, with its
 #                 filter counts and the kept steps' mistakes against the world's gold in train.errors.json
-# TEACHER=guideline: no model; the gold decomposition routed by R1-Router's routing guideline taken literally (a
-# rule-routed miss, then the same sub-question at the other KB: rollout.GuidelinePolicy), the same questions and
-# filter -> DATA/traj-guideline.
 # Resumable: a finished stage is skipped.
 #   bash runs/teacher_data.sh data/mini out/teacher [N=1000]
-#   TEACHER=guideline bash runs/teacher_data.sh data/mini out/teacher-guideline
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 DATA=$1 OUT=$2 N=${3:-1000}
-if test "${TEACHER:-sampled}" = guideline; then
-  test -f $DATA/traj-guideline/train.jsonl || $PY synth.py --data $DATA --out $DATA/traj-guideline --teacher guideline \
-    -n 1 --splits train --offset 48 --limit $N
-  exit 0
-fi
 test -f $DATA/traj-seed48/train.jsonl || $PY synth.py --data $DATA --out $DATA/traj-seed48 --splits train --limit 48
 test -e $OUT/teacher/final || $PY sft.py --data $DATA/traj-seed48 --train_steps 36 --grad_accum 4 --eval_every 0 \
   --save_every 0 --keep 1 --out $OUT/teacher

@@ -18,7 +18,7 @@ for policy in text vl; do
   test -e $d/sft/final || $PY sft.py --model $model --data $d/traj --train_splits train visual_train \
     --dev_split visual_dev --train_steps 36 --grad_accum 4 --eval_every 0 --save_every 0 --keep 1 --out $d/sft
   test -e $d/stepgrpo/final || $PY stepgrpo.py --model $d/sft/final --data $DATA --split train visual_train \
-    --train_steps 3 --batch_questions 8 --eval_questions 0 --save_every 0 --keep 1 --out $d/stepgrpo
+    --train_steps 3 --batch_questions 8 --eval_questions 0 --save_every 0 --out $d/stepgrpo
   for stage in sft stepgrpo; do
     test -f $d/eval-$stage/results.json || $PY evaluate.py --model $d/$stage/final --name $policy-$stage \
       --methods routed --data $DATA --split test visual_test --n_questions 200 --out $d/eval-$stage

@@ -29,10 +29,10 @@ DATA=data/mini
 OUT=out/vs-sft
 # G: Step-GRPO's flags; MORE, EVERY: SFT-continued's extra steps and checkpoint interval; X: the arms' folder suffix;
 # START: the arms' start under the seed's folder; BASE: the test folder of its row
-wide="--teacher_spans all --batch_questions 48 --lr 2e-5 --save_every 2 --keep 3"
+wide="--teacher_spans all --batch_questions 48 --lr 2e-5 --save_every 2"
 START=sft/final
 case $ARM in
-  plateau) G="--batch_questions 8 --save_every 3 --keep 2"; MORE=36; EVERY=12; DEV_N=100; X= ;;
+  plateau) G="--batch_questions 8 --save_every 3"; MORE=36; EVERY=12; DEV_N=100; X= ;;
   wide) G=$wide; MORE=180; EVERY=60; DEV_N=200; X=-wide ;;
   wide2) G=$wide; MORE=180; EVERY=60; DEV_N=200; X=-wide2; START=sft396/final ;;
   *) echo "error: ARM=$ARM: expected plateau, wide or wide2" >&2; exit 2 ;;
