@@ -159,8 +159,8 @@ vs-sft: $(DATA)/traj/train.jsonl $(DATA)/traj-all/train.jsonl
 	SEEDS="$(SEEDS)" ARM=$(ARM) PY=$(PY) bash runs/vs_sft.sh
 
 # The teacher condition (runs/teacher.sh, README "Results"): R1-Router's data procedure (a teacher's sampled
-# trajectories, kept on the final answer alone), then SFT, SFT-continued and Step-GRPO with R1-Router's step rewards
-# and with label rewards, each dev-picked, scored greedy and sampled (--protocol released). DEV_ONLY=1: the dev screen.
+# trajectories, kept on the final answer alone), then SFT, SFT-continued and Step-GRPO with R1-Router's step rewards,
+# each dev-picked, scored greedy and sampled (--protocol released). DEV_ONLY=1: the dev screen.
 TEACHER_SEEDS ?= 0 1
 teacher: $(DATA)/index/meta.json $(MODEL)/config.json
 	SEEDS="$(TEACHER_SEEDS)" PY=$(PY) bash runs/teacher.sh

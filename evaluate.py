@@ -299,6 +299,27 @@ def score(trajs):
 
 PAIRED = ("f1_recall", "em", "f1", "answer_words", "routing_acc", "steps", "retrievals")
 
+def dev_scores(engine, retriever, qs, settings, rank, world):
+    """A training run's dev evaluation (stepgrpo.py): greedy routed trajectories of qs, each rank its share on its own
+    engine, gathered and scored: the numbers `--methods routed --split dev --n_questions N` gives the checkpoint.
+    dev_score, which picks <out>/best, is the mean of F1-Recall and routing accuracy. The RNG state is put back
+    afterwards, so a run trains the same with or without it."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    import rollout
+    rng = torch.get_rng_state(), random.getstate()
+    mine = rollout.rollout(engine, retriever, qs[rank::world], 1, settings, seed=0)
+    torch.set_rng_state(rng[0])
+    random.setstate(rng[1])
+    parts = [None] * world
+    dist.all_gather_object(parts, [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in mine])
+    s = score([x for p in parts for x in p])
+    dev = {f"dev_{k}": s[k] for k in ("f1_recall", "routing_acc", "routing_macro", "routing_macro0", "route_info0")}
+    return dict(dev, dev_score=(dev["dev_f1_recall"] + dev["dev_routing_acc"]) / 2)
+
 def paired_values(x):
     """The PAIRED metrics of one trajectory (its answer scored once: F1-Recall is the slow one)."""
     a = answer_scores(x)

@@ -1,8 +1,9 @@
 """
-grpo.py: the GRPO arithmetic of stepgrpo.py, free of engines and process groups: group-relative advantages (per step
-and per trajectory, with or without the std division), the split of a routing step's credit between its wording and
-its KB tokens, the PPO-clipped token loss with its k3 KL and entropy terms, and the packing of a group's completions
-behind one shared prompt (a tree attention mask). Each formula sits next to its function; tests check them by hand.
+grpo.py: the policy-gradient arithmetic of stepgrpo.py, free of engines and process groups: group-relative advantages
+(per step and per trajectory, with or without the std division), PPO's GAE over policy tokens with its whitening and
+its clipped value loss, the split of a routing step's credit between its wording and its KB tokens, the PPO-clipped
+token loss with its k3 KL and entropy terms, and the packing of a group's completions behind one shared prompt (a
+tree attention mask). Each formula sits next to its function; tests check them by hand.
 """
 import math
 from collections import Counter
@@ -45,6 +46,51 @@ def token_advantages(n_tokens, spans, adv):
     out = [0.0] * n_tokens
     for sp, a in zip(spans, adv):
         out[sp["start"]:sp["end"]] = [a] * (sp["end"] - sp["start"])
+    return out
+
+def gae(rewards, values, mask, gamma=1.0, lam=1.0):
+    """Generalized advantage estimation over the policy tokens of each row, as verl computes it for multi-turn
+    rollouts. rewards, values, mask: [B, T]; mask marks the policy's tokens (a step of the MDP). Backwards over t:
+        delta_t = r_t + gamma V_next - V_t,   A_t = delta_t + gamma lam A_next,   R_t = A_t + V_t
+    where V_next and A_next are those of the next policy token (0 past the last): a token off the mask (retrieved
+    evidence, the chat template) is neither a step nor a reset, and both carry across it. Returns (advantages,
+    returns) [B, T], 0 off the mask, before any whitening (whiten)."""
+    B, T = rewards.shape
+    adv, next_v, next_a = torch.zeros_like(rewards), rewards.new_zeros(B), rewards.new_zeros(B)
+    m = mask.to(rewards.dtype)
+    for t in reversed(range(T)):
+        a = rewards[:, t] + gamma * next_v - values[:, t] + gamma * lam * next_a  # [B]
+        adv[:, t] = a * m[:, t]
+        next_v = torch.where(mask[:, t], values[:, t], next_v)
+        next_a = torch.where(mask[:, t], a, next_a)
+    return adv, (adv + values) * m
+
+def whiten(x, count, total, total_sq, eps=1e-8):
+    """(x - mean) / sqrt(var + eps) with the mean and the unbiased variance of `count` values whose sum is `total` and
+    sum of squares `total_sq` (a whole batch's, summed over ranks: verl's masked_whiten of the batch's advantages)."""
+    mean = total / count
+    var = (total_sq - count * mean ** 2) / max(count - 1, 1)
+    return (x - mean) / math.sqrt(max(var, 0.0) + eps)
+
+def value_loss(values, old_values, returns, clip, denom):
+    """PPO's clipped value loss (verl's compute_value_loss), values, old_values, returns [N] over policy tokens:
+        0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
+    summed and divided by the global `denom` (the batch's policy tokens: a token mean). Returns the loss and the
+    per-token indicator that the clipped term was the larger (vf_clipfrac)."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    a, b = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.maximum(a, b).sum() / denom, (b > a).float()
+
+def token_rewards(n_tokens, spans, step_rewards, outcome, mode="step"):
+    """PPO's token-level rewards [n_tokens]: the outcome R on the last token of the last span (the final answer's;
+    a trajectory without one, cut by a format failure or the context, has R = 0), and with mode "step" (Step-PPO)
+    each span's step reward on its own last token, so GAE carries each step's credit back from where it was earned
+    instead of through group advantages; 0 on every other token."""
+    out = [0.0] * n_tokens
+    for sp, r in zip(spans, step_rewards):
+        out[sp["end"] - 1] += r if mode == "step" else 0.0
+    if spans:
+        out[spans[-1]["end"] - 1] += outcome
     return out
 
 def token_logprobs(model, ids, attn, sel, pos=None, temperature=1.0, entropy_grad=False, pix=None, suppress=()):
@@ -116,9 +162,10 @@ def pack_group(prefix, group, adv):
             row[key] += vals
     return row
 
-def collate(rows, pad_id, device):
-    """Right-pad to ids [B, T]; sel [B, T-1] marks positions whose next token is a policy token; old logprobs and
-    advantages of those tokens, flattened to [N] in sel's (row-major) order. attn: the padding mask [B, T] and pos None, or, if a row is packed (pack_group), a tree mask
+def collate(rows, pad_id, device, keys=("old", "adv")):
+    """Right-pad to ids [B, T]; sel [B, T-1] marks positions whose next token is a policy token; the per-token values
+    `keys` of those tokens (old logprobs and advantages; PPO's rows add "reward"), each flattened to [N] in sel's
+    (row-major) order. attn: the padding mask [B, T] and pos None, or, if a row is packed (pack_group), a tree mask
     [B, 1, T, T] and position ids [B, T]."""
     T = max(len(s["ids"]) for s in rows)
     ids = torch.tensor([s["ids"] + [pad_id] * (T - len(s["ids"])) for s in rows], device=device)
@@ -132,4 +179,4 @@ def collate(rows, pad_id, device):
         causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
         attn = (causal & (shared[:, None, :] | (seg[:, :, None] == seg[:, None, :])))[:, None]  # [B, 1, T, T]
         pos = torch.tensor([s.get("pos", list(range(len(s["ids"])))) + [0] * (T - len(s["ids"])) for s in rows], device=device)
-    return ids, attn, pos, sel, pick("old"), pick("adv")
+    return (ids, attn, pos, sel, *map(pick, keys))

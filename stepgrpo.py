@@ -17,16 +17,14 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py ... --lora_r 16 --lr 5e-5 --quant nf4     # QLoRA: nf4 base (bitsandbytes)
     python stepgrpo.py --model out/sft-k2/final ... --max_pairs 2  # multi-query steps (SFT on synth.py --max_pairs 2)
 
-The file reads as the algorithm: arguments -> rollouts to training rows (rollout.py's step loop; every step scored by
-steprewards.step_reward; group-relative advantages, grpo.py) -> the PPO-clipped update over policy tokens -> the
-weight sync into this rank's engine (checked once against the trainer) -> dev evaluation -> main. Every rank takes
-its share of --batch_questions, so every rollout is on-policy.
+PPO with a critic (critic.py; Search-R1's and RAG-R1's RL): --rollout onpolicy --adv_estimator gae, the outcome
+alone (--reward outcome) or each step's reward too on its last token (Step-PPO); -n 1 will do.
 
-R1-Router's released setting is --rollout teacher_prefix with --teacher_spans all, no format reward (--w_format 0),
-no KL in the loss, an entropy bonus of 1e-3, old logprobs recomputed by the trainer, one advantage on a whole step
-and std-divided advantages. This repo's extensions: --teacher_spans route, --balance_kb, --w_format, --route_credit
-split, --no-adv_std, the on-policy mode, the packed prompt of a group (pack_group), the dev-picked <out>/best.
-Formulas sit next to their functions.
+The file reads as the algorithm: arguments -> rollouts to training rows (rollout.py's step loop; every step scored by
+steprewards.step_reward; group advantages, or PPO's token rewards) -> the update (PPO's: GAE from the critic's values
+first) -> the weight sync into this rank's engine -> main. R1-Router's released setting: teacher_prefix groups,
+--teacher_spans all, no format reward or KL, an entropy bonus of 1e-3, the trainer's old logprobs, one advantage a
+whole step, std-divided; this repo's extensions (docs/stepgrpo.md) are the defaults. Formulas sit by their functions.
 """
 import argparse
 import math
@@ -41,16 +39,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import critic
 import dataio
 import engines
-import reward
+import evaluate
 import rollout
 import steprewards
 import trainutil
 import transcript
 import vision
 from grpo import (choice_entropy, collate, group_advantages, grpo_loss, norm, pack_group, split_credit,
-                  token_advantages, token_logprobs)
+                  token_advantages, token_logprobs, token_rewards)
 from report import curves_chart
 
 ROUTE_TOKENS, ANSWER_TOKENS = 64, 48  # generation budgets of a routing and an answer step while training
@@ -76,17 +75,15 @@ def get_args(argv=None):
     ap.add_argument("--teacher_spans", default="route", choices=["route", "all"],
                     help="teacher_prefix: route = the routing steps only (extension); all = answers too (R1-Router)")
     ap.add_argument("--prefixes", default="gold",
-                    help="teacher_prefix: gold = each question's golden trajectory (GoldPolicy, real retrieval); or a "
-                         "synth.py folder (its train.jsonl, e.g. a teacher's: synth.py --teacher): the groups start from "
-                         "its trajectories, and only its questions are trained on")
+                    help="teacher_prefix: gold = each question's golden trajectory; or a synth.py folder (e.g. a "
+                         "teacher's): groups at its trajectories' prefixes, on its questions only")
     ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (onpolicy only)")
     ap.add_argument("--balance_kb", action=argparse.BooleanOptionalAction, default=True,
                     help="scale route advantages by the inverse frequency of the gold route (extension)")
     ap.add_argument("--w_format", type=float, default=0.2, help="reward of a step that parses (extension; 0: R1-Router)")
     ap.add_argument("--route_credit", default="split", choices=["whole", "split"],
-                    help="teacher_prefix: whole = one advantage on every token of a routing step (R1-Router); split = the "
-                         "KB half of the route reward on the <ret> tokens, the rest (cosine, format) on the tokens before "
-                         "(extension)")
+                    help="teacher_prefix: whole = one advantage a routing step (R1-Router); split = the KB half of the "
+                         "route reward on the <ret> tokens, the rest on the tokens before (extension)")
     ap.add_argument("--adv_std", action=argparse.BooleanOptionalAction, default=False,
                     help="divide group advantages by the group's std (GRPO, R1-Router); default: r - mean only (Dr. GRPO)")
     ap.add_argument("--w_hit", type=float, default=0.0,
@@ -102,13 +99,11 @@ def get_args(argv=None):
     ap.add_argument("--topk", type=int, default=3, help="evidence documents per sub-question")
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
     ap.add_argument("--max_model_len", type=int, default=engines.MAX_LEN,
-                    help="the engine's context (prompt + new tokens): a step that does not fit ends its trajectory, or "
-                         "leaves its golden prefix without a group (teacher_prefix); log.jsonl's `overflow` is that share")
+                    help="the engine's context: a step that does not fit ends its trajectory or leaves its prefix "
+                         "without a group (log.jsonl's `overflow`)")
     ap.add_argument("--max_pixels", type=int, default=None,
-                    help="VL policy: cap on a picture's pixels, in the trainer's processor and vLLM's (default: the "
-                         "processor's; Qwen2.5-VL's allows 16k tokens a picture, so a visual step overflows 4k: e.g. "
-                         "401408 = 512*28*28, <= 512 tokens, with --max_model_len 8192 for the 1 + max_steps x topk "
-                         "pictures of a transcript); Idefics3's processor has no such cap and ignores it")
+                    help="VL policy: a picture's pixel cap in the trainer's processor and vLLM's (Qwen2.5-VL: e.g. "
+                         "401408, <= 512 tokens, with --max_model_len 8192; docs/visual.md)")
     # optimisation
     ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--kl_coef", type=float, default=0.0, help="k3 KL to --model in the loss (R1-Router: 0)")
@@ -133,8 +128,18 @@ def get_args(argv=None):
     ap.add_argument("--quant", default="none", choices=["none", "nf4", "int8"],
                     help="QLoRA: the frozen base quantised by bitsandbytes (needs --lora_r)")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"],
-                    help="the sampler on each rank: vllm (in-process vLLM), or hf: transformers generate on an unsharded "
-                         "copy of the policy, synced like vLLM's (setup_policy); for machines without vLLM")
+                    help="each rank's sampler: in-process vLLM, or transformers generate on a synced copy (no vLLM)")
+    # PPO (--adv_estimator gae; critic.py)
+    ap.add_argument("--adv_estimator", default="grpo", choices=["grpo", "gae"],
+                    help="grpo: group-relative advantages; gae: PPO, a critic's values and GAE over policy tokens "
+                         "(onpolicy: with --reward step the step rewards on each step's last token, Step-PPO)")
+    ap.add_argument("--critic_lr", type=float, default=1e-5, help="gae: the critic's AdamW learning rate (Search-R1's)")
+    ap.add_argument("--gamma", type=float, default=1.0, help="gae: discount over policy tokens (Search-R1's, verl's)")
+    ap.add_argument("--lam", type=float, default=1.0, help="gae: GAE's lambda (Search-R1's, verl's)")
+    ap.add_argument("--vf_clip", type=float, default=0.5, help="gae: the value loss's clip around the old values (verl's)")
+    ap.add_argument("--critic_warmup", type=int, default=0, help="gae: steps that train the critic alone first")
+    ap.add_argument("--kl_in_reward", type=float, default=0.0,
+                    help="gae: a per-token KL penalty -beta (logp_old - logp_ref) in the reward (Search-R1: 0.001)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wandb_mode", default=os.environ.get("WANDB_MODE", "offline"), choices=["online", "offline", "disabled"])
     return ap.parse_args(argv)
@@ -153,11 +158,31 @@ def check_args(args, world):
         sys.exit("error: --reward outcome needs --rollout onpolicy (a teacher_prefix group holds one step, no outcome)")
     if args.batch_questions % world:
         sys.exit(f"error: --batch_questions {args.batch_questions} must be divisible by the world size {world}")
-    if args.group_size < 2:
-        sys.exit(f"error: -n {args.group_size}: a group needs at least 2 samples to have a relative advantage")
+    if args.group_size < 1 or (args.group_size < 2 and args.adv_estimator == "grpo"):
+        sys.exit(f"error: -n {args.group_size}: a group needs at least 2 samples to have a relative advantage "
+                 "(--adv_estimator gae: 1 is enough)")
+    if args.adv_estimator == "gae":
+        check_ppo(args)
+    elif args.kl_in_reward:
+        sys.exit("error: --kl_in_reward is PPO's (--adv_estimator gae); group advantages take --kl_coef")
     rollout.check_multi_query(args)
     if err := transcript.check_format(args.model, args):
         sys.exit(f"error: {err}")
+
+def check_ppo(args):
+    """One-line errors for PPO's flags. A --structure released trajectory is several single-turn chats, each valued
+    by the critic without the chats before it: PPO refuses it rather than run GAE across states it cannot see."""
+    if args.rollout != "onpolicy":
+        sys.exit("error: --adv_estimator gae needs --rollout onpolicy: PPO's returns run over whole trajectories")
+    if args.structure != "transcript":
+        sys.exit("error: --adv_estimator gae needs --structure transcript: a released trajectory's chats are valued "
+                 "apart, so GAE cannot run across them")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            sys.exit(f"error: --{name} {getattr(args, name)}: it must be in [0, 1]")
+    if args.critic_warmup < 0 or args.vf_clip <= 0 or args.kl_in_reward < 0:
+        sys.exit(f"error: --critic_warmup {args.critic_warmup} --vf_clip {args.vf_clip} --kl_in_reward "
+                 f"{args.kl_in_reward}: a warm-up >= 0, a clip > 0, a penalty >= 0")
 
 def check_questions(questions, args):
     """One-line errors for training questions Step-GRPO cannot use."""
@@ -179,7 +204,9 @@ STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "
          "tokens", "reask")  # logged means
 
 def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
-    """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens."""
+    """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens.
+    --adv_estimator gae: each row gets its token rewards instead (grpo.token_rewards; the critic's GAE gives the
+    advantages in the update)."""
     s = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS, temperature=TEMPERATURE)
     trajs = rollout.rollout(engine, retriever, qs, n=args.group_size, s=s, seed=seed)
     rows, stats = [], {k: [] for k in STATS}
@@ -191,26 +218,16 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
         scored = [steprewards.span_rewards(x, encode, w) for x in group]
         scale = w.route_scale and {("route", t): w.route_scale[steprewards.gold_route(group[0]["gold_steps"], t)]
                                    for t in range(args.max_steps)}
-        adv = group_advantages([x["spans"] for x in group], [r for r, _ in scored], [o for _, o in scored],
-                               args.reward, scale, args.adv_std)
+        ppo = args.adv_estimator == "gae"
+        adv = [[0.0] * len(x["spans"]) for x in group] if ppo else group_advantages(
+            [x["spans"] for x in group], [r for r, _ in scored], [o for _, o in scored], args.reward, scale, args.adv_std)
         for x, (r, o), a in zip(group, scored, adv):
             adv_tok = token_advantages(len(x["ids"]), x["spans"], a)
+            tok_r = token_rewards(len(x["ids"]), x["spans"], r, o, args.reward) if ppo else None
             rows += [dict(ids=x["ids"][c:d], mask=x["mask"][c:d], old=x["logprobs"][c:d], adv=adv_tok[c:d],
-                          images=vision.images_in(x["images"], c, d))
+                          images=vision.images_in(x["images"], c, d), **({"reward": tok_r[c:d]} if ppo else {}))
                      for c, d in x["segments"] if any(x["mask"][c:d])]  # a row per chat (one unless released)
-            stats["route_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "route"]
-            stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
-            stats["outcome"].append(o)
-            failed_route = not x["format_ok"] and x["spans"][-1]["kind"] == "route"  # a format failure has >= 1 span
-            n_routes = sum(sp["kind"] == "route" for sp in x["spans"]) - failed_route
-            stats["kb_acc"] += [float(steprewards.route_kbs(x["steps"], t) == steprewards.route_kbs(x["gold_steps"], t))
-                                for t in range(n_routes)]
-            stats["format_ok"].append(float(x["format_ok"]))
-            stats["overflow"].append(float(x["overflow"]))
-            stats["retrievals"].append(len(x["steps"]))
-            stats["reask"] += [float(reward.re_asks(q, [e for e in x["steps"] if e["step"] < g[0]["step"]]))
-                               for g in reward.by_step(x["steps"]) for q, _ in reward.pairs_of(g)]
-            stats["tokens"].append(x["n_policy_tokens"])
+            steprewards.log_trajectory(stats, x, r, o)
     return rows, stats
 
 def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=None):
@@ -277,6 +294,9 @@ class Micro:
     pix: dict
     weight: float
     lengths: tuple = ()
+    reward: torch.Tensor | None = None   # [N] PPO's token rewards (gae), then the critic's values and the returns
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
 def scaled_loss(logp, old, ref_lp, m, denom, args, ent):
     """The one place the loss is scaled: (the loss to backprop, its part of the logged loss, kl, clipped). grpo_loss
@@ -298,15 +318,18 @@ def micro_batches(rows, args, pad_id, device, vis=None):
     always), since another rank's may have some and run the vision blocks.
     Returns [Micro], denom (the global count of policy tokens), the fraction of rows skipped."""
     rows = sorted(rows, key=lambda s: len(s["ids"]))  # micro-batches of similar lengths pad less; the loss is a global sum
-    live = [s for s in rows if args.kl_coef > 0 or args.entropy_coef > 0
+    ppo = args.adv_estimator == "gae"  # GAE's advantages come later: every row counts
+    live = [s for s in rows if ppo or args.kl_coef > 0 or args.entropy_coef > 0
             or any(a for a, m in zip(s["adv"], s["mask"]) if m)]
     n_micro = torch.tensor([max(1, math.ceil(len(live) / args.micro_batch))], device=device)
     dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
     chunks = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
-    stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2)]  # no rows: nothing fit
+    stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2, reward=[0.0] * 2)]  # no rows
     pixels = lambda m, ids: vis.pixels([s.get("images", []) for s in m], device, ids, always=True) if vis else {}
-    micro = [Micro(*c, pix=pixels(m or stand_in, c[0]), weight=float(bool(m)), lengths=tuple(len(s["ids"]) for s in m))
-             for m in chunks for c in [collate(m or stand_in, pad_id, device)]]
+    keys = ("old", "adv", "reward") if ppo else ("old", "adv")
+    micro = [Micro(*c[:6], pix=pixels(m or stand_in, c[0]), weight=float(bool(m)), lengths=tuple(len(s["ids"]) for s in m),
+                   reward=c[6] if ppo else None)
+             for m in chunks for c in [collate(m or stand_in, pad_id, device, keys)]]
     denom = torch.tensor([sum(sum(s["mask"]) for s in rows)], dtype=torch.float64, device=device)
     dist.all_reduce(denom)
     return micro, denom.clamp(min=1).item(), 1 - len(live) / max(1, len(rows))
@@ -326,32 +349,36 @@ def add_stats(sums, weight, loss, kl, clipped, entropy):
                  ("tokens", torch.ones_like(kl).sum())):
         sums[k] += weight * v.double()
 
-def update(model, ref, opt, micro, denom, args, suppress=()):
-    """One pass of the PPO-clipped loss over the micro-batches, one optimizer step. ref: the frozen reference model,
-    or None when --kl_coef is 0 or the policy is LoRA (trainutil.reference: adapters off). --old_logprobs trainer
-    first replaces the sampler's logprobs with the trainer's own (R1-Router's released code, via EasyR1) and sums
-    |sampler - trainer| into old_gap. Returns this rank's sums: loss, kl and clipped over its policy tokens, entropy,
-    tokens, old_gap; grad_norm (the global norm). suppress: token ids the engines never sample (token_logprobs)."""
-    device, T, sup = micro[0].ids.device, TEMPERATURE, suppress
-    sums = {k: torch.zeros((), dtype=torch.float64, device=device)
-            for k in ("loss", "kl", "clipped", "entropy", "tokens", "old_gap")}
-    refs, olds = [], []
+def score_old(model, ref, micro, args, suppress=()):
+    """Before the update: each micro-batch's old logprobs (the sampler's; --old_logprobs trainer: the trainer's own,
+    R1-Router's released code via EasyR1, summing |sampler - trainer| into old_gap) and the reference's (None without
+    a KL term; ref None: the policy is LoRA and its adapters go off, trainutil.reference). suppress: token ids the
+    engines never sample (token_logprobs). Returns [old], [ref], old_gap."""
+    T, olds, refs = TEMPERATURE, [], []
+    old_gap = torch.zeros((), dtype=torch.float64, device=micro[0].ids.device)
     with torch.no_grad():
         for m in micro:
-            old = m.old
-            if args.kl_coef > 0:
+            old, ref_lp = m.old, None
+            if args.kl_coef > 0 or args.kl_in_reward > 0:
                 with trainutil.reference(model, ref) as r:
-                    refs.append(token_logprobs(r, m.ids, m.attn, m.sel, m.pos, T, pix=m.pix, suppress=sup)[0])
-            else:
-                refs.append(None)
+                    ref_lp = token_logprobs(r, m.ids, m.attn, m.sel, m.pos, T, pix=m.pix, suppress=suppress)[0]
             if args.old_logprobs == "trainer":
-                mine = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, T, pix=m.pix, suppress=sup)[0]  # [N]
-                sums["old_gap"] += m.weight * (mine - old).abs().sum().double()
+                mine = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, T, pix=m.pix, suppress=suppress)[0]  # [N]
+                old_gap += m.weight * (mine - old).abs().sum().double()
                 old = mine
             olds.append(old)
+            refs.append(ref_lp)
+    return olds, refs, old_gap
+
+def update(model, opt, micro, olds, refs, denom, args, suppress=()):
+    """One pass of the PPO-clipped loss over the micro-batches, one optimizer step. Returns this rank's sums (loss,
+    kl and clipped over its policy tokens, entropy, tokens) and the global grad norm."""
+    device = micro[0].ids.device
+    sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
     for m, old, ref_lp in zip(micro, olds, refs):
-        logp, ent = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, T, args.entropy_coef > 0, m.pix, sup)  # [N] each
-        ref_lp = logp.detach() if ref_lp is None else ref_lp  # no reference: KL term 0
+        logp, ent = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, TEMPERATURE, args.entropy_coef > 0, m.pix,
+                                   suppress)  # [N] each
+        ref_lp = logp.detach() if ref_lp is None or args.kl_coef == 0 else ref_lp  # no reference: KL term 0
         loss, logged, kl, clipped = scaled_loss(logp, old, ref_lp, m, denom, args, ent)
         (loss * m.weight).backward()
         add_stats(sums, m.weight, logged, kl, clipped, ent.detach())
@@ -360,11 +387,14 @@ def update(model, ref, opt, micro, denom, args, suppress=()):
     opt.zero_grad(set_to_none=True)
     return sums, grad_norm
 
-def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id, peak, seed, store=None, check=False):
+def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id, peak, seed, store=None, check=False,
+               crit=None, warmup=False):
     """One step on this rank's questions `mine`: rollouts and rewards, the update, the new weights into the engine.
     Returns the rows, the rollout stats, the update's sums and grad norm, and the phases' seconds. The sync is checked
-    (sync_gap, logged as sync_mean_diff and sync_max_diff) after this process's first update and where `check` says
-    (main: at every checkpoint, so a saved policy is known to be the one its engine samples from)."""
+    (trainutil.sync_gap, logged as sync_mean_diff and sync_max_diff) after this process's first update and where `check` says
+    (main: at every checkpoint, so a saved policy is known to be the one its engine samples from). crit: PPO's
+    (critic, its optimizer): GAE's advantages, then the critic's update (its numbers in sums["critic"]); warmup: the
+    critic alone learns (--critic_warmup)."""
     device = next(model.parameters()).device
     check = check or "sync" not in peak.gib  # gib: the phases run so far
     t = time.perf_counter()
@@ -378,9 +408,23 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     t = time.perf_counter()
     vis = getattr(engine, "vis", None)
     micro, denom, timing["skipped"] = micro_batches(rows, args, pad_id, device, vis)
+    sup = vis.special_ids if vis else ()
     with peak("update"):
-        sums, grad_norm = update(model, ref, opt, micro, denom, args, vis.special_ids if vis else ())
-    timing["update_s"] = time.perf_counter() - t
+        olds, refs, old_gap = score_old(model, ref, micro, args, sup)
+    if crit:
+        t_c = time.perf_counter()
+        with peak("critic"):
+            critic.advantages(crit[0], micro, olds, refs, args)
+            critic_sums, timing["critic_grad_norm"] = critic.update(*crit, micro, denom, args)
+        timing["critic_s"] = time.perf_counter() - t_c
+    with peak("update"):
+        if warmup:  # the policy waits for its critic: nothing but the token count
+            sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("loss", "kl", "clipped", "entropy")}
+            sums["tokens"], grad_norm = sum(m.weight * len(m.old) for m in micro) + sums["loss"], 0.0
+        else:
+            sums, grad_norm = update(model, opt, micro, olds, refs, denom, args, sup)
+    sums.update(old_gap=old_gap, **({"critic": critic_sums} if crit else {}))
+    timing["update_s"] = time.perf_counter() - t - timing.get("critic_s", 0.0)
     lengths = [n for m in micro for n in m.lengths]
     timing.update(update_rows=len(lengths), update_tokens=sum(lengths),  # this rank's work (bench/flops.py)
                   update_policy=sum(len(m.old) for m in micro if m.weight))
@@ -390,40 +434,18 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     timing["sync_s"] = time.perf_counter() - t
     if check:  # the engine must now score a rollout as the trainer does
         row = rows[0] if rows else dict(ids=[pad_id] * 2)  # nothing fit: a stand-in (sync_gap is a collective)
-        gap, timing["sync_max_diff"] = sync_gap(model, engine, row, device)  # the same on every rank
+        gap, timing["sync_max_diff"] = trainutil.sync_gap(model, engine, row, device)  # the same on every rank
         timing["sync_mean_diff"] = gap
-        tol = sync_tol(args, engine)
+        tol = trainutil.sync_tol(args.dtype, engine)
         if not gap <= tol:  # NaN fails too
             sys.exit(f"error: after the weight sync the engine's logprobs differ from the trainer's by {gap:.3g} on "
                      f"average (tolerance {tol:g}): the engine does not sample from the policy being trained")
     return rows, stats, sums, grad_norm, timing
 
-def sync_tol(args, engine):
-    """The largest mean |engine - trainer| logprob a sync may leave, by precision. fp32 trainer and engine: 1e-3, 10x
-    above a correct sync's gap (< 1e-4 in the tests, 9.5e-7 in docs/LOG.md). bf16 on either side: 0.2. Rounding alone
-    moves logprobs there: SmolLM2-135M in bf16, vLLM on CPU against the trainer, over 8 whole transcripts, a mean of
-    0.04-0.05 nats, a max of 0.75-1.6 on tokens of logprob -10 to -30 (docs/LOG.md); so the max is no test, the mean
-    is. A broken sync (a parameter missing, uninitialised or another layer's) is off by nats on average."""
-    return 1e-3 if args.dtype == "fp32" and engine.dtype == "float32" else 0.2
-
-def sync_gap(model, engine, row, device):
-    """The sync check: the mean and the max |engine - trainer| logprob over every token of one rollout row (the prompt's
-    image tokens included): the mean over ranks and the max over ranks."""
-    ids, images, vis = row["ids"], row.get("images", []), engine.vis
-    with torch.no_grad():
-        x = torch.tensor([ids], device=device)
-        pix = vis.pixels([images], device, x, always=True) if vis else {}
-        mine = token_logprobs(model, x, torch.ones(1, len(ids), device=device),
-                              torch.ones(1, len(ids) - 1, dtype=torch.bool, device=device), pix=pix)[0]  # [T-1]
-    model.reshard()  # no backward follows before the next rollout: free the root's gathered weights for the engine
-    diff = (torch.tensor(engine.prompt_logprobs(ids, images), device=device) - mine).abs()  # [T-1]
-    mean, top = diff.mean().reshape(1), diff.max().reshape(1)
-    dist.all_reduce(mean)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX)
-    return mean.item() / dist.get_world_size(), top.item()
-
 def log_record(step, epoch, stats, sums, grad_norm, timing, rows, args):
     """One log.jsonl record: means over all ranks of the rollout stats, the update's per-token sums and the timings."""
+    sums = dict(sums)
+    ppo = critic.record(sums.pop("critic")) if "critic" in sums else {}  # value_loss, vf_clipfrac, explained_var
     local = {**sums, **{f"{k}.{part}": v for k in STATS for part, v in (("sum", sum(stats[k])), ("n", len(stats[k])))},
              **timing}
     device = sums["loss"].device
@@ -438,32 +460,13 @@ def log_record(step, epoch, stats, sums, grad_norm, timing, rows, args):
                 old_gap=tot["old_gap"] / n_tok if args.old_logprobs == "trainer" else None,
                 entropy=tot["entropy"] / n_tok, grad_norm=grad_norm,
                 adv_abs=float(np.mean([abs(a) for s in rows for a, m in zip(s["adv"], s["mask"]) if m] or [0.0])),  # rank 0's
-                **{k: tot[k] / world for k in timing})
-
-#### dev evaluation (checkpoint choice)
-
-def dev_eval(engine, retriever, qs, args, rank, world):
-    """Greedy routed trajectories of qs (each rank its share, on its own engine), scored by evaluate.py's score(): the
-    numbers `evaluate.py --methods routed --split dev --n_questions N` gives for the checkpoint saved at this step.
-    dev_score, which picks <out>/best, is the mean of F1-Recall and routing accuracy. Training's RNG state is put back
-    afterwards, so a run trains the same with or without it."""
-    import evaluate
-    rng = torch.get_rng_state(), random.getstate()
-    mine = rollout.rollout(engine, retriever, qs[rank::world], 1, settings(args, temperature=0.0), seed=0)
-    torch.set_rng_state(rng[0])
-    random.setstate(rng[1])
-    parts = [None] * world
-    dist.all_gather_object(parts, [{k: v for k, v in x.items() if k not in ("ids", "mask", "logprobs")} for x in mine])
-    s = evaluate.score([x for p in parts for x in p])
-    dev = {"dev_f1_recall": s["f1_recall"], "dev_routing_acc": s["routing_acc"], "dev_routing_macro": s["routing_macro"],
-           "dev_routing_macro0": s["routing_macro0"], "dev_route_info0": s["route_info0"]}
-    return dict(dev, dev_score=(dev["dev_f1_recall"] + dev["dev_routing_acc"]) / 2)
+                **ppo, **{k: tot[k] / world for k in timing})
 
 #### main
 
 def setup_policy(args, start, weights, resuming, lora, rank, world, device, print0):
-    """The sharded policy (and KL reference), its AdamW (resumed: with the step and dev history), and this rank's
-    engine holding the policy's weights. --backend hf: HFEngine, an unsharded copy of the policy loaded from the weights
+    """The sharded policy (and KL reference), its AdamW, PPO's critic and its AdamW (--adv_estimator gae; else None;
+    resumed: with the step and dev history), and this rank's engine holding the policy's weights. --backend hf: HFEngine, an unsharded copy of the policy loaded from the weights
     folder and synced after each update from trainutil.policy_params, as vLLM's is (one gather a parameter, a strict
     copy). Not generate on the FSDP2 module itself: its forward all-gathers every layer at every decoding step, a
     collective all ranks would have to run in lockstep while their rollouts end at different times."""
@@ -471,24 +474,25 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
                                    tree_mask=tree, lora=lora)
     ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=args.dtype == "bf16",
-                                 tree_mask=tree) if args.kl_coef > 0 and not lora else None  # LoRA: adapters off
+                                 tree_mask=tree) if (args.kl_coef > 0 or args.kl_in_reward > 0) and not lora else None  # LoRA: adapters off
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    crit = critic.load(args, device, world, lora) if args.adv_estimator == "gae" else None
     step, dev_hist = 0, {}  # dev_hist: step -> dev score (--eval_questions)
     if resuming:
-        state = trainutil.load_trainer_state(model, opt, start, args, print0)
+        state = trainutil.load_trainer_state(model, opt, start, args, print0, crit)
         step, dev_hist = state["step"], state.get("dev", {})
     if args.backend == "hf":
         engine = engines.HFEngine(weights, seed=args.seed + rank, max_model_len=args.max_model_len,
                                   max_pixels=args.max_pixels, device=device)
     else:
-        trainutil.check_gpu_budget(model, opt, engines.VLLMEngine.GPU_FRACTION, world, update_tokens(args))
+        trainutil.check_gpu_budget(model, opt, engines.VLLMEngine.GPU_FRACTION, world, update_tokens(args), crit)
         engine = engines.VLLMEngine(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
                                     max_images=settings(args).max_images, seed=args.seed + rank,
                                     device=device)  # each rank owns one engine
     if lora:  # the engine holds the base: give it the policy (resumed adapters; a quantised base as the trainer sees it)
         engine.sync_weights(trainutil.policy_params(model))
-    return model, ref, opt, step, dev_hist, engine
+    return model, ref, opt, crit, step, dev_hist, engine
 
 def report(out, step, peaks, dev_hist, world, print0):
     print0(f"done: {step} steps; final checkpoint {out / 'final'}; learning curves {out / 'curves.png'}")
@@ -528,8 +532,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
-    model, ref, opt, step, dev_hist, engine = setup_policy(args, start, weights, resuming, lora, rank, world, device,
-                                                          print0)
+    model, ref, opt, crit, step, dev_hist, engine = setup_policy(args, start, weights, resuming, lora, rank, world,
+                                                                device, print0)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     w = steprewards.Weights(args.w_format, args.w_hit,
                             steprewards.kb_balance(questions, args.max_steps, args.max_pairs) if args.balance_kb else None)
@@ -543,7 +547,7 @@ def main(argv=None):
     bar = trainutil.progress(rank, args.train_steps, step, "step-grpo")
     peak, peaks = trainutil.PeakMemory(device), {}  # peaks: phase -> the highest GiB of each rank over the run
     if dev_qs and step == 0:  # the starting policy's dev score: what the trained checkpoints have to beat
-        dev = dev_eval(engine, ret, dev_qs, args, rank, world)
+        dev = evaluate.dev_scores(engine, ret, dev_qs, settings(args, temperature=0.0), rank, world)
         log(dict(step=0, **dev))
         print0(f"dev ({len(dev_qs)} questions) at the start: F1-Recall {dev['dev_f1_recall']:.1f}, "
                f"routing acc {dev['dev_routing_acc']:.1f}")
@@ -557,12 +561,13 @@ def main(argv=None):
         saving = (args.save_every and step % args.save_every == 0) or step == args.train_steps
         rows, stats, sums, grad_norm, timing = train_step(model, ref, opt, engine, ret, mine, args, encoder.encode, w,
                                                           pad_id, peak, seed=args.seed + 7919 * (step - 1) + 104729 * rank,
-                                                          store=store, check=saving)
+                                                          store=store, check=saving, crit=crit,
+                                                          warmup=step <= args.critic_warmup)
         rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, args)
         rec["memory_gib"] = trainutil.gather_peaks(peak.gib, world)  # per phase since the last record, one value a rank
         if saving and dev_qs:
             t = time.perf_counter()
-            rec.update(dev_eval(engine, ret, dev_qs, args, rank, world), dev_s=time.perf_counter() - t)
+            rec.update(evaluate.dev_scores(engine, ret, dev_qs, settings(args, temperature=0.0), rank, world), dev_s=time.perf_counter() - t)
             dev_hist[step] = rec["dev_score"]
         log(rec)
         peaks = trainutil.highest(peaks, rec["memory_gib"])
@@ -574,7 +579,7 @@ def main(argv=None):
             best = max(dev_hist, key=dev_hist.get) if dev_hist else None  # the earliest of equal scores
             with peak("checkpoint"):
                 trainutil.save_checkpoint(model, opt, files, out, step, dict(args=vars(args), dev=dev_hist), rank, KEEP,
-                                          protect=f"step_{best}" if best else None,
+                                          protect=f"step_{best}" if best else None, crit=crit,
                                           merged=step == args.train_steps or best == step,  # LoRA: final and best
                                           fmt=transcript.format_meta(args))
             if rank == 0 and best:

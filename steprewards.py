@@ -5,6 +5,7 @@ formulas it uses).
 
     step_reward    one step against its target: a route, an intermediate answer or a final answer
     span_rewards   an on-policy trajectory: each span's step_reward and the outcome (--rollout onpolicy)
+    log_trajectory what an on-policy trajectory adds to a step's logged means
     score_group    a group of completions of one step at a prefix trajectory (--rollout teacher_prefix)
     kb_balance     the class-balancing factor on route advantages (--balance_kb)
 
@@ -88,6 +89,22 @@ def span_rewards(x, encode, w):
             out.append(step_reward(sp["kind"], reward.Answer(ok=True, answer=answer or ""),
                                    g if sp["kind"] == "answer" else [], w, encode))
     return out, (reward.f1_recall(x["final_answer"] or "", x["answers"]) if x["format_ok"] else 0.0)
+
+def log_trajectory(stats, x, r, outcome):
+    """Append on-policy trajectory x's logged numbers to stats (lists by name): its route and answer rewards r (in
+    spans order), the outcome, KB accuracy a routing step, format, overflow, searches, re-asks, policy tokens."""
+    stats["route_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "route"]
+    stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
+    stats["outcome"].append(outcome)
+    failed_route = not x["format_ok"] and x["spans"][-1]["kind"] == "route"  # a format failure has >= 1 span
+    n_routes = sum(sp["kind"] == "route" for sp in x["spans"]) - failed_route
+    stats["kb_acc"] += [float(route_kbs(x["steps"], t) == route_kbs(x["gold_steps"], t)) for t in range(n_routes)]
+    stats["format_ok"].append(float(x["format_ok"]))
+    stats["overflow"].append(float(x["overflow"]))
+    stats["retrievals"].append(len(x["steps"]))
+    stats["reask"] += [float(reward.re_asks(q, [e for e in x["steps"] if e["step"] < g[0]["step"]]))
+                       for g in reward.by_step(x["steps"]) for q, _ in reward.pairs_of(g)]
+    stats["tokens"].append(x["n_policy_tokens"])
 
 def score_group(kind, x, sp, texts, s, encode, w, stats):
     """The rewards of one group's completions `texts` of span sp of prefix trajectory x (step_reward against the

@@ -189,7 +189,8 @@ def attention(device, bf16, tree_mask=False):
         return "sdpa"
     return "flash_attention_2"
 
-def load_sharded(path, device, world, activation_checkpointing=False, train=True, bf16=True, tree_mask=False, lora=None):
+def load_sharded(path, device, world, activation_checkpointing=False, train=True, bf16=True, tree_mask=False, lora=None,
+                 value_head=False):
     """fp32 master weights; each block (blocks(): decoder layers, vision-encoder layers) is one FSDP unit, the root
     holds the rest (embeddings, final norm, lm_head; a VL model's patch embedding and connector).
     Only rank 0 reads the checkpoint into host memory (one full fp32 copy, 28 GiB at 7B, not one per rank); every rank
@@ -199,6 +200,7 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     CPU as on GPU (resolve_dtype says where it is native).
     tree_mask: the model will get 4D attention masks (stepgrpo's packed groups), which SDPA takes and flash-attn not.
     lora: a Lora, adapters on the frozen base (the same sharding; only the adapters get gradients and Adam state).
+    value_head: PPO's critic, the model with its LM head swapped for a scalar head (to_critic; trained with LoRA too).
     With a quantised base every rank reads the checkpoint and quantises it itself (bitsandbytes quantises on load),
     and keeps the quantised weights whole (4.5 GiB at 7B in nf4); the rest is sharded as above."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -217,14 +219,20 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     else:
         if dist.get_rank() == 0:
             src = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+            src = to_critic(src) if value_head else src
             src = add_lora(src, lora) if lora else src
             full, buffers = src.state_dict(), dict(src.named_buffers())
             generation_config = src.generation_config
         with torch.device("meta"):
             model = auto.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32, attn_implementation=attn)
+            model = to_critic(model) if value_head else model
+    if quant != "none" and value_head:
+        model = to_critic(model)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = add_lora(model, lora) if lora else model
+    if value_head and lora:  # peft froze everything but the adapters: the new head trains too
+        model.get_output_embeddings().requires_grad_(True)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     mesh, whole = init_device_mesh(device.type, (world,)), {p for p in model.parameters() if is_quantized(p)}
     for block in blocks(model):
@@ -244,6 +252,18 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     model.train(train)
     if not train:
         model.requires_grad_(False)
+    return model
+
+def to_critic(model):
+    """The causal LM with its LM head replaced by a scalar value head (untied from the embeddings), zero-initialised:
+    every value starts at 0, the same on every rank, and selected_logits returns values [N, 1]."""
+    head = model.get_output_embeddings()
+    value = torch.nn.Linear(head.in_features, 1, device=head.weight.device, dtype=head.weight.dtype)
+    if value.weight.device.type != "meta":
+        torch.nn.init.zeros_(value.weight)
+        torch.nn.init.zeros_(value.bias)
+    model.config.tie_word_embeddings = False
+    model.set_output_embeddings(value)
     return model
 
 GIB = 2**30
@@ -290,7 +310,7 @@ def optimizer_bytes(opt):
     return sum(local(v).numel() * local(v).element_size() for st in opt.state.values() for v in st.values()
                if torch.is_tensor(v))
 
-def model_budget_error(model, opt, total, allocated, engine_fraction, world, tokens, device=0):
+def model_budget_error(model, opt, total, allocated, engine_fraction, world, tokens, device=0, crit=None):
     """gpu_budget_error for this rank's sharded `model` and its `opt` on a GPU of `total` bytes of which torch has
     `allocated` (check_gpu_budget reads both from CUDA). The Adam state a resume has loaded is taken out of
     `allocated`, since the budget adds it: the same verdict fresh and resumed. Adam is kept for the trainable weights
@@ -300,18 +320,20 @@ def model_budget_error(model, opt, total, allocated, engine_fraction, world, tok
     if not int(os.environ.get("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "1")):
         return ("error: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 puts vLLM's CUDA graphs outside its share of the GPU, "
                 "where the trainer's memory is: unset it")
-    trainable = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    pairs = [(model, opt)] + ([crit] if crit else [])  # PPO: the critic's gradients and Adam state beside the policy's
+    trainable = sum(p.to_local().numel() * p.element_size() for m, _ in pairs for p in m.parameters() if p.requires_grad)
     vocab = model.get_output_embeddings().weight.shape[0]
-    return gpu_budget_error(total, allocated - optimizer_bytes(opt), trainable, engine_fraction, world, tokens, vocab,
-                            device)
+    return gpu_budget_error(total, allocated - sum(optimizer_bytes(o) for _, o in pairs), trainable, engine_fraction,
+                            world, tokens, vocab, device)
 
-def check_gpu_budget(model, opt, engine_fraction, world, tokens):
+def check_gpu_budget(model, opt, engine_fraction, world, tokens, crit=None):
     """At start-up, before the engine exists: exit with model_budget_error's line if this rank's GPU is too small.
-    Only for a policy on a GPU (--device cpu on a GPU host: nothing to check)."""
+    Only for a policy on a GPU (--device cpu on a GPU host: nothing to check). crit: PPO's (critic, optimizer), whose
+    shards are in memory already and whose Adam state comes on top."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         error = model_budget_error(model, opt, torch.cuda.mem_get_info(device)[1], torch.cuda.memory_allocated(device),
-                                   engine_fraction, world, tokens, device.index)
+                                   engine_fraction, world, tokens, device.index, crit)
         if error:
             sys.exit(error)
 
@@ -327,6 +349,32 @@ def clip_grad_norm(model, max_norm):
         for g in local:
             g.mul_(max_norm / (norm + 1e-6))
     return norm
+
+def sync_tol(dtype, engine):
+    """The largest mean |engine - trainer| logprob a sync may leave, by precision. fp32 trainer and engine: 1e-3, 10x
+    above a correct sync's gap (< 1e-4 in the tests, 9.5e-7 in docs/LOG.md). bf16 on either side: 0.2. Rounding alone
+    moves logprobs there: SmolLM2-135M in bf16, vLLM on CPU against the trainer, over 8 whole transcripts, a mean of
+    0.04-0.05 nats, a max of 0.75-1.6 on tokens of logprob -10 to -30 (docs/LOG.md); so the max is no test, the mean
+    is. A broken sync (a parameter missing, uninitialised or another layer's) is off by nats on average."""
+    return 1e-3 if dtype == "fp32" and engine.dtype == "float32" else 0.2
+
+def sync_gap(model, engine, row, device):
+    """The weight sync's check (stepgrpo.py, after a process's first update and at every checkpoint): the mean and the
+    max |engine - trainer| logprob over every token of one rollout row (the prompt's image tokens included): the mean
+    over ranks and the max over ranks."""
+    ids, images, vis = row["ids"], row.get("images", []), engine.vis
+    with torch.no_grad():
+        x = torch.tensor([ids], device=device)
+        pix = vis.pixels([images], device, x, always=True) if vis else {}
+        sel = torch.ones(1, len(ids) - 1, dtype=torch.bool, device=device)
+        logits = selected_logits(model, x, sel, torch.ones(1, len(ids), device=device), pixels=pix).float()  # [T-1, V]
+        mine = logits.log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]  # [T-1]
+    model.reshard()  # no backward follows before the next rollout: free the root's gathered weights for the engine
+    diff = (torch.tensor(engine.prompt_logprobs(ids, images), device=device) - mine).abs()  # [T-1]
+    mean, top = diff.mean().reshape(1), diff.max().reshape(1)
+    dist.all_reduce(mean)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return mean.item() / dist.get_world_size(), top.item()
 
 def selected_logits(model, ids, sel, attn=None, pos=None, pixels=None):
     """Logits [N, V] of only the N positions where sel [B, T-1] is True (position t predicts token t + 1).
@@ -357,7 +405,7 @@ def zero_vision_term(model, dummy):
     parts = [v for x in out.values() for v in (x if isinstance(x, (list, tuple)) else [x])]  # Qwen: a tensor an image
     return 0.0 * sum(v.float().sum() for v in parts)
 
-def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=None, merged=True, fmt=None):
+def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=None, merged=True, fmt=None, crit=None):
     """step_<N>/ (every rank takes part): the HF folder of the policy's full weights (gathered to rank 0's host memory;
     what transformers and vLLM load), trainer/ the sharded trainable weights and optimizer state
     (torch.distributed.checkpoint: each rank writes its own shards, so no rank holds the whole optimizer state),
@@ -366,20 +414,21 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
     All of it goes to .step_<N>.tmp, renamed when whole; then `latest` names it, and all but the newest `keep` step
     folders and `protect` (e.g. the best one's) are removed. tok saves the tokenizer files beside the weights (a VL
     model's processor: tokenizer, chat template and image processor); fmt, the transcript.format_meta the policy
-    was trained on, goes to transcript.FORMAT (None: unknown, nothing written)."""
+    was trained on, goes to transcript.FORMAT (None: unknown, nothing written). crit: PPO's (critic, its optimizer),
+    whose shards go to trainer/ too."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     out, lora = Path(out), hasattr(model, "peft_config")
     tmp, dst = out / f".step_{step}.tmp", out / f"step_{step}"
-    error = disk_error(out, checkpoint_bytes(model, export=merged or not lora), step)
+    need = checkpoint_bytes(model, export=merged or not lora) + (checkpoint_bytes(crit[0], export=False) if crit else 0)
+    error = disk_error(out, need, step)
     if error:  # every rank checks its own disk (several nodes: each writes its shards), so none waits at a barrier
         sys.exit(error)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    msd, osd = trainable_state(model, opt)  # this rank's shards
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "trainer"))
+    dcp.save(trainer_state(model, opt, crit), checkpoint_id=str(tmp / "trainer"))  # this rank's shards
     if lora:
         from peft.utils import get_peft_model_state_dict
         from safetensors.torch import save_file
@@ -450,6 +499,15 @@ def trainable_state(model, opt):
     trainable = {n.removeprefix("_orig_mod.") for n, p in model.named_parameters() if p.requires_grad}
     return {k: v for k, v in msd.items() if k in trainable}, osd
 
+def trainer_state(model, opt, crit=None):
+    """What trainer/ holds: this rank's shards of the policy's trainable weights and optimizer state, and of the
+    critic's (crit: (critic, its optimizer))."""
+    msd, osd = trainable_state(model, opt)
+    out = {"model": msd, "optim": osd}
+    if crit:
+        out["critic"], out["critic_optim"] = trainable_state(*crit)
+    return out
+
 def device_rng(model):
     """This rank's CUDA generator state (on its own device), or None for a model on the CPU."""
     device = next(model.parameters()).device
@@ -461,16 +519,30 @@ def restore_device_rng(saved, rank, device):
     if device.type == "cuda" and saved and rank < len(saved) and saved[rank] is not None:
         torch.cuda.set_rng_state(saved[rank], device)
 
-def load_trainer_state(model, opt, ckpt, args, print0):
-    """Restore the sharded model and optimizer state (each rank reads its own shards) and the RNG; returns the saved
-    dict. trainer_state.pt is read with weights_only: tensors and plain data, so loading runs no pickled code."""
+def load_trainer_state(model, opt, ckpt, args, print0, crit=None):
+    """Restore the sharded model and optimizer state (each rank reads its own shards), PPO's critic's too (crit), and
+    the RNG; returns the saved dict. trainer_state.pt is read with weights_only: tensors and plain data, so loading
+    runs no pickled code. Exits with one line when the checkpoint has no critic for crit or one of another shape."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     state = torch.load(Path(ckpt) / "trainer_state.pt", weights_only=True)
-    msd, osd = trainable_state(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(Path(ckpt) / "trainer"))
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd,
+    want, folder = trainer_state(model, opt, crit), str(Path(ckpt) / "trainer")
+    if crit:
+        saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata  # "critic.<name>" -> its metadata
+        if not any(k.startswith("critic.") for k in saved):
+            sys.exit(f"error: --resume: {ckpt} holds no critic (a run without --adv_estimator gae): resume with the "
+                     "run's own flags")
+        for name, t in want["critic"].items():
+            shape = tuple(getattr(saved.get(f"critic.{name}"), "size", ()))
+            if shape != tuple(t.shape):
+                sys.exit(f"error: --resume: {ckpt}: its critic's {name} is {shape or 'missing'}, this run's "
+                         f"{tuple(t.shape)} (another --model?)")
+    dcp.load(want, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=want["model"], optim_state_dict=want["optim"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    if crit:
+        set_state_dict(*crit, model_state_dict=want["critic"], optim_state_dict=want["critic_optim"],
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     restore_device_rng(state["rng"]["cuda"], dist.get_rank(), next(model.parameters()).device)

@@ -205,10 +205,10 @@ def update_peak(model_dir, device):
         rows = [grpo.pack_group(list(range(5, 105)), group, [1.0, -1.0] * 4) for _ in range(args.micro_batch)]
         micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, device)
         assert len(micro) == 1 and len(micro[0].old) == stepgrpo.update_tokens(args) == 1024
-        stepgrpo.update(model, None, opt, micro, denom, args)  # the first step allocates Adam's state, cuBLAS's workspace
+        stepgrpo.update(model, opt, micro, [m.old for m in micro], [None] * len(micro), denom, args)
         allocated = torch.cuda.memory_allocated(device) - trainutil.optimizer_bytes(opt)  # as model_budget_error does
         torch.cuda.reset_peak_memory_stats(device)
-        stepgrpo.update(model, None, opt, micro, denom, args)
+        stepgrpo.update(model, opt, micro, [m.old for m in micro], [None] * len(micro), denom, args)
         measured = torch.cuda.max_memory_allocated(device)
         trainable = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         parts = trainutil.gpu_budget(torch.cuda.mem_get_info(device)[1], allocated, trainable, 0.5, 1, 1024,

@@ -11,7 +11,7 @@ PY=${PY:-.venv/bin/python}
 DATA=data/mini
 START=${START:-out/demo/sft/final}
 OUT=out/lora
-LORA="--lora_r 16 --lora_alpha 32"
+LORA="--lora_r 16"  # alpha 2r: sft.py's default 32, stepgrpo.py's rule
 start=$(date +%s)
 for arm in full lora qlora; do
   flags=$([ $arm = full ] && echo "" || echo "$LORA")$([ $arm = qlora ] && echo " --quant nf4" || echo "")

@@ -259,7 +259,7 @@ def test_no_grad_forwards_leave_the_root_sharded(tiny_model_dir):
             stepgrpo.token_logprobs(ref, ids, attn, sel)
         assert all(isinstance(p, DTensor) for p in ref.parameters())
         model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False)
-        stepgrpo.sync_gap(model, engines.HFEngine(tiny_model_dir), dict(ids=[5, 6, 7, 8]), cpu)
+        trainutil.sync_gap(model, engines.HFEngine(tiny_model_dir), dict(ids=[5, 6, 7, 8]), cpu)
         assert all(isinstance(p, DTensor) for p in model.parameters())
     finally:
         if own:
@@ -364,13 +364,24 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
     monkeypatch.setattr(trainutil, "check_gpu_budget", lambda *a: calls.append(a) or sys.exit("checked"))
     own = trainutil.init_group(1)
     try:
-        args = stepgrpo.get_args(["--model", str(tiny_model_dir), "--micro_batch", "3"])  # --backend vllm, the default
-        with pytest.raises(SystemExit, match="checked"):  # before the engine is built
-            stepgrpo.setup_policy(args, tiny_model_dir, tiny_model_dir, False, None, 0, 1, torch.device("cpu"), print)
+        for extra in ([], ["--rollout", "onpolicy", "--adv_estimator", "gae"]):  # --backend vllm, the default
+            args = stepgrpo.get_args(["--model", str(tiny_model_dir), "--micro_batch", "3", *extra])
+            with pytest.raises(SystemExit, match="checked"):  # before the engine is built
+                stepgrpo.setup_policy(args, tiny_model_dir, tiny_model_dir, False, None, 0, 1, torch.device("cpu"), print)
     finally:
         if own:
             torch.distributed.destroy_process_group()
-    assert calls[0][2:] == (engines.VLLMEngine.GPU_FRACTION, 1, 3 * 8 * 64)
+    assert calls[0][2:] == (engines.VLLMEngine.GPU_FRACTION, 1, 3 * 8 * 64, None)
+    crit, crit_opt = calls[1][5]  # PPO: the critic, whose shards and Adam state the budget counts beside the policy's
+    assert calls[1][4] == 3 * (3 * 64 + 48) and crit.get_output_embeddings().out_features == 1
+    assert isinstance(crit_opt, torch.optim.AdamW)
+    # the budget adds gradients and Adam state for the critic's trainable bytes beside the policy's
+    seen = []
+    monkeypatch.setattr(trainutil, "gpu_budget_error", lambda total, alloc, trainable, *a: seen.append(trainable))
+    size = lambda m: sum(p.to_local().numel() * p.element_size() for p in m.parameters() if p.requires_grad)  # noqa
+    for c in (None, (crit, crit_opt)):
+        trainutil.model_budget_error(calls[1][0], calls[1][1], 0, 0, 0.5, 1, 16, crit=c)
+    assert seen == [size(calls[1][0]), size(calls[1][0]) + size(crit)]
 
 def test_each_gpu_test_builds_its_vllm_engine_in_a_process_of_its_own(monkeypatch, tmp_path):
     # vLLM's sleep mode allows one engine a process (tests/test_gpu.py's in_own_process says where): the GPU tests that

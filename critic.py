@@ -1,0 +1,78 @@
+"""
+critic.py: PPO's critic for stepgrpo.py --adv_estimator gae (RAG-R1's and Search-R1's RL): a value model of the
+policy's own kind, the starting checkpoint with its LM head swapped for a scalar head on the last hidden state
+(trainutil.to_critic), FSDP2-sharded like the policy, with its own AdamW and learning rate; with --lora_r, LoRA
+adapters on the frozen base plus the head. It values the state before each policy token; grpo.gae turns its values
+and the token rewards into advantages and returns, and it learns the returns by the clipped value loss.
+
+A separate model and not a second head on the policy's backbone, as verl builds the critic Search-R1 and RAG-R1 train
+with: the value loss's gradients never reach the policy, the two learn at their own rates (Search-R1: 1e-6 and
+1e-5), and the critic can warm up alone (--critic_warmup). The price is a second model's shards, gradients and Adam
+state (docs/gpu.md).
+"""
+import torch
+import torch.distributed as dist
+
+import trainutil
+from grpo import gae, value_loss, whiten
+
+def load(args, device, world, lora):
+    """The critic from --model (a resume loads its trained state afterwards) and its AdamW."""
+    critic = trainutil.load_sharded(args.model, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
+                                    lora=lora, value_head=True)
+    params = [p for p in critic.parameters() if p.requires_grad]
+    return critic, torch.optim.AdamW(params, lr=args.critic_lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+def values(critic, m):
+    """V [N]: the critic's value of the state before each policy token of micro-batch m (the positions sel marks)."""
+    return trainutil.selected_logits(critic, m.ids, m.sel, m.attn, m.pos, m.pix)[:, 0].float()
+
+def advantages(critic, micro, olds, refs, args):
+    """Each micro-batch's GAE advantages (whitened over the global batch's policy tokens) and returns, from its token
+    rewards, the values the critic gives now (m.values) and, with --kl_in_reward beta, the penalty -beta (logp_old -
+    logp_ref) on every policy token (verl's use_kl_in_reward, its "kl" estimator)."""
+    stats = torch.zeros(3, dtype=torch.float64, device=micro[0].ids.device)  # count, sum, sum of squares of A
+    with torch.no_grad():
+        for m, old, ref in zip(micro, olds, refs):
+            m.values = values(critic, m)  # [N]
+            r = m.reward - args.kl_in_reward * (old - ref) if args.kl_in_reward else m.reward
+            R, V = torch.zeros(m.sel.shape, device=r.device), torch.zeros(m.sel.shape, device=r.device)  # [B, T-1]
+            R[m.sel], V[m.sel] = r, m.values
+            adv, ret = gae(R, V, m.sel, args.gamma, args.lam)
+            m.adv, m.returns = adv[m.sel], ret[m.sel]  # [N] each
+            if m.weight:
+                stats += torch.stack([torch.tensor(float(len(m.adv)), device=stats.device), m.adv.double().sum(),
+                                      (m.adv.double() ** 2).sum()])
+    dist.all_reduce(stats)
+    for m in micro:
+        m.adv = whiten(m.adv, *stats.tolist()).float()
+
+def update(critic, opt, micro, denom, args):
+    """One pass of the clipped value loss over the micro-batches (token mean over the global batch, FSDP averaging
+    the gradients over ranks), one AdamW step. Returns this rank's sums (policy tokens, value_loss, vf_clipped, and
+    the explained variance's: sum and sum of squares of R and of R - V) and the global grad norm."""
+    world = dist.get_world_size()
+    sums = torch.zeros(7, dtype=torch.float64, device=micro[0].ids.device)
+    for m in micro:
+        v = values(critic, m)
+        loss, clipped = value_loss(v, m.values, m.returns, args.vf_clip, denom / world)
+        (loss * m.weight).backward()
+        err = (m.returns - v).detach().double()
+        R = m.returns.double()
+        sums += m.weight * torch.stack([R.new_tensor(float(len(R))), loss.detach().double() / world,
+                                        clipped.sum().double(), R.sum(), (R ** 2).sum(), err.sum(), (err ** 2).sum()])
+    grad_norm = trainutil.clip_grad_norm(critic, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return sums, grad_norm
+
+def record(sums):
+    """The log's critic numbers from update's sums over all ranks: value_loss, vf_clipfrac and the explained variance
+    1 - Var(R - V) / Var(R) over the batch's policy tokens (> 0: the values explain some of the returns)."""
+    sums = sums.clone()
+    dist.all_reduce(sums)
+    n_tok, loss, clipped, r, r2, e, e2 = sums.tolist()
+    n_tok = max(n_tok, 1.0)
+    var = lambda s, s2: s2 / n_tok - (s / n_tok) ** 2  # noqa: E731
+    return dict(value_loss=loss, vf_clipfrac=clipped / n_tok,
+                explained_var=1 - var(e, e2) / var(r, r2) if var(r, r2) > 0 else None)
