@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 MODEL := $(DEFAULT_MODEL)
 
-.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual lora multiquery real real-eval clean
+.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 # pip byte-compiles on one core: the packages' .pyc are compiled on all of them after (-x: torch's one Python-3.12-only
@@ -97,13 +97,14 @@ demo: $(OUT)/eval/stepgrpo/results.json
 	$(STAGE) report bash runs/demo_report.sh $(PY) $(DATA) $(OUT) $(EVAL_N)
 
 # The baselines on the main job's test questions: every method with the prompt-only model (few-shot step format) and
-# with the main job's SFT (no retrieval, single-shot RAG, IterRetGen, every KB, the oracle-KB and gold-steps ceilings)
+# with the main job's SFT (no retrieval, single-shot RAG, IterRetGen, IRCoT, every KB, the oracle-KB and gold-steps
+# ceilings)
 BASE := out/baselines
 $(BASE)/prompt-only/results.json: $(MODEL)/config.json $(DATA)/index/meta.json
 	$(PY) evaluate.py --model $(MODEL) --name prompt-only --few_shot 3 --protocol fallback $(EVAL_FLAGS) --out $(dir $@)
 
 $(BASE)/sft/results.json: $(OUT)/sft/final/config.json
-	$(PY) evaluate.py --model $(OUT)/sft/final --name sft --methods no_retrieval single_rag iterretgen every_kb oracle gold_steps \
+	$(PY) evaluate.py --model $(OUT)/sft/final --name sft --methods no_retrieval single_rag iterretgen ircot every_kb oracle gold_steps \
 		$(EVAL_FLAGS) --out $(dir $@)
 
 baselines: $(BASE)/prompt-only/results.json $(BASE)/sft/results.json
@@ -185,6 +186,11 @@ released: $(DATA)/traj/train.jsonl $(MODEL)/config.json
 # golden trajectories, SFT and Step-GRPO on text + visual questions, scored on test[:200] + visual_test (~1 h here)
 visual: $(DATA)/index/meta.json $(MODEL)/config.json
 	PY=$(PY) bash runs/visual.sh
+
+# The siblings' RL beside Step-GRPO (runs/ppo.sh, docs/results.md): PPO, Step-PPO, outcome GRPO and Step-GRPO from the
+# main job's SFT at about equal generated rollout tokens, one seed, each dev-picked, on the first 200 test questions
+ppo: $(OUT)/sft/final/config.json
+	PY=$(PY) bash runs/ppo.sh
 
 # Full fine-tuning against LoRA and QLoRA: speed, memory, checkpoint size, sync; quality at equal wall-clock time
 lora: $(OUT)/sft/final/config.json $(DATA)/traj/train.jsonl

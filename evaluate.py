@@ -14,7 +14,9 @@ evaluate.py: score R1-Router trajectories and write the report (results.json, ta
 Methods (each on the same retrievers and model): routed (the model routes: R1-Router), no_retrieval, single_rag
 (the question searches every KB once; all evidence in one prompt), iterretgen (IterRetGen, Shao et al. 2023: a fixed
 pipeline, --iters rounds of searching every KB with the question plus the previous round's generation, then
-answering; no step format), every_kb (the step format, but every sub-question searches every KB: routing removed),
+answering; no step format), ircot (IRCoT, Trivedi et al. 2023: one chain-of-thought sentence, one retrieval of
+every KB with it as the query, in turn, at most --max_steps retrievals after the question's; the sentence that says
+"answer is" answers), every_kb (the step format, but every sub-question searches every KB: routing removed),
 oracle (the model's sub-questions, the gold KB at each gold step: the routing ceiling), gold_steps (the gold
 trajectory, its intermediate answers included; the model writes only the final answer: the ceiling of the steps).
 --few_shot K starts the step-format methods' prompts with K worked gold trajectories of the train split (prompting
@@ -382,7 +384,7 @@ def paired(pairs, n_boot=10000, seed=0):
 # ----------------------------------------------------------------------------------------------------------------
 # Running the methods
 
-METHODS = ("routed", "no_retrieval", "single_rag", "iterretgen", "every_kb", "oracle", "gold_steps")
+METHODS = ("routed", "no_retrieval", "single_rag", "iterretgen", "ircot", "every_kb", "oracle", "gold_steps")
 STEP_FORMAT = ("routed", "every_kb", "oracle")  # the methods whose model writes R1-Router's step format
 
 def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, shots=None, bar=None):
@@ -392,6 +394,8 @@ def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, 
     if method in ("no_retrieval", "single_rag", "iterretgen"):
         kbs = () if method == "no_retrieval" else KBS
         return rollout.answer_directly(engine, retriever, questions, kbs, settings, seed, iters if method == "iterretgen" else 1)
+    if method == "ircot":
+        return rollout.ircot(engine, retriever, questions, KBS, settings, seed)
     if method == "gold_steps":
         return rollout.gold_steps(engine, retriever, questions, settings, seed)
     mode = {"routed": "model", "every_kb": "all", "oracle": "oracle"}[method]

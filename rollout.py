@@ -594,6 +594,85 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
                      images=tr.images, n_policy_tokens=x["n_policy_tokens"] + len(ids))
             queries[i] = f"{questions[i]['question']} {plain}".strip()  # IterRetGen's next query: question + generation
     return trajs
+IRCOT_PROMPT = ("Answer the question by reasoning one sentence at a time from the retrieved evidence. When you know the "
+                "answer, write: So the answer is: the short answer.")
+ANSWER_IS = re.compile(r"answer is:?\s*(.*)", re.IGNORECASE | re.DOTALL)
+READER = " So the answer is:"  # IRCoT's chain-of-thought reader: a chain that reached the cap is asked for its answer
+
+def ircot(engine, retriever, questions, kbs=KBS, s=Settings(), seed=None):
+    """IRCoT (Trivedi et al., 2023): one chain-of-thought sentence, one retrieval with that sentence as the query,
+    in turn. The question retrieves first; then, at most s.max_steps times, the policy writes the chain's next
+    sentence from the question, every paragraph retrieved so far and the chain so far: one that says "answer is" ends
+    the chain with its answer, any other is the next query. A chain still open after s.max_steps retrievals is asked
+    for its answer (READER). Every search goes to every KB in `kbs`, as in R1-Router's baselines without a router
+    (this repo's iterretgen too): naming a KB is the routed policy's skill, not IRCoT's. Each lookup is a step of the
+    trajectory (its query the sub-question); the dicts are rollout()'s, ids/mask/logprobs the last round's."""
+    fmt, vis = ChatFormat(engine.tok, IRCOT_PROMPT), getattr(engine, "vis", None)
+    trajs = [dict(qid=q["id"], sample=0, question=q["question"], image=q.get("image"), answers=q["answers"],
+                  type=q.get("type", ""), gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=False,
+                  error="", overflow=False, ids=[], mask=[], logprobs=[], spans=[], segments=[], images=[],
+                  n_policy_tokens=0, timings=dict(generate=0.0, retrieve=0.0), chain=[], docs={kb: {} for kb in kbs})
+             for q in questions]
+    open_, queries = list(range(len(questions))), [q["question"] for q in questions]
+    for r in range(s.max_steps + 1):  # rounds 0 .. max_steps - 1 retrieve, the last one only reads
+        if not open_:
+            break
+        if r < s.max_steps:
+            ircot_search(retriever, [trajs[i] for i in open_], [queries[i] for i in open_], kbs, s, r)
+        todo = []
+        for i in open_:
+            x, q = trajs[i], questions[i]
+            evidence = [p for kb in kbs if x["docs"][kb] for p in ["\n\n", *evidence_parts(kb, list(x["docs"][kb].values()),
+                                                                                          bool(vis))]]
+            tr = Transcript()
+            head = [Img(q["image"])] if q.get("image") else []
+            tr.add_context(*fmt.encode([fmt.prefix_tpl[0], *head, f"Question: {q['question']}", *evidence,
+                                        fmt.prefix_tpl[1]], vis))
+            chain = " ".join(x["chain"]) + (READER if r == s.max_steps else "")
+            if chain.strip():
+                tr.add_context(fmt.ids(chain.strip()))
+            if fits(engine, tr.ids, s.answer_tokens):
+                todo.append((i, tr))
+            else:
+                x.update(overflow=True, error=f"round {r + 1}: {len(tr.ids)} context + {s.answer_tokens} new tokens "
+                                              f"exceed the engine's max_len {engine.max_len}")
+        t = time.perf_counter()
+        outs = engine.generate([tr.ids for _, tr in todo], s.answer_tokens, s.temperature, s.top_p, ["\n", ". "], seed,
+                               images=[tr.images for _, tr in todo]) if todo else []
+        open_ = []
+        for (i, tr), (ids, lps) in zip(todo, outs):
+            x = trajs[i]
+            x["timings"]["generate"] += (time.perf_counter() - t) / len(trajs)
+            tr.add_policy(ids, lps, "final" if r == s.max_steps else "answer", r)
+            x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(),
+                     images=tr.images, n_policy_tokens=x["n_policy_tokens"] + len(ids))
+            sentence = " ".join(engine.tok.decode(ids, skip_special_tokens=True).split())
+            said = ANSWER_IS.search(sentence)
+            answer = (said.group(1) if said else sentence if r == s.max_steps else "").strip().rstrip(".").strip()
+            if answer or r == s.max_steps or not sentence:
+                x.update(final_answer=answer or None, format_ok=bool(answer), error="" if answer else "no answer")
+                continue
+            x["chain"].append(sentence)
+            queries[i] = sentence  # the sentence is the next query
+            open_.append(i)
+    for x in trajs:
+        x.pop("chain")
+        x.pop("docs")
+    return trajs
+
+def ircot_search(retriever, trajs, queries, kbs, s, r):
+    """IRCoT's round r retrieval: each query searches every KB; new paragraphs join the trajectory's collection (the
+    question's image goes with its first image-KB search)."""
+    t0 = time.perf_counter()
+    for kb in kbs:
+        images = [x["image"] if kb == "image" and r == 0 else None for x in trajs]
+        hits = retriever.search(queries, kb, s.topk, **({"images": images} if any(images) else {})) if trajs else []
+        for x, q, docs in zip(trajs, queries, hits):
+            x["steps"].append(dict(sub_question=q, kb=kb, retrieved=[d["id"] for d in docs], answer=None, step=r))
+            x["docs"][kb].update((d["id"], d) for d in docs if d["id"] not in x["docs"][kb])
+    for x in trajs:
+        x["timings"]["retrieve"] += (time.perf_counter() - t0) / max(1, len(trajs))
+
 def show(x, tok):
     print(f"\n=== {x['qid']} sample {x['sample']} [{x['type']}]: {x['question']}   gold: {x['answers']}")
     for st in x["steps"]:  # one line per lookup; a multi-query step's lookups share its number

@@ -162,11 +162,13 @@ def run_compute(folder):
     if "rollout_tokens" not in recs[0]:
         raise SystemExit(f"error: {folder}/log.jsonl: no rollout_tokens (a log written before they were counted)")
     epochs = a.get("ppo_epochs", 1)  # update passes a step: one since the flag went (runs before it recorded theirs)
-    passes = 3 * epochs + (a["old_logprobs"] == "trainer") + (a["kl_coef"] > 0)
+    passes = 3 * epochs + (a["old_logprobs"] == "trainer") + (a["kl_coef"] > 0 or a.get("kl_in_reward", 0) > 0)
+    critic = 4 if a.get("adv_estimator") == "gae" else 0  # PPO's critic: its values (a forward) and its update (3), no LM head
     train = rollout = 0.0
     for r in recs:  # a record's token counts are the ranks' mean
         ctx = r["update_tokens"] / max(r["update_rows"], 1) / 2
-        train += r["world"] * passes * forward_flops(cfg, r["update_tokens"], r["update_policy"], ctx)
+        train += r["world"] * (passes * forward_flops(cfg, r["update_tokens"], r["update_policy"], ctx)
+                               + critic * forward_flops(cfg, r["update_tokens"], 0, ctx))
         rollout += r["world"] * forward_flops(cfg, r["rollout_tokens"], r["rollout_generated"], ctx)
     return state["step"], len(recs) * epochs, len(recs) * a["batch_questions"], train, rollout
 

@@ -51,3 +51,6 @@ def test_a_runs_compute_counts_its_own_steps_to_its_pick(tmp_path):
     del args["ppo_epochs"]  # today's runs: one pass a step
     step, updates, seen, train, _ = bench_flops.run_compute(_run(tmp_path / "grpo1", "best", 2, dict(args=args), recs))
     assert (step, updates, seen) == (2, 2, 8) and train == pytest.approx(2 * 2 * 4 * F(100, 40, 25))
+    # PPO: the critic's forward and update, 4 forwards without the LM head, beside the policy's 4
+    ppo = _run(tmp_path / "ppo", "best", 2, dict(args=dict(args, adv_estimator="gae")), recs)
+    assert bench_flops.run_compute(ppo)[3] == pytest.approx(2 * 2 * (4 * F(100, 40, 25) + 4 * F(100, 0, 25)))

@@ -66,13 +66,16 @@ def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_di
     routed = out / "eval" / "sft" / "trajectories-routed.jsonl"
     before = routed.stat().st_mtime_ns
     text = cli("evaluate.py", "--model", grpo, sft, "--name", "stepgrpo", "sft", "--data", world, "--split", "test",
-               "--n_questions", "6", "--topk", "1", "--methods", "routed", "no_retrieval", "--out", tmp_path / "alone",
+               "--n_questions", "6", "--topk", "1", "--methods", "routed", "no_retrieval", "ircot", "--out", tmp_path / "alone",
                out / "eval" / "sft")
     strip = lambda f: [{k: v for k, v in x.items() if k != "timings"} for x in map(json.loads, open(f))]
     assert strip(tmp_path / "alone" / "trajectories-routed.jsonl") == strip(out / "eval" / "stepgrpo" / "trajectories-routed.jsonl")
     res = json.loads((out / "eval" / "sft" / "results.json").read_text())
     assert "routed: its scores reused" in text and routed.stat().st_mtime_ns == before
-    assert res["sft/no_retrieval"]["n"] == 6
+    assert res["sft/no_retrieval"]["n"] == 6 and res["sft/ircot"]["n"] == 6
+    assert res["sft/ircot"]["retrievals"] >= 3  # IRCoT: the question searches every KB, then each sentence does
+    paired = cli("evaluate.py", "--paired", *(out / "eval" / "sft" / f"trajectories-{m}.jsonl" for m in ("no_retrieval", "ircot")))
+    assert "f1_recall: " in paired and "two-level" in paired
     # each checkpoint records the transcript format it was trained on; another one is refused in one line
     for ck in (sft, grpo):
         assert json.loads((ck / "transcript.json").read_text()) == dict(structure="transcript", max_pairs=1, max_rets=1)
