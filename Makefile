@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 MODEL := $(DEFAULT_MODEL)
 
-.PHONY: setup demo baselines test test-fast test-gpu bench bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo lora multiquery real real-eval clean
+.PHONY: setup demo baselines test test-fast test-gpu bench bench-serve bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 # pip byte-compiles on one core: the packages' .pyc are compiled on all of them after (-x: torch's one Python-3.12-only
@@ -143,6 +143,11 @@ bench: $(DATA)/traj/train.jsonl $(MODEL)/config.json
 	$(PY) retrievers.py bench --data $(DATA) --methods dense bm25 hybrid
 	$(PY) -m bench.rollout --model $(BENCH_MODEL) --data $(DATA) --n_questions 32 -n 4
 	$(PY) -m bench.flops --model $(BENCH_MODEL) --data $(DATA)
+
+# serve.py under load: the main job's Step-GRPO checkpoint behind its server, 8 requests one at a time and from 8
+# concurrent clients (requests a second, p50/p95 latency, the ratio)
+bench-serve: $(OUT)/stepgrpo/final/config.json
+	$(PY) -m bench.serve --model $(OUT)/stepgrpo/final --data $(DATA) -n 8
 
 # Peak memory of each Step-GRPO phase (rollout, update, sync, checkpoint) per rank: 2 gloo ranks, 2 steps from the main
 # job's SFT checkpoint; the closing line prints it (on GPUs, the same stepgrpo.py command under torchrun there)

@@ -5,6 +5,7 @@ sleep() and sync_weights(weights), which checks that every parameter came. Outpu
 EOS; logprobs are those of the distribution sampled from (logits / temperature), as the trainer computes them.
     VLLMEngine  vLLM in-process (continuous batching; weights reloaded in place after each update)
     HFEngine    plain transformers generate (the fallback, and the reference the vLLM path is tested against)
+    OpenAIEngine  any OpenAI-compatible completions server (vLLM's, SGLang's): scoring a served model
 A new engine goes here and into make_engine.
 """
 import gc
@@ -314,7 +315,78 @@ def hf_dtype(dtype, device):
         return getattr(torch, dtype)
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
-def make_engine(backend, model, max_images=16, **kw):
-    """backend vllm | hf; kw: the settings both engines take (dtype, seed, max_model_len, max_pixels, device);
-    max_images: a VL vLLM engine's pictures a prompt (rollout.Settings.max_images; HF takes any number)."""
+class OpenAIEngine(Batched):
+    """The step loop against an OpenAI-compatible completions server. The prompt goes as token ids (vLLM's and
+    SGLang's /v1/completions take them), so the transcript is exactly the local one, and the completion comes back as
+    token ids (vLLM's return_token_ids; a server without them: the text re-encoded, not token-exact) with the sampled
+    tokens' logprobs where the server returns them. The local model folder gives the tokenizer and chat format
+    (nothing downloads); the server's model is the first /v1/models lists. Each request is tried `tries` times, then
+    a one-line error names the server. A VL prompt, a weight sync and prompt logprobs are refused."""
+    dtype, vis = "remote", None
+
+    def __init__(self, model, base_url, api_key=None, max_model_len=MAX_LEN, timeout=120, tries=3, workers=8, **_):
+        from transformers import AutoTokenizer
+        if VisionIO.load(model) is not None:
+            sys.exit(f"error: --backend openai: {model} is a VL policy; its pictures would need the chat endpoint, "
+                     "which is not token-exact: score it in-process")
+        self.tok, self.max_len, self.url = AutoTokenizer.from_pretrained(model), max_model_len, base_url.rstrip("/")
+        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        self.timeout, self.tries, self.workers = timeout, tries, workers
+        self.name = self.request("/models")["data"][0]["id"]
+
+    def request(self, path, body=None):
+        """GET (body None) or POST JSON to the server, with retries; a one-line error naming it after the last try."""
+        import json
+        import time
+        import urllib.error
+        import urllib.request
+        data = None if body is None else json.dumps(body).encode()
+        for attempt in range(self.tries):
+            try:
+                req = urllib.request.Request(self.url + path, data=data, headers=self.headers)
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                if e.code < 500:  # the request itself is wrong: no retry
+                    sys.exit(f"error: {self.url}{path} refused the request ({e.code}): {e.read().decode()[:300]}")
+                why = f"HTTP {e.code}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                why = str(getattr(e, "reason", e))
+            time.sleep(min(2 ** attempt, 10))
+        sys.exit(f"error: the server {self.url} did not answer {path} after {self.tries} tries ({why})")
+
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
+                 keys=None):
+        from concurrent.futures import ThreadPoolExecutor
+        if images and any(images):
+            sys.exit("error: --backend openai: a prompt holds pictures (a VL trajectory): score it in-process")
+        def one(prompt):
+            body = dict(model=self.name, prompt=list(prompt), max_tokens=max_tokens, temperature=temperature,
+                        top_p=top_p, stop=list(stop) or None, logprobs=0, return_token_ids=True,
+                        include_stop_str_in_output=True, **({"top_k": top_k} if top_k else {}),
+                        **({"seed": seed} if seed is not None and temperature > 0 else {}))
+            c = self.request("/completions", body)["choices"][0]
+            ids = c.get("token_ids") or self.tok.encode(c["text"], add_special_tokens=False)
+            lps = [lp or 0.0 for lp in ((c.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(ids))]
+            return truncate(self.tok, list(ids), lps[:len(ids)], stop, self.tok.eos_token_id)
+        with ThreadPoolExecutor(max(1, min(self.workers, len(prompts)))) as ex:
+            return list(ex.map(one, prompts))
+
+    def sleep(self):
+        pass
+
+    def close(self):
+        pass
+
+    def sync_weights(self, weights):
+        sys.exit("error: --backend openai: a served model cannot take new weights (training, several --model)")
+
+def make_engine(backend, model, max_images=16, base_url=None, api_key=None, **kw):
+    """backend vllm | hf | openai; kw: the settings the engines take (dtype, seed, max_model_len, max_pixels,
+    device); max_images: a VL vLLM engine's pictures a prompt (rollout.Settings.max_images; HF takes any number);
+    base_url, api_key: the openai backend's server."""
+    if backend == "openai":
+        if not base_url:
+            sys.exit("error: --backend openai needs --base_url (e.g. http://localhost:8000/v1)")
+        return OpenAIEngine(model, base_url, api_key, kw.get("max_model_len") or MAX_LEN)
     return VLLMEngine(model, max_images=max_images, **kw) if backend == "vllm" else HFEngine(model, **kw)

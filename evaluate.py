@@ -10,6 +10,8 @@ evaluate.py: score R1-Router trajectories and write the report (results.json, ta
         s2/sft/trajectories-routed.jsonl s2/grpo/trajectories-routed.jsonl    # a pair per seed: two-level intervals too
     python evaluate.py ... --structure released --protocol released   # R1-Router's released step structure and evaluation
     python evaluate.py --model out/sft-k2/final --methods routed --max_pairs 2   # multi-query steps (RAG-R1)
+    python evaluate.py --model models/Qwen2.5-7B-Instruct --backend openai --base_url http://localhost:8000/v1 \
+        --methods routed iterretgen --few_shot 3 --protocol fallback      # a model a vLLM or SGLang server serves
 
 Methods (each on the same retrievers and model): routed (the model routes: R1-Router), no_retrieval, single_rag
 (the question searches every KB once; all evidence in one prompt), iterretgen (IterRetGen, Shao et al. 2023: a fixed
@@ -483,7 +485,11 @@ def get_args(argv=None):
     ap.add_argument("--n_questions", type=int, default=0, help="the first N of each split (0: all)")
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--probe", type=int, default=0, help="route probe: N sampled routes at every golden prefix (0: off)")
-    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
+    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf", "openai"],
+                    help="the engine: in-process vLLM, transformers, or an OpenAI-compatible server (--base_url; the "
+                         "--model folder gives the tokenizer and chat format)")
+    ap.add_argument("--base_url", default=None, help="--backend openai: the server, e.g. http://localhost:8000/v1")
+    ap.add_argument("--api_key", default=None, help="--backend openai: its key, if it wants one")
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port")
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
@@ -663,8 +669,11 @@ def main(args):
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
     settings, shots = settings_of(args), None
+    if args.backend == "openai" and len(args.model) > 1:
+        sys.exit("error: --backend openai scores the one model its server serves: give one --model (its tokenizer)")
     engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=args.max_model_len,
-                                 max_pixels=args.max_pixels, max_images=settings.max_images)
+                                 max_pixels=args.max_pixels, max_images=settings.max_images, base_url=args.base_url,
+                                 api_key=args.api_key)
     if args.few_shot:
         examples = few_shot_examples(dataio.load_questions(args.data, "train"), args.few_shot)
         shots = rollout.few_shot_prefix(engine.tok, ret, examples, settings)

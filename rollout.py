@@ -317,9 +317,12 @@ def fits(engine, ids, max_tokens):
 
 class StepLoop:
     """The step loop of one rollout() call: what happens when a request finishes (on_route, on_answer, on_final),
-    the batched search between steps, and the event loop that keeps the engine busy (run)."""
-    def __init__(self, engine, retriever, s, chat, bar=None):
+    the batched search between steps, and the event loop that keeps the engine busy (run). events(x, kind, hits): a
+    callback after each step of trajectory x, kind route | search (hits: [(sub_question, kb, docs)]) | answer | final
+    | overflow (serve.py streams them)."""
+    def __init__(self, engine, retriever, s, chat, bar=None, events=None):
         self.engine, self.retriever, self.s, self.chat, self.bar = engine, retriever, s, chat, bar
+        self.events = events or (lambda x, kind, hits=None: None)
 
     def fail(self, x, what):
         x.update(format_ok=False, error=what, phase="done")
@@ -426,15 +429,24 @@ class StepLoop:
             hits = sorted(x.pop("_hits"), key=lambda h: h[0])  # in the order asked (stable: KB order within a lookup)
             self.chat.after_search(x, [h[1:] for h in hits])
             x["phase"] = "answer"
+            self.events(x, "search", [h[1:] for h in hits])
 
-    def run(self, trajs):
+    def run(self, trajs, more=None):
         """Every trajectory's step loop, event-driven (module docstring); the finished trajectory dicts.
-        Trajectories in `ready` need their next request (after a search, if their route named a KB)."""
+        Trajectories in `ready` need their next request (after a search, if their route named a KB). more: a callable
+        that returns trajectories arrived since its last call (a server's), admitted while the others run."""
         handlers = dict(route=self.on_route, answer=self.on_answer, final=self.on_final)
         waiting = iter(range(len(trajs)))  # a new trajectory starts whenever one ends
         ready, busy, t_gen, t_ret = list(itertools.islice(waiting, self.s.max_active)), 0, 0.0, 0.0
         t0 = time.perf_counter()
-        while ready or busy:
+        while True:
+            new = more() if more is not None else []
+            if new:  # arrivals queue behind the trajectories still waiting
+                trajs += new
+                waiting = itertools.chain(waiting, range(len(trajs) - len(new), len(trajs)))
+                ready += list(itertools.islice(waiting, max(0, self.s.max_active - busy - len(ready))))
+            if not (ready or busy):
+                break
             t = time.perf_counter()
             self.search([trajs[i] for i in ready if trajs[i]["phase"] == "search"])
             t_ret += time.perf_counter() - t
@@ -448,14 +460,17 @@ class StepLoop:
                     # not a format failure: every span written so far parsed (and is scored so); there is no final answer
                     x.update(overflow=True, phase="done", error=f"step {len(x['steps']) + 1} {x['phase']}: {len(prompt)} "
                              f"context + {max_tokens} new tokens exceed the engine's max_len {self.engine.max_len}")
+                    self.events(x, "overflow")
                     continue
-                self.engine.submit((i, x["qid"], len(x["tr"].spans)), prompt, max_tokens, self.s.temperature, self.s.top_p, stop, self.s.top_k,
-                                   x["tr"].prompt_images())
+                self.engine.submit((i, x["qid"], len(x["tr"].spans)), prompt, max_tokens, x.get("temperature", self.s.temperature),
+                                   x.get("top_p", self.s.top_p), stop, self.s.top_k, x["tr"].prompt_images())
                 sent.append(i)
             busy, ready, t = busy + len(sent), list(itertools.islice(waiting, len(ready) - len(sent))), time.perf_counter()
             for (i, *_), ids, lps in self.engine.poll():
                 busy -= 1
-                handlers[trajs[i]["phase"]](trajs[i], ids, lps)
+                kind = trajs[i]["phase"]
+                handlers[kind](trajs[i], ids, lps)
+                self.events(trajs[i], kind)
                 ready += [i] if trajs[i]["phase"] != "done" else list(itertools.islice(waiting, 1))
             t_gen += time.perf_counter() - t
             if self.bar is not None:  # a tqdm bar counting finished trajectories
@@ -480,19 +495,26 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
         raise ValueError("few-shot examples are built for the transcript structure only")
     if s.structure == "released" and (s.max_pairs > 1 or s.max_rets > 1):
         raise ValueError("multi-query steps (max_pairs / max_rets > 1) are built for the transcript structure only")
-    vis = getattr(engine, "vis", None)  # a VL policy sees the question image and image evidence as pixels
-    chat = ReleasedSteps(engine.tok, vis) if s.structure == "released" else \
-        TranscriptSteps(engine.tok, system_prompt.format(max_steps=s.max_steps), shots, vis)
-    trajs = []
-    for q in questions:
-        for k in range(n):
-            x = dict(qid=q["id"], sample=k, question=q["question"], image=q.get("image"), answers=q["answers"], type=q.get("type", ""),
-                     gold_steps=reward.group_steps(q.get("steps", []), s.max_pairs), steps=[], final_answer=None,
-                     format_ok=True, error="", overflow=False, phase="route")
-            trajs.append(dict(x, tr=chat.start(x)))
+    chat = step_chat(engine, s, system_prompt, shots)
+    trajs = [trajectory(q, k, chat, s) for q in questions for k in range(n)]
     if seed is not None:  # engines sample with torch's default generator (see VLLMEngine.generate)
         torch.manual_seed(seed)
     return StepLoop(engine, retriever, s, chat, bar).run(trajs)
+
+def step_chat(engine, s, system_prompt=SYSTEM_PROMPT, shots=None):
+    """The step structure's chat builder for engine's policy (a VL policy sees the question image and image evidence
+    as pixels)."""
+    vis = getattr(engine, "vis", None)
+    return ReleasedSteps(engine.tok, vis) if s.structure == "released" else \
+        TranscriptSteps(engine.tok, system_prompt.format(max_steps=s.max_steps), shots, vis)
+
+def trajectory(q, k, chat, s):
+    """Sample k of question q (a dataio.load_questions row; answers and steps may be empty) as the step loop's
+    trajectory dict, its transcript started."""
+    x = dict(qid=q["id"], sample=k, question=q["question"], image=q.get("image"), answers=q.get("answers", []),
+             type=q.get("type", ""), gold_steps=reward.group_steps(q.get("steps", []), s.max_pairs), steps=[],
+             final_answer=None, format_ok=True, error="", overflow=False, phase="route")
+    return dict(x, tr=chat.start(x))
 
 DIRECT_PROMPT = ("Answer the question. {evidence}Write <think>reasoning</think><answer>the short final answer</answer>.")
 
@@ -691,7 +713,9 @@ if __name__ == "__main__":
     ap.add_argument("--split", default="dev")
     ap.add_argument("--n_questions", type=int, default=4)
     ap.add_argument("-n", type=int, default=2, help="samples per question")
-    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
+    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf", "openai"])
+    ap.add_argument("--base_url", default=None, help="--backend openai: the server, e.g. http://localhost:8000/v1")
+    ap.add_argument("--api_key", default=None, help="--backend openai: its key, if it wants one")
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
@@ -715,7 +739,8 @@ if __name__ == "__main__":
         sys.exit(f"error: {args.model}: not a model folder (run `python prepare.py` for the default)")
     s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=args.structure,
                  max_pairs=args.max_pairs, max_rets=args.max_rets)
-    engine = make_engine(args.backend, args.model, seed=args.seed, max_images=s.max_images)
+    engine = make_engine(args.backend, args.model, seed=args.seed, max_images=s.max_images, base_url=args.base_url,
+                         api_key=args.api_key)
     t = time.perf_counter()
     trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
     dt = time.perf_counter() - t

@@ -228,7 +228,10 @@ if __name__ == "__main__":
                     help="teacher mode: paper = keep a trajectory whose final answer's token recall is 1 (R1-Router's "
                          "data_filter.py; intermediate steps unchecked); strict = also no re-ask, every intermediate "
                          "answer written, and an early end must be a stop (rejection)")
-    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"], help="teacher mode: generation backend")
+    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf", "openai"],
+                    help="teacher mode: in-process vLLM, transformers, or an OpenAI-compatible server (--base_url)")
+    ap.add_argument("--base_url", default=None, help="--backend openai: the server, e.g. http://localhost:8000/v1")
+    ap.add_argument("--api_key", default=None, help="--backend openai: its key, if it wants one")
     ap.add_argument("--r1router", default=None, help="import R1-Router's released step-unrolled JSONL")
     ap.add_argument("--export_r1router", default=None, help="convert one of our trajectory files to R1-Router's format")
     ap.add_argument("--max_steps", type=int, default=3)
@@ -273,7 +276,8 @@ if __name__ == "__main__":
         import retrievers
         ret = retrievers.make_retriever(args.retriever, args.data)
         engine = engines.make_engine(args.backend, args.teacher, seed=args.seed, max_model_len=args.max_model_len,
-                                     max_pixels=args.max_pixels, max_images=settings.max_images) if args.teacher else None
+                                     max_pixels=args.max_pixels, max_images=settings.max_images, base_url=args.base_url,
+                                     api_key=args.api_key) if args.teacher else None
         for split in args.splits:
             qs = dataio.load_questions(args.data, split)
             qs = qs[args.offset:args.offset + args.limit] if args.limit else qs[args.offset:]

@@ -1,0 +1,79 @@
+"""engines.OpenAIEngine (`--backend openai`): the step loop against a real vLLM OpenAI server on loopback gives the
+in-process engine's trajectories, token for token, at temperature 0; what a served model cannot do is refused in one
+line."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def evaluate(*args):
+    r = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *map(str, args)], capture_output=True, text=True,
+                       cwd=ROOT)
+    return r
+
+@pytest.mark.slow
+def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_model_dir, tiny_index, tmp_path):
+    port, log = free_port(), open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
+                               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096", "--enforce-eager",
+                               "--seed", "0"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                              env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        for _ in range(600):  # ~20 s on 2 cores
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(url + "/models", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        # one request in flight on both sides (max_active 1), so batching cannot change the arithmetic: the same
+        # trajectories, token for token, from the in-process engine and from the server
+        import dataio
+        import engines
+        import retrievers
+        import rollout
+        qs, ret = dataio.load_questions(tiny_index, "test"), retrievers.Retriever(tiny_index, "bm25")
+        s = rollout.Settings(temperature=0.0, max_active=1)
+        served = engines.make_engine("openai", tiny_model_dir, base_url=url)
+        local = engines.VLLMEngine(tiny_model_dir, max_model_len=4096)
+        try:
+            a, b = (rollout.rollout(e, ret, qs, s=s) for e in (local, served))
+        finally:
+            local.close()
+        assert len(a) == len(b) == len(qs) and sum(sum(x["mask"]) for x in b) > 0
+        for x, y in zip(a, b):
+            for key in ("ids", "mask", "spans", "steps", "final_answer", "format_ok", "error"):
+                assert x[key] == y[key], (x["qid"], key)
+            assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) < 1e-3
+        # evaluate.py through the server writes those trajectories
+        common = ["--model", tiny_model_dir, "--data", tiny_index, "--split", "test", "--methods", "routed",
+                  "--retriever", "bm25", "--max_active", "1"]
+        r = evaluate(*common, "--backend", "openai", "--base_url", url, "--out", tmp_path / "remote")
+        assert r.returncode == 0, r.stderr[-3000:]
+        saved = [json.loads(line) for line in open(tmp_path / "remote" / "trajectories-routed.jsonl")]
+        assert [(x["spans"], x["steps"], x["final_answer"]) for x in saved] == [(x["spans"], x["steps"], x["final_answer"])
+                                                                            for x in a]
+        # what a served model cannot do: swap in other weights
+        r = evaluate(*common, "--backend", "openai", "--base_url", url, "--model", tiny_model_dir, tiny_model_dir,
+                     "--out", tmp_path / "x", tmp_path / "y")
+        assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: --backend openai scores the one model")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    # a server that is gone: a one-line error naming it, after the retries
+    r = evaluate(*common, "--backend", "openai", "--base_url", url, "--out", tmp_path / "gone")
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith(f"error: the server {url} did not answer")

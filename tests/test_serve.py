@@ -1,0 +1,150 @@
+"""serve.py: the router behind a real HTTP server on loopback. The policy is rollout.GoldPolicy (the gold steps of
+the tiny world's questions, through the real step loop and BM25 retrieval), so every response can be checked against
+the question's own gold steps: plain and streamed through the openai client, curl, bad input answered 400 while the
+server keeps serving, 8 concurrent requests none of which sees another's steps or evidence; `serve.py ask` with the
+tiny VL policy and a picture; the page in headless Chromium where it is installed."""
+import base64
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import dataio
+import prepare
+import retrievers
+import reward
+import rollout
+import serve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+@pytest.fixture(scope="module")
+def server(tiny_index):
+    """The server on loopback: (base URL, the questions it knows, the retriever, its GoldPolicy)."""
+    import uvicorn
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
+    qs = [q for q in dataio.load_questions(tiny_index, "test") if q["steps"]][:8]
+    policy, ret = rollout.GoldPolicy(tok, qs), retrievers.Retriever(tiny_index, "bm25")
+    policy.max_len = 3000  # a context, so that a too-long question is refused
+    router = serve.Router(policy, ret, rollout.Settings(topk=2), known=qs)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(serve.make_app(router, "r1router"), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    threading.Thread(target=srv.run, daemon=True).start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", qs, ret
+    srv.should_exit = True
+
+def gold_steps(q, ret, k=2):
+    """What the response's `steps` must be for q: its gold steps, each with the BM25 top-k of its sub-question."""
+    return [dict(step=t, sub_questions=[dict(sub_question=s["sub_question"], kb=s["kb"]) for s in g],
+                 evidence=[dict(kb=s["kb"], id=d["id"], title=d["title"]) for s in g
+                           for d in ret.search([s["sub_question"]], s["kb"], k)[0]],
+                 answer=reward.group_answer(g))
+            for t, g in enumerate(reward.by_step(reward.group_steps(q["steps"])))]
+
+def test_the_openai_client_gets_the_answer_and_the_steps_plain_and_streamed(server):
+    from openai import OpenAI
+    url, qs, ret = server
+    client = OpenAI(base_url=url + "/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == ["r1router"]
+    q = qs[0]
+    r = client.chat.completions.create(model="r1router", messages=[{"role": "user", "content": q["question"]}])
+    assert r.choices[0].message.content == q["answers"][0] and r.object == "chat.completion"
+    assert r.model_extra["steps"] == gold_steps(q, ret) and r.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(model="r1router", stream=True,
+                                                 messages=[{"role": "user", "content": [{"type": "text", "text": q["question"]}]}]))
+    events = [c.model_extra["step"] for c in chunks if c.model_extra.get("step")]
+    n = len(reward.by_step(q["steps"]))
+    assert [e["type"] for e in events] == ["route", "evidence", "answer"] * n + ["stop"]
+    assert [[{k: p[k] for k in ("sub_question", "kb")} for p in e["sub_questions"]] for e in events if e["type"] == "route"] \
+        == [s["sub_questions"] for s in gold_steps(q, ret)]
+    assert all(p["retriever"] == reward.KB_TO_RET[p["kb"]] for e in events if e["type"] == "route" for p in e["sub_questions"])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == q["answers"][0]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+def test_curl_and_bad_input_get_a_400_with_one_line_and_the_server_keeps_serving(server, tiny_index):
+    url, qs, _ = server
+    post = lambda body: subprocess.run(["curl", "-s", "-w", "\\n%{http_code}", url + "/v1/chat/completions", "-H",  # noqa
+                                        "content-type: application/json", "--data-binary", "@-"], input=body,
+                                       capture_output=True, text=True).stdout
+    ok = post(json.dumps(dict(model="r1router", messages=[dict(role="user", content=qs[1]["question"])])))
+    body, code = ok.rsplit("\n", 1)
+    assert code == "200" and json.loads(body)["choices"][0]["message"]["content"] == qs[1]["answers"][0]
+    picture = dataio.load_kb(tiny_index, "image")[0]["path"]
+    pic = "data:image/png;base64," + base64.b64encode(Path(picture).read_bytes()).decode()
+    user = lambda content: dict(model="r1router", messages=[dict(role="user", content=content)])  # noqa: E731
+    cases = [("{not json", "not JSON"),
+             (json.dumps(dict(model="r1router", messages=[dict(role="system", content="hi")])), "no user message"),
+             (json.dumps(dict(user(qs[0]["question"]), n=2)), "n=2: the router cannot honour it"),
+             (json.dumps(dict(user(qs[0]["question"]), tools=[dict(type="function")])), "tools="),
+             (json.dumps(dict(user(qs[0]["question"]), response_format=dict(type="json_object"))), "response_format="),
+             (json.dumps(dict(user(qs[0]["question"]), logprobs=True)), "logprobs=true"),
+             (json.dumps(user([dict(type="text", text="What is shown?"), dict(type="image_url", image_url=dict(url=pic))])),
+              "text model: it cannot take a picture"),
+             (json.dumps(user([dict(type="text", text="x"), dict(type="image_url", image_url=dict(
+                 url="data:image/png;base64," + base64.b64encode(b"not a picture").decode()))])), "not a readable picture"),
+             (json.dumps(user([dict(type="image_url", image_url=dict(url="http://example.com/a.png"))])), "only data: URLs"),
+             (json.dumps(user([dict(type="text", text="x"), dict(type="image_url", image_url=dict(
+                 url="data:image/png;base64," + "A" * (12 * 2**20)))])), "more than 8 MiB"),
+             (json.dumps(user("Where was Ulla born? " * 600)), "the question is too long")]
+    for body, words in cases:
+        out, code = post(body).rsplit("\n", 1)
+        msg = json.loads(out)["error"]["message"]
+        assert code == "400" and words in msg and "\n" not in msg, (words, code, out[:300])
+    assert post(json.dumps(user(qs[2]["question"]))).endswith("200")  # still serving
+
+def test_eight_concurrent_requests_each_get_their_own_steps_and_evidence(server):
+    from openai import OpenAI
+    url, qs, ret = server
+    client = OpenAI(base_url=url + "/v1", api_key="none")
+    ask = lambda q: client.chat.completions.create(model="r1router", messages=[{"role": "user", "content": q["question"]}])  # noqa
+    with ThreadPoolExecutor(8) as ex:
+        answers = list(ex.map(ask, qs))
+    for q, r in zip(qs, answers):
+        assert r.choices[0].message.content == q["answers"][0] and r.model_extra["steps"] == gold_steps(q, ret)
+
+@pytest.mark.slow
+def test_ask_takes_a_picture_with_a_vl_policy_and_says_a_text_policy_cannot(tiny_model_dir, tiny_index, tmp_path):
+    vl = prepare.prepare_vl(tmp_path / "idefics3", text_model=tiny_model_dir)
+    q = dataio.load_questions(tiny_index, "visual_test")[0]
+    cmd = [sys.executable, str(ROOT / "serve.py"), "ask", q["question"], "--image", q["image"], "--data", str(tiny_index),
+           "--retriever", "bm25", "--backend", "hf", "--max_model_len", "2048"]
+    r = subprocess.run(cmd + ["--model", str(vl)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1].startswith(("answer: ", "error: "))  # a random policy: a format failure
+    r = subprocess.run(cmd + ["--model", str(tiny_model_dir)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "is a text policy: it reads no picture" in r.stdout, r.stderr[-3000:]
+    r = subprocess.run(cmd[:3] + ["--model", str(tmp_path / "none")], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0 and r.stderr.strip().endswith("run `make demo` first (its Step-GRPO checkpoint is the "
+                                                           "default), or pass --model <folder>")
+
+@pytest.mark.skipif(not (shutil.which("chromium") or shutil.which("chromium-browser")), reason="no Chromium installed")
+def test_the_page_draws_the_steps_and_the_answer_in_headless_chromium(server):
+    # the page with a question in its address (?q=, typed into the box and asked on load), in headless Chromium;
+    # the DOM it dumps once the stream is drawn holds each step's sub-question, its KB badge and the answer
+    from urllib.parse import quote
+    url, qs, ret = server
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    q = qs[0]
+    r = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=30000",
+                        "--dump-dom", f"{url}/?q={quote(q['question'])}"], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for step in gold_steps(q, ret):
+        for p in step["sub_questions"]:
+            assert p["sub_question"] in r.stdout and reward.KB_TO_RET[p["kb"]] in r.stdout
+    assert f"Answer: {q['answers'][0]}" in r.stdout
