@@ -18,8 +18,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one thread a process
 
 # `make test` hands whole files to two pytest-xdist workers in collection order (--dist loadfile --no-loadscope-reorder):
 # the longest files first (their times with two workers, docs/LOG.md), so that the two workers end together
-LONGEST_FIRST = ("test_stepgrpo.py", "test_lora.py", "test_smoke.py", "test_vl_ranks.py", "test_sft.py", "test_gpu_check.py",
-                 "test_retrievers.py", "test_vl.py", "test_rollout.py")
+LONGEST_FIRST = ("test_stepgrpo.py", "test_ppo.py", "test_remote.py", "test_lora.py", "test_smoke.py", "test_vl_ranks.py",
+                 "test_sft.py", "test_gpu_check.py", "test_retrievers.py", "test_vl.py", "test_rollout.py")
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
@@ -42,6 +42,25 @@ def interrupted_copy(run, step, dest):
     shutil.copy(run / "log.jsonl", dest / "log.jsonl")  # the resumed run keeps its records up to step_<step>
     (dest / "latest").write_text(f"step_{step}\n")
     return dest
+
+def kill_a_rank(cmd, out, log, cwd):
+    """Run the torchrun job `cmd` (--max-restarts and --resume auto in it), kill -9 its second worker once the run
+    folder `out` has its first checkpoint, and return the job's log once it has ended (asserting it succeeded)."""
+    import subprocess
+    import time
+    from pathlib import Path
+    import psutil
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    with open(log, "w") as f:
+        job = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        while not (Path(out) / "latest").is_file():
+            assert job.poll() is None, Path(log).read_text()[-3000:]
+            time.sleep(0.05)
+        workers = psutil.Process(job.pid).children()
+        assert len(workers) == 2
+        workers[1].kill()
+        assert job.wait(timeout=600) == 0, Path(log).read_text()[-3000:]
+    return Path(log).read_text()
 
 @pytest.fixture(scope="module")
 def one_thread():

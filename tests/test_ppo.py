@@ -2,17 +2,15 @@
 hand-made transcripts with masked evidence, the clipped value loss on hand cases, a critic that learns, 2 ranks equal
 to 1 process, exact resume and a killed rank restarting a PPO job, and one-line errors on bad input."""
 import json
-import os
 import subprocess
 import sys
-import time
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from conftest import interrupted_copy
+from conftest import interrupted_copy, kill_a_rank
 
 import critic
 import grpo
@@ -124,7 +122,6 @@ def records(out):
     return [json.loads(line) for line in open(Path(out) / "log.jsonl")]
 
 def critic_state(run):
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save(str(Path(run) / "trainer"), str(Path(run) / "flat.pt"))
     state = torch.load(Path(run) / "flat.pt", weights_only=True)
@@ -207,7 +204,6 @@ def test_two_ranks_train_the_critic_as_one_process(tmp_path, tiny_model_dir):
 def test_a_killed_rank_restarts_a_ppo_job(tmp_path, tiny_model_dir, tiny_index):
     # kill -9 one worker of a 2-rank PPO job after its first checkpoint: torchrun restarts both ranks, --resume auto
     # picks up the checkpoint, critic included, and the job ends with an uninterrupted run's weights
-    import psutil
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     plain = tmp_path / "plain"
     r = subprocess.run(launch + [str(ROOT / "stepgrpo.py")] + ppo_args(tiny_model_dir, tiny_index, plain, "--train_steps", 2),
@@ -216,15 +212,8 @@ def test_a_killed_rank_restarts_a_ppo_job(tmp_path, tiny_model_dir, tiny_index):
     killed = tmp_path / "killed"
     cmd = launch[:-2] + ["--nproc_per_node", "2", "--max-restarts", "1", str(ROOT / "stepgrpo.py")] + \
         ppo_args(tiny_model_dir, tiny_index, killed, "--train_steps", 2, "--resume", "auto")
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    with open(tmp_path / "job.log", "w") as f:
-        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        while not (killed / "latest").is_file():
-            assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
-            time.sleep(0.05)
-        psutil.Process(job.pid).children()[1].kill()
-        assert job.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    assert "exitcode: -9" in (tmp_path / "job.log").read_text()
+    text = kill_a_rank(cmd, killed, tmp_path / "job.log", ROOT)
+    assert "exitcode: -9" in text and "resuming from" in text
     a, b = load_file(plain / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     ca, cb = critic_state(plain / "step_2"), critic_state(killed / "step_2")

@@ -5,7 +5,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from conftest import interrupted_copy
+from conftest import interrupted_copy, kill_a_rank
 
 import dataio
 import prepare
@@ -372,21 +371,10 @@ def test_resume_continues_exactly(straight, tmp_path, tiny_model_dir, tiny_index
 def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(two_ranks, tmp_path, tiny_model_dir, tiny_index):
     # kill -9 one worker of a 2-rank job after its first checkpoint: torchrun --max-restarts 1 restarts both ranks,
     # --resume auto picks up the newest whole checkpoint, and the job ends with the weights of an uninterrupted run
-    import psutil
     killed = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
            str(ROOT / "stepgrpo.py")] + common(tiny_model_dir, tiny_index, killed) + TWO_RANKS + ["--resume", "auto"]
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    with open(tmp_path / "job.log", "w") as f:
-        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        while not (killed / "latest").is_file():
-            assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
-            time.sleep(0.05)
-        workers = psutil.Process(job.pid).children()
-        assert len(workers) == 2
-        workers[1].kill()
-        assert job.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    text = (tmp_path / "job.log").read_text()
+    text = kill_a_rank(cmd, killed, tmp_path / "job.log", ROOT)
     assert "exitcode: -9" in text and "resuming from" in text and "at step 2" not in text  # restarted mid-run
     a, b = load_file(two_ranks / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
