@@ -178,7 +178,7 @@ CURVE_PANELS = [("rewards", ("route_r", "answer_r", "outcome"), "mean reward"),
                 ("clip fraction", ("clip_frac",), "share of tokens"),
                 ("KL to reference (k3)", ("kl",), "per token"),
                 ("dev (greedy; dev_score picks best)", ("dev_score", "dev_f1_recall", "dev_routing_acc"), "%"),
-                ("seconds a step", ("rollout_s", "update_s", "sync_s", "retrieve_s", "dev_s"), "s"),
+                ("seconds a step", ("rollout_s", "update_s", "critic_s", "sync_s", "retrieve_s", "dev_s"), "s"),
                 ("critic", ("value_loss", "explained_var"), "")]
 CURVE_LABELS = dict(kb_acc="kb_acc (= gold's)", kb_entropy="kb_entropy (bits, in a group)",
                     kb_mixed="kb_mixed (groups of mixed choices)")  # a legend's line: its key, what it counts

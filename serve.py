@@ -275,14 +275,14 @@ def ask(args):
     engine, ret, s, known = load(args)
     if args.image and not Path(args.image).is_file():
         sys.exit(f"error: --image {args.image}: file not found")
-    router_free = rollout.step_chat(engine, s)
+    chat = rollout.step_chat(engine, s)
     if args.image and getattr(engine, "vis", None) is None:
         print(f"note: {args.model} is a text policy: it reads no picture; the image KB's search still looks at it",
               flush=True)
     q = next((dict(k, image=args.image) for k in known if k["question"] == args.question),
              dict(id="ask", question=args.question, image=args.image))
     show = lambda x, kind, hits=None: [print(line(ev), flush=True) for ev in step_events(x, kind, hits)]  # noqa
-    rollout.StepLoop(engine, ret, s, router_free, events=show).run([rollout.trajectory(q, 0, router_free, s)])
+    rollout.StepLoop(engine, ret, s, chat, events=show).run([rollout.trajectory(q, 0, chat, s)])
     engine.close()
 
 def line(ev):

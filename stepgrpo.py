@@ -420,7 +420,8 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     with peak("update"):
         if warmup:  # the policy waits for its critic: nothing but the token count
             sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("loss", "kl", "clipped", "entropy")}
-            sums["tokens"], grad_norm = sum(m.weight * len(m.old) for m in micro) + sums["loss"], 0.0
+            sums["tokens"] = torch.tensor(sum(m.weight * len(m.old) for m in micro), dtype=torch.float64, device=device)
+            grad_norm = 0.0
         else:
             sums, grad_norm = update(model, opt, micro, olds, refs, denom, args, sup)
     sums.update(old_gap=old_gap, **({"critic": critic_sums} if crit else {}))
