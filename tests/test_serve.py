@@ -129,7 +129,7 @@ def test_ask_takes_a_picture_with_a_vl_policy_and_says_a_text_policy_cannot(tiny
     assert r.stdout.strip().splitlines()[-1].startswith(("answer: ", "error: "))  # a random policy: a format failure
     r = subprocess.run(cmd + ["--model", str(tiny_model_dir)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "is a text policy: it reads no picture" in r.stdout, r.stderr[-3000:]
-    r = subprocess.run(cmd[:3] + ["--model", str(tmp_path / "none")], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(cmd[:4] + ["--model", str(tmp_path / "none")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and r.stderr.strip().endswith("run `make demo` first (its Step-GRPO checkpoint is the "
                                                            "default), or pass --model <folder>")
 
