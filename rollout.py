@@ -624,9 +624,9 @@ READER = " So the answer is:"  # IRCoT's chain-of-thought reader: a chain that r
 def ircot(engine, retriever, questions, kbs=KBS, s=Settings(), seed=None):
     """IRCoT (Trivedi et al., 2023): one chain-of-thought sentence, one retrieval with that sentence as the query,
     in turn. The question retrieves first; then, at most s.max_steps times, the policy writes the chain's next
-    sentence from the question, every paragraph retrieved so far and the chain so far: one that says "answer is" ends
-    the chain with its answer, any other is the next query. A chain still open after s.max_steps retrievals is asked
-    for its answer (READER). Every search goes to every KB in `kbs`, as in R1-Router's baselines without a router
+    sentence from the question, every paragraph retrieved so far and the chain so far (tags a model writes removed):
+    one that says "answer is" ends the chain with its answer, any other is the next query. A chain still open after
+    s.max_steps retrievals, or whose next sentence is empty, is asked for its answer (READER). Every search goes to every KB in `kbs`, as in R1-Router's baselines without a router
     (this repo's iterretgen too): naming a KB is the routed policy's skill, not IRCoT's. Each lookup is a step of the
     trajectory (its query the sub-question); the dicts are rollout()'s, ids/mask/logprobs the last round's."""
     fmt, vis = ChatFormat(engine.tok, IRCOT_PROMPT), getattr(engine, "vis", None)
@@ -639,8 +639,9 @@ def ircot(engine, retriever, questions, kbs=KBS, s=Settings(), seed=None):
     for r in range(s.max_steps + 1):  # rounds 0 .. max_steps - 1 retrieve, the last one only reads
         if not open_:
             break
+        searching = [i for i in open_ if not trajs[i].get("read")]
         if r < s.max_steps:
-            ircot_search(retriever, [trajs[i] for i in open_], [queries[i] for i in open_], kbs, s, r)
+            ircot_search(retriever, [trajs[i] for i in searching], [queries[i] for i in searching], kbs, s, r)
         todo = []
         for i in open_:
             x, q = trajs[i], questions[i]
@@ -650,7 +651,8 @@ def ircot(engine, retriever, questions, kbs=KBS, s=Settings(), seed=None):
             head = [Img(q["image"])] if q.get("image") else []
             tr.add_context(*fmt.encode([fmt.prefix_tpl[0], *head, f"Question: {q['question']}", *evidence,
                                         fmt.prefix_tpl[1]], vis))
-            chain = " ".join(x["chain"]) + (READER if r == s.max_steps else "")
+            x["read"] = x.get("read") or r == s.max_steps
+            chain = " ".join(x["chain"]) + (READER if x["read"] else "")
             if chain.strip():
                 tr.add_context(fmt.ids(chain.strip()))
             if fits(engine, tr.ids, s.answer_tokens):
@@ -665,14 +667,18 @@ def ircot(engine, retriever, questions, kbs=KBS, s=Settings(), seed=None):
         for (i, tr), (ids, lps) in zip(todo, outs):
             x = trajs[i]
             x["timings"]["generate"] += (time.perf_counter() - t) / len(trajs)
-            tr.add_policy(ids, lps, "final" if r == s.max_steps else "answer", r)
+            tr.add_policy(ids, lps, "final" if x["read"] else "answer", r)
             x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(),
                      images=tr.images, n_policy_tokens=x["n_policy_tokens"] + len(ids))
-            sentence = " ".join(engine.tok.decode(ids, skip_special_tokens=True).split())
+            sentence = " ".join(re.sub(r"</?[a-z-]+>", " ", engine.tok.decode(ids, skip_special_tokens=True)).split())
             said = ANSWER_IS.search(sentence)
-            answer = (said.group(1) if said else sentence if r == s.max_steps else "").strip().rstrip(".").strip()
-            if answer or r == s.max_steps or not sentence:
+            answer = (said.group(1) if said else sentence if x["read"] else "").strip().rstrip(".").strip()
+            if answer or x["read"]:
                 x.update(final_answer=answer or None, format_ok=bool(answer), error="" if answer else "no answer")
+                continue
+            if not sentence:  # the chain has nothing more to say: its answer next round
+                x["read"] = True
+                open_.append(i)
                 continue
             x["chain"].append(sentence)
             queries[i] = sentence  # the sentence is the next query
@@ -680,6 +686,7 @@ def ircot(engine, retriever, questions, kbs=KBS, s=Settings(), seed=None):
     for x in trajs:
         x.pop("chain")
         x.pop("docs")
+        x.pop("read", None)
     return trajs
 
 def ircot_search(retriever, trajs, queries, kbs, s, r):

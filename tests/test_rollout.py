@@ -348,32 +348,33 @@ def test_iterretgen_searches_with_the_previous_generation(tiny_index, retriever,
 class ScriptedChain:
     """An IRCoT policy whose round r writes "Fact r of the chain." and, at round `answer_at`, "So the answer is:
     Uldoria."; asked for the answer of a chain at the cap (the prompt ends with the reader's cue), "Ulla Brenmark"."""
-    def __init__(self, tok, answer_at=None):
-        self.tok, self.answer_at, self.round, self.prompts = tok, answer_at, 0, []
+    def __init__(self, tok, answer_at=None, empty_at=None):
+        self.tok, self.answer_at, self.empty_at, self.round, self.prompts = tok, answer_at, empty_at, 0, []
 
     def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
                  keys=None):
         self.prompts.append([self.tok.decode(p) for p in prompts])
         r, self.round = self.round, self.round + 1
-        text = lambda p: "Ulla Brenmark" if p.endswith(rollout.READER.strip()) else \
+        text = lambda p: "Ulla Brenmark" if p.endswith(rollout.READER.strip()) else "" if r == self.empty_at else \
             "So the answer is: Uldoria." if r == self.answer_at else f"Fact {r} of the chain."  # noqa: E731
         return [(ids, [0.0] * len(ids)) for p in self.prompts[-1] for ids in [self.tok.encode(text(p), add_special_tokens=False)]]
 
-@pytest.mark.parametrize("answer_at", [1, None])
+@pytest.mark.parametrize("answer_at", [1, None, "empty"])
 def test_ircot_makes_each_sentence_the_next_query_and_stops_at_the_answer_or_the_cap(tiny_index, hf_engine, answer_at):
     # the question searches every KB, then each sentence of the chain does; "answer is" ends the chain with its
-    # answer; a chain that never says it stops after max_steps retrievals and its answer is read off
+    # answer; a chain that never says it stops after max_steps retrievals, or at an empty sentence, and its answer is
+    # read off
     spy = Spy(tiny_index, "bm25")
     spy.calls = []
     qs = dataio.load_questions(tiny_index, "dev")[:3]
-    policy = ScriptedChain(hf_engine.tok, answer_at)
+    policy = ScriptedChain(hf_engine.tok, None if answer_at == "empty" else answer_at, 1 if answer_at == "empty" else None)
     trajs = rollout.ircot(policy, spy, qs, s=rollout.Settings(max_steps=3))
-    rounds = 2 if answer_at == 1 else 3  # retrievals: the question's, then one a sentence until the answer or the cap
+    rounds = 3 if answer_at is None else 2  # retrievals: the question's, then one a sentence until the answer or the cap
     kbs = list(dataio.KBS)
     assert [kb for kb, _ in spy.calls] == kbs * rounds
     queries = [[q["question"] for q in qs]] + [[f"Fact {r} of the chain."] * 3 for r in range(rounds - 1)]
     assert [qq for kb, qq in spy.calls if kb == "text"] == queries
-    assert len(policy.prompts) == (2 if answer_at == 1 else 4)  # the cap: 3 sentences, then the reader
+    assert len(policy.prompts) == {1: 2, None: 4, "empty": 3}[answer_at]  # the cap: 3 sentences, then the reader
     for x in trajs:
         assert x["final_answer"] == ("Uldoria" if answer_at == 1 else "Ulla Brenmark") and x["format_ok"]
         want = [x["question"]] + [f"Fact {r} of the chain." for r in range(rounds - 1)]
