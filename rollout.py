@@ -565,6 +565,17 @@ def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM
         ids += x["ids"] if k == 0 else fmt.ids(fmt.user_open + q["question"] + fmt.user_close) + x["ids"][head:]
     return ids
 
+def baseline_trajectory(q):
+    """A baseline's trajectory dict for question q (no step format: its searches are its steps), rollout()'s keys."""
+    return dict(qid=q["id"], sample=0, question=q["question"], image=q.get("image"), answers=q["answers"],
+                type=q.get("type", ""), gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True,
+                error="", overflow=False, ids=[], mask=[], logprobs=[], spans=[], segments=[], images=[],
+                n_policy_tokens=0, timings=dict(generate=0.0, retrieve=0.0))
+
+def untagged(text):
+    """A baseline's text with the step format's tags removed and its whitespace collapsed."""
+    return " ".join(re.sub(r"</?[a-z-]+>", " ", text).split())
+
 def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=None, iters=1):
     """Baselines without routing: no retrieval (kbs=()), single-shot RAG (the question searches every KB in `kbs` once,
     all evidence in one user turn), or, with iters > 1, IterRetGen (Shao et al., 2023): iteration t searches every KB
@@ -573,11 +584,7 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
     Same trajectory dicts as rollout(); ids/mask/logprobs are the last iteration's, n_policy_tokens all of them."""
     evidence_hint = "Use the retrieved evidence. " if kbs else ""
     fmt, vis = ChatFormat(engine.tok, DIRECT_PROMPT.format(evidence=evidence_hint)), getattr(engine, "vis", None)
-    trajs = [dict(qid=q["id"], sample=0, question=q["question"], image=q.get("image"), answers=q["answers"],
-                  type=q.get("type", ""), gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=True,
-                  error="", overflow=False, ids=[], mask=[], logprobs=[], spans=[], segments=[], images=[],
-                  n_policy_tokens=0, timings=dict(generate=0.0, retrieve=0.0))
-             for q in questions]
+    trajs = [baseline_trajectory(q) for q in questions]
     queries, images = [q["question"] for q in questions], [q.get("image") for q in questions]
     for it in range(iters):
         t0 = time.perf_counter()  # a visual question's image goes with every image-KB search (the retriever looks)
@@ -609,7 +616,7 @@ def answer_directly(engine, retriever, questions, kbs=(), s=Settings(), seed=Non
             text = engine.tok.decode(ids, skip_special_tokens=True)
             a = reward.parse_answer(text)
             # a baseline has no step format to fail: without <answer> tags its whole text (tags removed) is the answer
-            plain = " ".join(re.sub(r"</?[a-z-]+>", " ", text).split())
+            plain = untagged(text)
             answer = a.answer if a.ok else plain
             x.update(final_answer=answer or None, format_ok=bool(answer), error="" if answer else "empty answer",
                      ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(),
@@ -630,11 +637,7 @@ def ircot(engine, retriever, questions, kbs=KBS, s=Settings(), seed=None):
     (this repo's iterretgen too): naming a KB is the routed policy's skill, not IRCoT's. Each lookup is a step of the
     trajectory (its query the sub-question); the dicts are rollout()'s, ids/mask/logprobs the last round's."""
     fmt, vis = ChatFormat(engine.tok, IRCOT_PROMPT), getattr(engine, "vis", None)
-    trajs = [dict(qid=q["id"], sample=0, question=q["question"], image=q.get("image"), answers=q["answers"],
-                  type=q.get("type", ""), gold_steps=q.get("steps", []), steps=[], final_answer=None, format_ok=False,
-                  error="", overflow=False, ids=[], mask=[], logprobs=[], spans=[], segments=[], images=[],
-                  n_policy_tokens=0, timings=dict(generate=0.0, retrieve=0.0), chain=[], docs={kb: {} for kb in kbs})
-             for q in questions]
+    trajs = [dict(baseline_trajectory(q), format_ok=False, chain=[], docs={kb: {} for kb in kbs}) for q in questions]
     open_, queries = list(range(len(questions))), [q["question"] for q in questions]
     for r in range(s.max_steps + 1):  # rounds 0 .. max_steps - 1 retrieve, the last one only reads
         if not open_:
@@ -670,7 +673,7 @@ def ircot(engine, retriever, questions, kbs=KBS, s=Settings(), seed=None):
             tr.add_policy(ids, lps, "final" if x["read"] else "answer", r)
             x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(),
                      images=tr.images, n_policy_tokens=x["n_policy_tokens"] + len(ids))
-            sentence = " ".join(re.sub(r"</?[a-z-]+>", " ", engine.tok.decode(ids, skip_special_tokens=True)).split())
+            sentence = untagged(engine.tok.decode(ids, skip_special_tokens=True))
             said = ANSWER_IS.search(sentence)
             answer = (said.group(1) if said else sentence if x["read"] else "").strip().rstrip(".").strip()
             if answer or x["read"]:
