@@ -392,12 +392,13 @@ STEP_FORMAT = ("routed", "every_kb", "oracle")  # the methods whose model writes
 def run_method(method, engine, retriever, questions, settings, seed=0, iters=3, shots=None, bar=None):
     """One method's trajectories. iters: IterRetGen's iterations; shots: few-shot conversation (few_shot_prefix) the
     step-format methods start from; bar: a tqdm bar the step-format methods advance a trajectory at a time."""
+    import baselines
     import rollout
     if method in ("no_retrieval", "single_rag", "iterretgen"):
         kbs = () if method == "no_retrieval" else KBS
-        return rollout.answer_directly(engine, retriever, questions, kbs, settings, seed, iters if method == "iterretgen" else 1)
+        return baselines.answer_directly(engine, retriever, questions, kbs, settings, seed, iters if method == "iterretgen" else 1)
     if method == "ircot":
-        return rollout.ircot(engine, retriever, questions, KBS, settings, seed)
+        return baselines.ircot(engine, retriever, questions, KBS, settings, seed)
     if method == "gold_steps":
         return rollout.gold_steps(engine, retriever, questions, settings, seed)
     mode = {"routed": "model", "every_kb": "all", "oracle": "oracle"}[method]

@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+import baselines
 import dataio
 import engines
 import prepare
@@ -176,7 +177,7 @@ def read_r1router(path):
                               pattern=">".join(g["kb"] for g in gold) or "none", steps=gold))
     return questions, RecordedRetriever(evidence)
 
-def to_r1router(x, system_route=rollout.SYSTEM_PROMPT, system_answer=rollout.DIRECT_PROMPT):
+def to_r1router(x, system_route=rollout.SYSTEM_PROMPT, system_answer=baselines.DIRECT_PROMPT):
     """One of our trajectories -> a step-unrolled row as R1-Router's Step-GRPO code reads it: a ret and an ans step
     per sub-question (a multi-query step's sub-questions one after another, each with the step's answer), a
     sub-question sent to several KBs with its retriever list."""

@@ -1,4 +1,5 @@
-"""rollout.py: the step loop on both backends, masks and spans, malformed outputs, weight sync into vLLM.
+"""rollout.py: the step loop on both backends, masks and spans, malformed outputs, weight sync into vLLM; and
+baselines.py (single-shot RAG, IterRetGen, IRCoT).
 
 The policy is a tiny random Llama (conftest.py: SmolLM2's tokenizer cut to 4,096 ids; head_dim 32: vLLM's CPU
 attention rejects 16); GoldPolicy (the gold decomposition written through the real loop and real retrieval) is the
@@ -9,6 +10,7 @@ import io
 import pytest
 import torch
 
+import baselines
 import dataio
 import engines
 import prepare
@@ -100,10 +102,10 @@ def test_a_trajectory_that_outgrows_the_context_ends_alone(tiny_index, retriever
             assert f"exceed the engine's max_len {eng.max_len}" in y["error"]
             assert len(y["ids"]) + 96 > eng.max_len and x["ids"][:len(y["ids"])] == y["ids"]
     assert 0 < sum(y["overflow"] for y in capped) < len(qs)
-    full = rollout.answer_directly(hf_engine, retriever, qs, kbs=("text", "table", "image"), s=rollout.Settings(answer_tokens=8))
+    full = baselines.answer_directly(hf_engine, retriever, qs, kbs=("text", "table", "image"), s=rollout.Settings(answer_tokens=8))
     prompt_len = sorted(len(x["ids"]) - x["n_policy_tokens"] for x in full)
     monkeypatch.setattr(hf_engine, "max_len", prompt_len[4] + 8, raising=False)  # the 5 shortest prompts fit
-    direct = rollout.answer_directly(hf_engine, retriever, qs, kbs=("text", "table", "image"), s=rollout.Settings(answer_tokens=8))
+    direct = baselines.answer_directly(hf_engine, retriever, qs, kbs=("text", "table", "image"), s=rollout.Settings(answer_tokens=8))
     for x, y in zip(full, direct):
         n = len(x["ids"]) - x["n_policy_tokens"]  # the prompt
         if n + 8 <= hf_engine.max_len:
@@ -321,8 +323,8 @@ def test_hf_engine_sync_is_strict(tiny_model):
 def test_direct_baselines(tiny_index, retriever, hf_engine):
     qs = dataio.load_questions(tiny_index, "dev")[:5]
     s = rollout.Settings(temperature=0.0, answer_tokens=16)
-    none = rollout.answer_directly(hf_engine, retriever, qs, (), s)
-    rag = rollout.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s)
+    none = baselines.answer_directly(hf_engine, retriever, qs, (), s)
+    rag = baselines.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s)
     for q, x, y in zip(qs, none, rag):
         assert x["steps"] == [] and [st["kb"] for st in y["steps"]] == ["text", "table", "image"]
         assert len(y["ids"]) > len(x["ids"]) and sum(y["mask"]) == y["n_policy_tokens"] > 0
@@ -335,8 +337,8 @@ def test_iterretgen_searches_with_the_previous_generation(tiny_index, retriever,
     # with the question plus round 1's generation; one round is single-shot RAG
     qs = dataio.load_questions(tiny_index, "dev")[:4]
     s = rollout.Settings(answer_tokens=12)  # sampled (seeded): the tiny random model's greedy text decodes to nothing
-    one = rollout.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s, seed=0, iters=1)
-    two = rollout.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s, seed=0, iters=2)
+    one = baselines.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s, seed=0, iters=1)
+    two = baselines.answer_directly(hf_engine, retriever, qs, ("text", "table", "image"), s, seed=0, iters=2)
     for q, x, y in zip(qs, one, two):
         assert [st["kb"] for st in y["steps"]] == ["text", "table", "image"] * 2 and y["steps"][:3] == x["steps"]
         query = f"{q['question']} {x['final_answer']}"  # a random model writes no <answer> tags: its text is the answer
@@ -355,7 +357,7 @@ class ScriptedChain:
                  keys=None):
         self.prompts.append([self.tok.decode(p) for p in prompts])
         r, self.round = self.round, self.round + 1
-        text = lambda p: "Ulla Brenmark" if p.endswith(rollout.READER.strip()) else "" if r == self.empty_at else \
+        text = lambda p: "Ulla Brenmark" if p.endswith(baselines.READER.strip()) else "" if r == self.empty_at else \
             "So the answer is: Uldoria." if r == self.answer_at else f"Fact {r} of the chain."  # noqa: E731
         return [(ids, [0.0] * len(ids)) for p in self.prompts[-1] for ids in [self.tok.encode(text(p), add_special_tokens=False)]]
 
@@ -368,7 +370,7 @@ def test_ircot_makes_each_sentence_the_next_query_and_stops_at_the_answer_or_the
     spy.calls = []
     qs = dataio.load_questions(tiny_index, "dev")[:3]
     policy = ScriptedChain(hf_engine.tok, None if answer_at == "empty" else answer_at, 1 if answer_at == "empty" else None)
-    trajs = rollout.ircot(policy, spy, qs, s=rollout.Settings(max_steps=3))
+    trajs = baselines.ircot(policy, spy, qs, s=rollout.Settings(max_steps=3))
     rounds = 3 if answer_at is None else 2  # retrievals: the question's, then one a sentence until the answer or the cap
     kbs = list(dataio.KBS)
     assert [kb for kb, _ in spy.calls] == kbs * rounds
@@ -383,7 +385,7 @@ def test_ircot_makes_each_sentence_the_next_query_and_stops_at_the_answer_or_the
     last = policy.prompts[-1][0]  # the evidence of every round and the chain so far are in the last prompt
     assert "Fact 0 of the chain." in last and last.count("Retrieved by Text Retriever:") == 1
     if answer_at is None:
-        assert last.endswith("Fact 0 of the chain. Fact 1 of the chain. Fact 2 of the chain." + rollout.READER)
+        assert last.endswith("Fact 0 of the chain. Fact 1 of the chain. Fact 2 of the chain." + baselines.READER)
 
 def test_few_shot_prefix_puts_worked_examples_before_the_question(tiny_index, retriever, hf_engine):
     import evaluate

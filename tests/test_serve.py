@@ -186,8 +186,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.mark.skipif(not (CHROMIUM and shutil.which("chromedriver")), reason="no Chromium and chromedriver installed")
 def test_the_page_draws_the_steps_and_the_answer_in_headless_chromium(server, tiny_index, tmp_path):
     # a question typed into the page's box and asked with its button: each step's sub-question, its KB badge, its
-    # evidence's titles (an image hit's picture), the intermediate answer, then the answer; a picture chosen in the
-    # upload goes to this text policy and the page shows the server's one-line refusal
+    # evidence (titles, texts, an image hit's picture), the intermediate answer, then the answer; a picture chosen in
+    # the upload is shown, goes to this text policy, and the page shows the server's one-line refusal
     url, qs, ret = server
     q = next(q for q in qs if any(s["kb"] == "image" for s in q["steps"]))
     web = WebDriver(tmp_path / "profile")
@@ -203,12 +203,16 @@ def test_the_page_draws_the_steps_and_the_answer_in_headless_chromium(server, ti
         for g in golds:
             assert all(p["sub_question"] in page for p in g["sub_questions"]) and f"→ {g['answer']}" in page
             assert all(d["title"] in page for d in g["evidence"])
+        texts = web.js("return [...document.querySelectorAll('.doc .text')].map(t => t.textContent)")
+        assert texts == [d["contents"] for g in golds for p in g["sub_questions"]
+                         for d in ret.search([p["sub_question"]], p["kb"], 2)[0]]
         assert web.js("return document.querySelectorAll('.doc img').length") == sum(
             d["kb"] == "image" for g in golds for d in g["evidence"]) > 0
         web.js("document.getElementById('question').value = ''")
         web.do("POST", web.find("#question") + "/value", {"text": "What is shown?"})
         web.do("POST", web.find("#picture") + "/value", {"text": dataio.load_kb(tiny_index, "image")[0]["path"]})
         web.do("POST", web.find("button[type=submit]") + "/click", {})
+        assert web.js("return document.getElementById('shown').src").startswith("data:image/")
         assert "text model: it cannot take a picture" in web.wait(
             "return document.querySelector('#final.error')?.textContent")
     finally:
