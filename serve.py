@@ -3,7 +3,8 @@ serve.py: the router in use. `ask` a trained router one question (a picture with
 happens; `serve` it behind an OpenAI-compatible endpoint, with a page at / that draws its steps.
 
     python serve.py ask "Which country is the city Ulla Brenmark was born in part of?"   # out/demo/stepgrpo/final
-    python serve.py ask "What colour is the hair of this person?" --image q.png --model out/visual/vl/stepgrpo/final
+    python serve.py ask "On which continent is the country whose flag is shown?" --model out/visual/vl/stepgrpo/final \
+        --image data/mini/questions/images/vq705.png                    # after `make visual`
     python serve.py ask "..." --retriever http://localhost:8000         # the KBs of a running `retrievers.py serve`
     python serve.py serve --port 8080                                   # then open http://localhost:8080/
     curl -s localhost:8080/v1/chat/completions -H 'content-type: application/json' \
