@@ -222,6 +222,7 @@ def curves_chart(log_path, title, cols=3):
         if ylabel:
             ax.set_ylabel(ylabel, fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 4), useMathText=True)  # 0.0014: 1.4 x 10^-3
         ax.grid(alpha=0.3)
     fig.suptitle(f"{title} ({log_path})", y=1 - 0.3 / height)
     return _png(fig, tight=False)
