@@ -536,25 +536,7 @@ def print_paired(paths):
         sys.exit(f"error: --paired: a trajectory lacks {e}: give trajectories-*.jsonl written by evaluate.py")
     except (dataio.DataError, OSError, ValueError) as e:
         sys.exit(f"error: --paired: {e}")
-    pairs = [f"{n} - {b}" for b, n in zip(paths[::2], paths[1::2])]
-    print(f"{'; '.join(pairs)}, {p['n']} questions (paired bootstrap, 10000 resamples"
-          f"{f', averaged over {len(pairs)} pairs' if len(pairs) > 1 else ''}):")
-    print("  question-level: resamples the questions, each question's difference averaged over the pairs (not the "
-          "spread between seeds)\n  two-level: resamples the pairs (seeds), then the questions within each drawn pair"
-          + (" (one pair: the question-level interval, in distribution)" if len(pairs) == 1 else ""))
-    for k in PAIRED:
-        each = f"; per pair {', '.join(f'{x:+.2f}' for x in p[k]['per_pair'])}" if len(pairs) > 1 else ""
-        two = p[k]["two_level"]
-        print(f"  {k}: {p[k]['diff']:+.2f} (question-level 95% interval {p[k]['lo']:+.2f} .. {p[k]['hi']:+.2f}; "
-              f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples{each})\n"
-              f"      two-level 95% interval {two['lo']:+.2f} .. {two['hi']:+.2f}; not above base in "
-              f"{100 * two['p_not_above']:.1f}% of resamples")
-    print("  per question type: difference (question-level interval | two-level interval)")
-    for ty, q in p["by_type"].items():
-        print(f"  {ty} ({q['n']}): " + ", ".join(
-            f"{k} {q[k]['diff']:+.2f} ({q[k]['lo']:+.2f} .. {q[k]['hi']:+.2f} | {q[k]['two_level']['lo']:+.2f} .. "
-            f"{q[k]['two_level']['hi']:+.2f})" for k in PAIRED))
-
+    print(report.paired_text(p, [f"{n} - {b}" for b, n in zip(paths[::2], paths[1::2])], PAIRED))
 
 def combine(paths, out, title):
     """--combine: results.json files merged into one report in out."""
@@ -636,6 +618,8 @@ def check_models(args, names, outs):
     if len(names) != len(args.model) or len(outs) != len(args.model):
         sys.exit(f"error: --name and --out take one value a model: {len(args.model)} models, {len(names)} names, "
                  f"{len(outs)} report folders")
+    if args.backend == "openai" and len(args.model) > 1:
+        sys.exit("error: --backend openai scores the one model its server serves: give one --model (its tokenizer)")
     if len(set(outs)) < len(outs):
         sys.exit(f"error: --out: two models would share a report folder ({', '.join(map(str, outs))})")
     for model in args.model:
@@ -670,8 +654,6 @@ def main(args):
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
     settings, shots = settings_of(args), None
-    if args.backend == "openai" and len(args.model) > 1:
-        sys.exit("error: --backend openai scores the one model its server serves: give one --model (its tokenizer)")
     engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=args.max_model_len,
                                  max_pixels=args.max_pixels, max_images=settings.max_images, base_url=args.base_url,
                                  api_key=args.api_key)
@@ -688,9 +670,10 @@ def main(args):
 def evaluate_model(args, engine, ret, qs, settings, shots, model, name, out):
     """The engine, holding model's weights, scores args.methods and the route probe; the report goes to out."""
     split = "+".join(args.split)
-    if (out / "results.json").is_file() and not any(k.startswith(f"{name}/") for k in json.loads((out / "results.json").read_text())):
-        print(f"note: {out} holds another model's report ({', '.join(json.loads((out / 'results.json').read_text()))}); "
-              f"it is replaced (--out names another folder)")
+    earlier = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+    if earlier and not any(k.startswith(f"{name}/") for k in earlier):
+        print(f"note: {out} holds another model's report ({', '.join(earlier)}); it is replaced (--out names another "
+              f"folder)")
     results = run_methods(args, engine, ret, qs, settings, shots, model, name, out)
     if args.probe:
         out.mkdir(parents=True, exist_ok=True)

@@ -184,6 +184,29 @@ CURVE_LABELS = dict(kb_acc="kb_acc (= gold's)", kb_entropy="kb_entropy (bits, in
                     kb_mixed="kb_mixed (groups of mixed choices)")  # a legend's line: its key, what it counts
 
 
+def paired_text(p, pairs, keys):
+    """evaluate.py --paired's printout of evaluate.paired's result p: NEW - BASE for each metric in keys, overall and
+    per question type, with the question-level and two-level (seeds, then questions) intervals; pairs: 'NEW - BASE'."""
+    lines = [f"{'; '.join(pairs)}, {p['n']} questions (paired bootstrap, 10000 resamples"
+             f"{f', averaged over {len(pairs)} pairs' if len(pairs) > 1 else ''}):",
+             "  question-level: resamples the questions, each question's difference averaged over the pairs (not the "
+             "spread between seeds)\n  two-level: resamples the pairs (seeds), then the questions within each drawn pair"
+             + (" (one pair: the question-level interval, in distribution)" if len(pairs) == 1 else "")]
+    for k in keys:
+        each = f"; per pair {', '.join(f'{x:+.2f}' for x in p[k]['per_pair'])}" if len(pairs) > 1 else ""
+        two = p[k]["two_level"]
+        lines.append(f"  {k}: {p[k]['diff']:+.2f} (question-level 95% interval {p[k]['lo']:+.2f} .. {p[k]['hi']:+.2f}; "
+                     f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples{each})\n"
+                     f"      two-level 95% interval {two['lo']:+.2f} .. {two['hi']:+.2f}; not above base in "
+                     f"{100 * two['p_not_above']:.1f}% of resamples")
+    lines.append("  per question type: difference (question-level interval | two-level interval)")
+    for ty, q in p["by_type"].items():
+        lines.append(f"  {ty} ({q['n']}): " + ", ".join(
+            f"{k} {q[k]['diff']:+.2f} ({q[k]['lo']:+.2f} .. {q[k]['hi']:+.2f} | {q[k]['two_level']['lo']:+.2f} .. "
+            f"{q[k]['two_level']['hi']:+.2f})" for k in keys))
+    return "\n".join(lines)
+
+
 def curve_panels(recs):
     """[(title, y label, [(key, [(step, value)])])]: CURVE_PANELS' panels that have a number in recs, each with the
     keys that do, a point at each step whose record holds one (dev scores: only the steps that were scored)."""

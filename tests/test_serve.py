@@ -11,8 +11,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -151,10 +153,9 @@ class WebDriver:
         args = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
                 "--disable-background-networking", "--disable-component-update", f"--user-data-dir={profile}"]
         caps = {"browserName": "chrome", "goog:chromeOptions": {"binary": CHROMIUM, "args": args}}
-        self.session = "/session/" + self.call("POST", "/session", {"capabilities": {"alwaysMatch": caps}})["sessionId"]
+        self.root = "/session/" + self.call("POST", "/session", {"capabilities": {"alwaysMatch": caps}})["sessionId"]
 
     def call(self, method, path, body=None):
-        import urllib.request
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,
                                      data=None if body is None else json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
@@ -162,7 +163,7 @@ class WebDriver:
             return json.loads(r.read())["value"]
 
     def do(self, method, path="", body=None):
-        return self.call(method, self.session + path, body)
+        return self.call(method, self.root + path, body)
 
     def find(self, css):
         return "/element/" + self.do("POST", "/element", {"using": "css selector", "value": css})[self.ELEMENT]
@@ -208,6 +209,8 @@ def test_the_page_draws_the_steps_and_the_answer_in_headless_chromium(server, ti
                          for d in ret.search([p["sub_question"]], p["kb"], 2)[0]]
         assert web.js("return document.querySelectorAll('.doc img').length") == sum(
             d["kb"] == "image" for g in golds for d in g["evidence"]) > 0
+        web.do("POST", "/url", {"url": f"{url}/?q={quote(qs[1]['question'])}"})  # a question in the address: asked at once
+        assert web.wait("return document.getElementById('final').textContent") == f"Answer: {qs[1]['answers'][0]}"
         web.js("document.getElementById('question').value = ''")
         web.do("POST", web.find("#question") + "/value", {"text": "What is shown?"})
         web.do("POST", web.find("#picture") + "/value", {"text": dataio.load_kb(tiny_index, "image")[0]["path"]})
