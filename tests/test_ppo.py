@@ -180,6 +180,8 @@ if rank == 0:
     print(json.dumps(dict(rec=rec, head=w["lm_head.weight"].flatten()[:16].tolist(), bias=w["lm_head.bias"].tolist(),
                           embed=w["model.embed_tokens.weight"][5:9].flatten().tolist(),
                           adv=micro[0].adv[:8].tolist())))  # row 0's whitened advantages (over the global batch)
+del w, crit, opt
+dist.barrier()  # both ranks leave together: neither tears gloo down while the other may still be mid-collective
 dist.destroy_process_group()
 '''
 
