@@ -28,10 +28,12 @@ import io
 import itertools
 import json
 import queue
+import signal
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import dataio
@@ -135,9 +137,9 @@ UNSUPPORTED = {"n": lambda v: v not in (None, 1), "tools": bool, "tool_choice": 
                "functions": bool, "response_format": lambda v: v not in (None, {"type": "text"}), "logprobs": bool,
                "top_logprobs": lambda v: v not in (None, 0)}
 
-def parse_request(body, folder):
-    """(question, picture path or None, temperature, top_p), or raise ValueError with the one-line reason a 400 gives.
-    A picture is decoded, checked and written into `folder`."""
+def parse_request(body):
+    """(question, picture (a PIL image) or None, temperature, top_p), or raise ValueError with the one-line reason a
+    400 gives."""
     if not isinstance(body, dict):
         raise ValueError("the request body is not a JSON object")
     for k, bad in UNSUPPORTED.items():
@@ -155,7 +157,7 @@ def parse_request(body, folder):
         elif kind == "image_url":
             if image:
                 raise ValueError("the question holds two pictures; the router takes one")
-            image = save_picture((part.get("image_url") or {}).get("url", ""), folder)
+            image = read_picture((part.get("image_url") or {}).get("url", ""))
         else:
             raise ValueError(f"a message part of type {kind!r}: only text and image_url parts are read")
     question = " ".join(" ".join(texts).split())
@@ -168,8 +170,8 @@ def parse_request(body, folder):
         raise ValueError(f"top_p={top_p!r}: a number in (0, 1]")
     return question, image, temperature, top_p
 
-def save_picture(url, folder):
-    """A data: URL's picture -> the path of its PNG in folder; ValueError when it is not one this server can read."""
+def read_picture(url):
+    """A data: URL's picture, decoded (RGB); ValueError when it is not one this server can read."""
     from PIL import Image
     if not url.startswith("data:") or ";base64," not in url:
         raise ValueError("image_url: only data: URLs with base64 data (the server fetches nothing)")
@@ -184,9 +186,7 @@ def save_picture(url, folder):
         img.load()
     except (OSError, Image.DecompressionBombError) as e:
         raise ValueError(f"image_url: not a readable picture ({type(e).__name__})") from None
-    path = Path(tempfile.mkstemp(suffix=".png", dir=folder)[1])
-    img.convert("RGB").save(path)
-    return str(path)
+    return img.convert("RGB")
 
 #### the HTTP server
 
@@ -194,7 +194,10 @@ def make_app(router, name):
     """The FastAPI app: /v1/chat/completions (plain and streamed), /v1/models, /health, / (the page)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-    app, pictures = FastAPI(), tempfile.mkdtemp(prefix="serve-pictures-")
+    app = FastAPI()
+    # a request's picture is a file (what the engines and the image KB read) while its trajectory runs, then removed;
+    # the folder goes when the server exits
+    app.state.pictures = tempfile.TemporaryDirectory(prefix="serve-pictures-")
     error = lambda msg, code=400: JSONResponse(dict(error=dict(message=msg, type="invalid_request_error")), code)  # noqa
 
     @app.get("/health")
@@ -213,16 +216,26 @@ def make_app(router, name):
     async def chat(request: Request):
         try:
             body = json.loads(await request.body())
-            question, image, temperature, top_p = parse_request(body, pictures)
+            question, picture, temperature, top_p = parse_request(body)
         except json.JSONDecodeError as e:
             return error(f"the request body is not JSON ({dataio.json_error(e)})")
         except ValueError as e:
             return error(str(e))
-        x, why = router.trajectory(question, image, temperature, top_p)
+        image = None
+        if picture:
+            image = Path(app.state.pictures.name) / f"{uuid.uuid4().hex}.png"
+            picture.save(image)
+        x, why = router.trajectory(question, image and str(image), temperature, top_p)
         if why:
+            image and image.unlink()
             return error(why)
         events, loop = asyncio.Queue(), asyncio.get_running_loop()
-        router.ask(x, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+
+        def notify(ev):  # on the step loop's thread
+            if ev["type"] in ("final", "error") and image:
+                image.unlink(missing_ok=True)  # the trajectory is over (whether or not its client still listens)
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+        router.ask(x, notify)
         head = dict(id=f"chatcmpl-{x['qid']}", created=int(time.time()), model=name)
         if body.get("stream"):
             return StreamingResponse(stream(events, head), media_type="text/event-stream")
@@ -330,5 +343,11 @@ if __name__ == "__main__":
         engine, ret, s, known = load(args)
         print(f"serving {args.model} as {args.name!r} on http://{args.host}:{args.port}/ (the page), /v1/chat/completions",
               flush=True)
-        uvicorn.run(make_app(Router(engine, ret, s, known), args.name), host=args.host, port=args.port,
-                    log_level="warning")
+        app = make_app(Router(engine, ret, s, known), args.name)
+        # uvicorn re-raises Ctrl-C or SIGTERM after its graceful shutdown; SIGTERM's default would end the process
+        # before the finally below
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        finally:
+            app.state.pictures.cleanup()

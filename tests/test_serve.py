@@ -1,9 +1,11 @@
 """serve.py: the router behind a real HTTP server on loopback. The policy is rollout.GoldPolicy (the gold steps of
 the tiny world's questions, through the real step loop and BM25 retrieval), so every response can be checked against
 the question's own gold steps: plain and streamed through the openai client, curl, bad input answered 400 while the
-server keeps serving, 8 concurrent requests none of which sees another's steps or evidence; `serve.py ask` with the
-tiny VL policy and a picture; the page in headless Chromium where it is installed."""
+server keeps serving, 8 concurrent requests none of which sees another's steps or evidence; a request's picture read
+by the tiny VL model's processor and not kept; `serve.py ask` with the tiny VL policy and a picture; the page in
+headless Chromium where it is installed."""
 import base64
+import contextlib
 import json
 import shutil
 import socket
@@ -32,24 +34,31 @@ def free_port():
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+@contextlib.contextmanager
+def serving(policy, ret, qs):
+    """serve.make_app around a Router of policy on loopback: (base URL, the app's folder for requests' pictures)."""
+    import uvicorn
+    app = serve.make_app(serve.Router(policy, ret, rollout.Settings(topk=2), known=qs), "r1router")
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=srv.run, daemon=True).start()
+    while not srv.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", Path(app.state.pictures.name)
+    finally:
+        srv.should_exit = True
+
 @pytest.fixture(scope="module")
 def server(tiny_index):
-    """The server on loopback: (base URL, the questions it knows, the retriever, its GoldPolicy)."""
-    import uvicorn
+    """The server on loopback: (base URL, the questions it knows, the retriever, its pictures' folder)."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     qs = [q for q in dataio.load_questions(tiny_index, "test") if q["steps"]][:8]
     policy, ret = rollout.GoldPolicy(tok, qs), retrievers.Retriever(tiny_index, "bm25")
     policy.max_len = 3000  # a context, so that a too-long question is refused
-    router = serve.Router(policy, ret, rollout.Settings(topk=2), known=qs)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(serve.make_app(router, "r1router"), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    threading.Thread(target=srv.run, daemon=True).start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", qs, ret
-    srv.should_exit = True
+    with serving(policy, ret, qs) as (url, pictures):
+        yield url, qs, ret, pictures
 
 def gold_steps(q, ret, k=2):
     """What the response's `steps` must be for q: its gold steps, each with the BM25 top-k of its sub-question."""
@@ -61,7 +70,7 @@ def gold_steps(q, ret, k=2):
 
 def test_the_openai_client_gets_the_answer_and_the_steps_plain_and_streamed(server):
     from openai import OpenAI
-    url, qs, ret = server
+    url, qs, ret, _ = server
     client = OpenAI(base_url=url + "/v1", api_key="none")
     assert [m.id for m in client.models.list().data] == ["r1router"]
     q = qs[0]
@@ -80,7 +89,7 @@ def test_the_openai_client_gets_the_answer_and_the_steps_plain_and_streamed(serv
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 def test_curl_and_bad_input_get_a_400_with_one_line_and_the_server_keeps_serving(server, tiny_index):
-    url, qs, _ = server
+    url, qs, _, pictures = server
     post = lambda body: subprocess.run(["curl", "-s", "-w", "\\n%{http_code}", url + "/v1/chat/completions", "-H",  # noqa
                                         "content-type: application/json", "--data-binary", "@-"], input=body,
                                        capture_output=True, text=True).stdout
@@ -109,10 +118,11 @@ def test_curl_and_bad_input_get_a_400_with_one_line_and_the_server_keeps_serving
         msg = json.loads(out)["error"]["message"]
         assert code == "400" and words in msg and "\n" not in msg, (words, code, out[:300])
     assert post(json.dumps(user(qs[2]["question"]))).endswith("200")  # still serving
+    assert not any(pictures.iterdir())  # the refused picture was not kept
 
 def test_eight_concurrent_requests_each_get_their_own_steps_and_evidence(server):
     from openai import OpenAI
-    url, qs, ret = server
+    url, qs, ret, _ = server
     client = OpenAI(base_url=url + "/v1", api_key="none")
     ask = lambda q: client.chat.completions.create(model="r1router", messages=[{"role": "user", "content": q["question"]}])  # noqa
     with ThreadPoolExecutor(8) as ex:
@@ -134,6 +144,34 @@ def test_ask_takes_a_picture_with_a_vl_policy_and_says_a_text_policy_cannot(tiny
     r = subprocess.run(cmd[:4] + ["--model", str(tmp_path / "none")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and r.stderr.strip().endswith("run `make demo` first (its Step-GRPO checkpoint is the "
                                                            "default), or pass --model <folder>")
+
+@pytest.mark.slow
+def test_a_vl_policy_reads_the_requests_picture_and_the_server_keeps_no_copy(tiny_model_dir, tiny_index, tmp_path):
+    # the tiny VL model's processor under the gold policy: the picture sent as OpenAI's image_url part is what finds
+    # the entity's picture at step 1 (the sub-question alone does not name it), plain and streamed; then it is deleted
+    import vision
+    from openai import OpenAI
+    vis = vision.VisionIO.load(prepare.prepare_vl(tmp_path / "idefics3", text_model=tiny_model_dir))
+    visual = dataio.load_questions(tiny_index, "visual_test")
+    # questions of their own wording: the gold policy knows a question by its text, and three share theirs
+    qs = [q for q in visual if [v["question"] for v in visual].count(q["question"]) == 1][:2]
+    ret = retrievers.Retriever(tiny_index, "bm25")
+    with serving(rollout.GoldPolicy(vis.tok, qs, vis), ret, qs) as (url, pictures):
+        client = OpenAI(base_url=url + "/v1", api_key="none")
+        for q, stream in zip(qs, (False, True)):
+            pic = "data:image/png;base64," + base64.b64encode(Path(q["image"]).read_bytes()).decode()
+            msg = [{"role": "user", "content": [{"type": "text", "text": q["question"]},
+                                                {"type": "image_url", "image_url": {"url": pic}}]}]
+            r = client.chat.completions.create(model="r1router", messages=msg, stream=stream)
+            if stream:
+                chunks = list(r)
+                answer = "".join(c.choices[0].delta.content or "" for c in chunks)
+                first = next(c.model_extra["step"] for c in chunks if (c.model_extra.get("step") or {}).get("type") == "evidence")
+                found = first["evidence"][0]["id"]
+            else:
+                answer, found = r.choices[0].message.content, r.model_extra["steps"][0]["evidence"][0]["id"]
+            assert answer == q["answers"][0] and found == q["steps"][0]["doc_id"], (stream, answer, found)
+            assert not any(pictures.iterdir())  # the request's picture lives only as long as its trajectory
 
 class WebDriver:
     """Headless Chromium driven through chromedriver's W3C WebDriver HTTP API (Debian's chromium and chromium-driver)."""
@@ -189,7 +227,7 @@ def test_the_page_draws_the_steps_and_the_answer_in_headless_chromium(server, ti
     # a question typed into the page's box and asked with its button: each step's sub-question, its KB badge, its
     # evidence (titles, texts, an image hit's picture), the intermediate answer, then the answer; a picture chosen in
     # the upload is shown, goes to this text policy, and the page shows the server's one-line refusal
-    url, qs, ret = server
+    url, qs, ret, _ = server
     q = next(q for q in qs if any(s["kb"] == "image" for s in q["steps"]))
     web = WebDriver(tmp_path / "profile")
     try:
