@@ -286,9 +286,14 @@ def load(args):
 
 def ask(args):
     """One question through the step loop, each step printed as it completes."""
+    if args.image:  # before the engine's start
+        from PIL import Image
+        try:
+            Image.open(args.image).load()
+        except (OSError, Image.DecompressionBombError) as e:
+            sys.exit(f"error: --image {args.image}: " + ("file not found" if isinstance(e, FileNotFoundError) else
+                                                         f"not a readable picture ({type(e).__name__})"))
     engine, ret, s, known = load(args)
-    if args.image and not Path(args.image).is_file():
-        sys.exit(f"error: --image {args.image}: file not found")
     chat = rollout.step_chat(engine, s)
     if args.image and getattr(engine, "vis", None) is None:
         print(f"note: {args.model} is a text policy: it reads no picture; the image KB's search still looks at it",

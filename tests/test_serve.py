@@ -144,6 +144,11 @@ def test_ask_takes_a_picture_with_a_vl_policy_and_says_a_text_policy_cannot(tiny
     r = subprocess.run(cmd[:4] + ["--model", str(tmp_path / "none")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and r.stderr.strip().endswith("run `make demo` first (its Step-GRPO checkpoint is the "
                                                            "default), or pass --model <folder>")
+    (tmp_path / "bad.png").write_text("not a picture")
+    for pic, why in ((tmp_path / "bad.png", "not a readable picture (UnidentifiedImageError)"),
+                     (tmp_path / "no.png", "file not found")):  # said before the engine starts
+        r = subprocess.run(cmd[:4] + ["--image", str(pic)], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode != 0 and r.stderr.strip() == f"error: --image {pic}: {why}", r.stderr[-2000:]
 
 @pytest.mark.slow
 def test_a_vl_policy_reads_the_requests_picture_and_the_server_keeps_no_copy(tiny_model_dir, tiny_index, tmp_path):
