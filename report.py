@@ -5,8 +5,9 @@ trajectories beside its gold steps. Imports nothing of evaluate.py: it reads sco
     python report.py --show out/demo/eval/sft/trajectories-routed.jsonl out/demo/eval/stepgrpo/trajectories-routed.jsonl \
         --data data/mini                        # the first question whose gold steps use the most KBs (--qid: another)
 
+    from metrics import score
     from report import write_report
-    md = write_report({"sft/routed": evaluate.score(trajs)}, "out/eval/x", title="mini-world dev")
+    md = write_report({"sft/routed": score(trajs)}, "out/eval/x", title="mini-world dev")
 
 Outline: display orders -> tables -> charts -> write_report -> learning curves -> the trajectory view.
 """
@@ -24,7 +25,7 @@ import reward
 from dataio import KBS  # ("text", "table", "image")
 
 TYPES = ("none", "1hop", "2hop", "3hop", "comparison", "visual")  # display order; other types follow, sorted
-FAILURES = ("format", "route", "retrieval", "step_answer", "final", "unattributed")  # evaluate.failure's, in order
+FAILURES = ("format", "route", "retrieval", "step_answer", "final", "unattributed")  # metrics.failure's, in order
 
 
 def type_order(types):
@@ -185,7 +186,7 @@ CURVE_LABELS = dict(kb_acc="kb_acc (= gold's)", kb_entropy="kb_entropy (bits, in
 
 
 def paired_text(p, pairs, keys):
-    """evaluate.py --paired's printout of evaluate.paired's result p: NEW - BASE for each metric in keys, overall and
+    """evaluate.py --paired's printout of metrics.paired's result p: NEW - BASE for each metric in keys, overall and
     per question type, with the question-level and two-level (seeds, then questions) intervals; pairs: 'NEW - BASE'."""
     lines = [f"{'; '.join(pairs)}, {p['n']} questions (paired bootstrap, 10000 resamples"
              f"{f', averaged over {len(pairs)} pairs' if len(pairs) > 1 else ''}):",

@@ -1,4 +1,4 @@
-"""evaluate.py: every metric, routing accuracy, route_exact, the confusion matrix and the per-type breakdown on
+"""metrics.py and evaluate.py: every metric, routing accuracy, route_exact, the confusion matrix and the per-type breakdown on
 hand-made trajectories with hand-computed values; report.py's files, atomic writing and trajectory view."""
 import json
 
@@ -6,8 +6,9 @@ import pytest
 
 import dataio
 import evaluate
+import metrics
 import prepare
-from evaluate import confusion, decisions, first_samples, gold_hits, routing_accuracy, score
+from metrics import confusion, decisions, first_samples, gold_hits, routing_accuracy, score
 from report import curve_panels, curves_chart, markdown, write_report
 
 approx = pytest.approx
@@ -62,16 +63,16 @@ def test_routing_accuracy_per_trajectory():
 
 
 def test_failure_is_the_first_wrong_thing_and_lost_points_sum_to_100():
-    assert [evaluate.failure(t) for t in SET] == [None, "route", None, None, "route", "format", "final"]
+    assert [metrics.failure(t) for t in SET] == [None, "route", None, None, "route", "format", "final"]
     # a right KB without the gold document; the gold document but another intermediate answer; both after a right step
     miss = traj("m", "2hop", ["y"], ["text", "table"], ["text", "table"], "z", hit=[True, False])
     misread = traj("n", "2hop", ["y"], ["text", "table"], ["text", "table"], "z")
     misread["steps"][1]["answer"] = "w"
-    assert evaluate.failure(miss) == "retrieval" and evaluate.failure(misread) == "step_answer"
+    assert metrics.failure(miss) == "retrieval" and metrics.failure(misread) == "step_answer"
     misread["steps"][0]["answer"] = "x y"  # recall of the gold "x" is 1: still right
-    assert evaluate.failure(misread) == "step_answer"
+    assert metrics.failure(misread) == "step_answer"
     no_decomposition = traj("o", "unknown", ["y"], [], ["text"], "z")
-    assert evaluate.failure(no_decomposition) == "unattributed"
+    assert metrics.failure(no_decomposition) == "unattributed"
     lost = score(SET)["lost"]  # points: route 2 x 100 / 7, format 100 / 7, final 50 / 7 (COMPARISON's half)
     assert lost == approx({"format": 100 / 7, "route": 200 / 7, "final": 50 / 7})
     assert score(SET)["f1_recall"] + sum(lost.values()) == approx(100)
@@ -153,7 +154,7 @@ def test_first_decision_confusion_balanced_accuracy_and_information():
     sighted = [traj(f"q{i}", "1hop", ["x"], [kb], [kb], "x") for i, kb in enumerate(["text", "table", "image"] * 3)]
     assert score(sighted)["route_info0"] == approx(100.0)
     # a gold label that never varies carries no entropy to explain
-    assert evaluate.route_information(confusion([PERFECT], step=0)) is None
+    assert metrics.route_information(confusion([PERFECT], step=0)) is None
 
 
 def test_answer_words_overall_and_per_type():
@@ -161,8 +162,8 @@ def test_answer_words_overall_and_per_type():
     s = score(SET)
     assert s["answer_words"] == approx(1) and s["by_type"]["3hop"]["answer_words"] == 2
     assert s["by_type"]["1hop"]["answer_words"] == 0
-    assert evaluate.answer_words(dict(FORMAT_FAIL, final_answer="the blue shirt")) == 0  # as F1-Recall sees it: ""
-    assert evaluate.answer_words(dict(FORMAT_FAIL, final_answer=" the  blue shirt ", format_ok=True)) == 3
+    assert metrics.answer_words(dict(FORMAT_FAIL, final_answer="the blue shirt")) == 0  # as F1-Recall sees it: ""
+    assert metrics.answer_words(dict(FORMAT_FAIL, final_answer=" the  blue shirt ", format_ok=True)) == 3
 
 
 def test_per_type_breakdown():
@@ -370,14 +371,14 @@ def test_paired_bootstrap_by_hand():
     # NEW fixes one question of seven (WRONG_ROUTE: F1-Recall 0 -> 1, routing 2/3 -> 1) and equals BASE elsewhere
     fixed = traj("b", "2hop", ["Suldor"], ["text", "table"], ["text", "table"], "Suldor")
     new = [fixed if t["qid"] == "b" else t for t in reversed(SET)]  # matched by qid, not by order
-    p = evaluate.paired([(SET, new)])
+    p = metrics.paired([(SET, new)])
     assert p["n"] == 7
     assert p["f1_recall"]["diff"] == approx(100 / 7) and p["routing_acc"]["diff"] == approx(100 / 3 / 7)
     # a resample is not above BASE exactly when it leaves out question b: (6/7)^7 of the time
     for k in ("f1_recall", "routing_acc"):
         assert p[k]["lo"] == 0 and p[k]["hi"] > p[k]["diff"]
         assert p[k]["p_not_above"] == approx((6 / 7) ** 7, abs=0.02)
-    back = evaluate.paired([(new, SET)])
+    back = metrics.paired([(new, SET)])
     assert back["f1_recall"]["diff"] == approx(-100 / 7) and back["f1_recall"]["p_not_above"] == 1
     assert p["by_type"]["2hop"]["n"] == 2 and p["by_type"]["2hop"]["f1_recall"]["diff"] == approx(100 / 2)
     nothing = {"diff": 0, "lo": 0, "hi": 0, "p_not_above": 1, "per_pair": [0],
@@ -385,26 +386,26 @@ def test_paired_bootstrap_by_hand():
     assert p["by_type"]["comparison"]["f1_recall"] == nothing
     # the same lookups in one routing step instead of two: one step fewer, as many retrieval calls, same routing
     multi = traj("g", "comparison", ["Zan Jumar"], ["text", "text"], ["text", "text"], "Jumar", step=[0, 0])
-    p = evaluate.paired([(SET, [multi if t["qid"] == "g" else t for t in SET])])
+    p = metrics.paired([(SET, [multi if t["qid"] == "g" else t for t in SET])])
     assert p["steps"]["diff"] == approx(-1 / 7) and p["retrievals"]["diff"] == 0 and p["routing_acc"]["diff"] == 0
     assert p["by_type"]["comparison"]["steps"]["diff"] == -1 and score([multi])["steps"] == 1
     assert score(SET)["steps"] == score(SET)["retrievals"] == approx(9 / 7)
-    same = evaluate.paired([(SET, SET)])
+    same = metrics.paired([(SET, SET)])
     assert same["routing_acc"] == nothing
     with pytest.raises(ValueError, match="other questions"):
-        evaluate.paired([(SET, SET[1:])])
+        metrics.paired([(SET, SET[1:])])
     # two seeds, the fix in one of them: each question's difference is the mean over the seeds, resampled together
-    two = evaluate.paired([(SET, new), (SET, SET)])
+    two = metrics.paired([(SET, new), (SET, SET)])
     assert two["f1_recall"]["per_pair"] == [approx(100 / 7), 0] and two["f1_recall"]["diff"] == approx(100 / 14)
     assert two["f1_recall"]["lo"] == 0 and two["f1_recall"]["p_not_above"] == approx((6 / 7) ** 7, abs=0.02)
     with pytest.raises(ValueError, match="pair 2"):
-        evaluate.paired([(SET, new), (SET[1:], SET[1:])])
+        metrics.paired([(SET, new), (SET[1:], SET[1:])])
 
 def test_paired_em_f1_and_answer_words():
     # NEW fixes WRONG_ROUTE (Mireth -> Suldor) and pads PREMATURE's answer (blue shirt -> a blue shirt today): F1-Recall
     # keeps its 1 there, F1 falls from 2/3 to 1/2 (precision 1/3), and the answer is 2 words longer
     new = [dict(t, final_answer={"b": "Suldor", "c": "a blue shirt today"}.get(t["qid"], t["final_answer"])) for t in SET]
-    p = evaluate.paired([(SET, new)])
+    p = metrics.paired([(SET, new)])
     assert p["f1_recall"]["diff"] == approx(100 / 7) and p["em"]["diff"] == approx(100 / 7)
     assert p["f1"]["diff"] == approx(100 * (1 + 1 / 2 - 2 / 3) / 7)
     assert p["answer_words"]["diff"] == approx(2 / 7) and p["by_type"]["3hop"]["answer_words"]["diff"] == 2
@@ -421,12 +422,12 @@ def test_two_level_interval_counts_the_spread_between_seeds():
     # seed 1's NEW is 3 words shorter on every question, seed 2's 3 words longer: each question's difference averaged
     # over the seeds is 0, so the question-level interval is 0 .. 0; the two-level one draws both seeds' worth of
     # seed 1 (-3) or of seed 2 (+3) a quarter of the time each
-    p = evaluate.paired([(base, shorter), (base, longer)])["answer_words"]
+    p = metrics.paired([(base, shorter), (base, longer)])["answer_words"]
     assert p["diff"] == 0 and p["per_pair"] == [-3, 3] and (p["lo"], p["hi"], p["p_not_above"]) == (0, 0, 1)
     assert (p["two_level"]["lo"], p["two_level"]["hi"]) == (-3, 3)
     assert p["two_level"]["p_not_above"] == approx(3 / 4, abs=0.02)  # only seed 2 drawn twice is above
     # every question's difference the same constant in every seed: both intervals are that constant
-    q = evaluate.paired([(base, [words(f"q{i}", 6) for i in range(20)])] * 3)["answer_words"]
+    q = metrics.paired([(base, [words(f"q{i}", 6) for i in range(20)])] * 3)["answer_words"]
     assert q["diff"] == q["lo"] == q["hi"] == 2 and q["two_level"] == {"lo": 2, "hi": 2, "p_not_above": 0}
 
 
@@ -434,7 +435,7 @@ def test_two_level_interval_of_one_pair_is_the_question_level_one():
     # one pair: the seed level draws that pair every time, so the two intervals differ only by their random draws
     base = [words(f"q{i}", 2) for i in range(60)]
     new = [words(f"q{i}", 2 + i % 5) for i in range(60)]  # 0..4 words longer, 2 on average
-    p = evaluate.paired([(base, new)])["answer_words"]
+    p = metrics.paired([(base, new)])["answer_words"]
     assert p["diff"] == 2 and p["lo"] < 2 < p["hi"]
     assert p["two_level"]["lo"] == approx(p["lo"], abs=0.05) and p["two_level"]["hi"] == approx(p["hi"], abs=0.05)
 
@@ -465,14 +466,14 @@ def test_gold_steps_ceiling_takes_only_the_final_answer_from_the_model(tiny_inde
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     qs = dataio.load_questions(tiny_index, "dev")[:8]
     ret = retrievers.Retriever(tiny_index, "bm25")
-    right = evaluate.score(evaluate.run_method("gold_steps", rollout.GoldPolicy(tok, qs), ret, qs, rollout.Settings()))
+    right = metrics.score(evaluate.run_method("gold_steps", rollout.GoldPolicy(tok, qs), ret, qs, rollout.Settings()))
     assert right["f1_recall"] == 100 and right["routing_acc"] == 100 and right["format_fail"] == 0
     swap = {"text": "image", "table": "image", "image": "text"}  # its own steps would route wrong too
     wrong = [dict(q, answers=["nobody at all"], steps=[dict(st, kb=swap[st["kb"]]) for st in q["steps"]]) for q in qs]
     trajs = evaluate.run_method("gold_steps", rollout.GoldPolicy(tok, wrong), ret, qs, rollout.Settings())
     assert [x["final_answer"] for x in trajs] == ["nobody at all"] * len(qs)
     assert [x["steps"] for x in trajs] == [x["steps"] for x in rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs)]
-    s = evaluate.score(trajs)
+    s = metrics.score(trajs)
     assert s["f1_recall"] == 0 and s["routing_acc"] == 100
 
 
