@@ -22,6 +22,9 @@ GOLD_LABELS = [*KBS, STOP]
 PRED_LABELS = [*KBS, STOP, MISSING]
 ANSWER_METRICS = {"f1_recall": reward.f1_recall, "em": reward.exact_match, "f1": reward.f1, "acc": reward.acc}
 
+# ----------------------------------------------------------------------------------------------------------------
+# one method's scores
+
 
 def first_samples(trajs):
     """One trajectory per question, the one with the lowest sample index; question order is kept."""
@@ -241,6 +244,9 @@ def score(trajs):
         groups[x.get("type") or "unknown"].append(x)
     out["by_type"] = {ty: metrics(groups[ty]) for ty in type_order(groups)}
     return out
+
+# ----------------------------------------------------------------------------------------------------------------
+# two methods on the same questions: the paired bootstrap
 
 PAIRED = ("f1_recall", "em", "f1", "answer_words", "routing_acc", "steps", "retrievals")
 
