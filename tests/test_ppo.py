@@ -159,7 +159,8 @@ def test_a_critic_warmup_holds_the_policy(tmp_path, tiny_model_dir, tiny_index):
     assert all(torch.equal(a[k], b[k]) for k in a) and records(out)[0]["value_loss"] is not None
 
 TWO_RANK_CRITIC = '''
-import json, sys
+import faulthandler, json, sys
+faulthandler.enable()  # a rank that aborts prints its threads' Python stacks into the stderr the assertion shows
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 import critic, stepgrpo, trainutil
