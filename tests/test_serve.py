@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote
@@ -158,8 +159,8 @@ def test_a_vl_policy_reads_the_requests_picture_and_the_server_keeps_no_copy(tin
     from openai import OpenAI
     vis = vision.VisionIO.load(prepare.prepare_vl(tmp_path / "idefics3", text_model=tiny_model_dir))
     visual = dataio.load_questions(tiny_index, "visual_test")
-    # questions of their own wording: the gold policy knows a question by its text, and three share theirs
-    qs = [q for q in visual if [v["question"] for v in visual].count(q["question"]) == 1][:2]
+    wording = Counter(q["question"] for q in visual)  # the gold policy knows a question by its text; three share theirs
+    qs = [q for q in visual if wording[q["question"]] == 1][:2]
     ret = retrievers.Retriever(tiny_index, "bm25")
     with serving(rollout.GoldPolicy(vis.tok, qs, vis), ret, qs) as (url, pictures):
         client = OpenAI(base_url=url + "/v1", api_key="none")
@@ -258,7 +259,7 @@ def test_the_page_draws_the_steps_and_the_answer_in_headless_chromium(server, ti
         web.do("POST", web.find("#question") + "/value", {"text": "What is shown?"})
         web.do("POST", web.find("#picture") + "/value", {"text": dataio.load_kb(tiny_index, "image")[0]["path"]})
         web.do("POST", web.find("button[type=submit]") + "/click", {})
-        assert web.js("return document.getElementById('shown').src").startswith("data:image/")
+        web.wait("return document.getElementById('shown').src.startsWith('data:image/')")  # once the file is read
         assert "text model: it cannot take a picture" in web.wait(
             "return document.querySelector('#final.error')?.textContent")
     finally:
