@@ -10,18 +10,25 @@ with: the value loss's gradients never reach the policy, the two learn at their 
 1e-5), and the critic can warm up alone (--critic_warmup). The price is a second model's shards, gradients and Adam
 state (docs/gpu.md).
 """
+import sys
+
 import torch
 import torch.distributed as dist
 
 import trainutil
 from grpo import gae, value_loss, whiten
 
+GAMMA, LAM = 1.0, 1.0   # GAE's discount and lambda over policy tokens (Search-R1's, verl's defaults)
+VF_CLIP = 0.5           # the value loss's clip around the old values (verl's cliprange_value)
+MIN_EXPLAINED_VAR = 0.3  # what the critic must explain of the returns' variance after --critic_warmup for the policy to start
+
 def load(args, device, world, lora):
-    """The critic from --model (a resume loads its trained state afterwards) and its AdamW."""
+    """The critic from --model (a resume loads its trained state afterwards) and its AdamW, verl's critic optimizer:
+    betas (0.9, 0.999), weight decay 0.01, the gradient norm clipped at 1 (update)."""
     critic = trainutil.load_sharded(args.model, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
                                     lora=lora, value_head=True)
     params = [p for p in critic.parameters() if p.requires_grad]
-    return critic, torch.optim.AdamW(params, lr=args.critic_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    return critic, torch.optim.AdamW(params, lr=args.critic_lr, betas=(0.9, 0.999), weight_decay=0.01)
 
 def values(critic, m):
     """V [N]: the critic's value of the state before each policy token of micro-batch m (the positions sel marks)."""
@@ -30,7 +37,8 @@ def values(critic, m):
 def advantages(critic, micro, olds, refs, args):
     """Each micro-batch's GAE advantages (whitened over the global batch's policy tokens) and returns, from its token
     rewards, the values the critic gives now (m.values) and, with --kl_in_reward beta, the penalty -beta (logp_old -
-    logp_ref) on every policy token (verl's use_kl_in_reward, its "kl" estimator)."""
+    logp_ref) on every policy token (verl's use_kl_in_reward, its "kl" estimator), logp_old the trainer's own
+    recomputed logprobs (olds: learner.score_old's), as verl's old_log_prob, not the sampler's."""
     stats = torch.zeros(3, dtype=torch.float64, device=micro[0].ids.device)  # count, sum, sum of squares of A
     with torch.no_grad():
         for m, old, ref in zip(micro, olds, refs):
@@ -38,7 +46,7 @@ def advantages(critic, micro, olds, refs, args):
             r = m.reward - args.kl_in_reward * (old - ref) if args.kl_in_reward else m.reward
             R, V = torch.zeros(m.sel.shape, device=r.device), torch.zeros(m.sel.shape, device=r.device)  # [B, T-1]
             R[m.sel], V[m.sel] = r, m.values
-            adv, ret = gae(R, V, m.sel, args.gamma, args.lam)
+            adv, ret = gae(R, V, m.sel, GAMMA, LAM)
             m.adv, m.returns = adv[m.sel], ret[m.sel]  # [N] each
             if m.weight:
                 stats += torch.stack([torch.tensor(float(len(m.adv)), device=stats.device), m.adv.double().sum(),
@@ -55,7 +63,7 @@ def update(critic, opt, micro, denom, args):
     sums = torch.zeros(7, dtype=torch.float64, device=micro[0].ids.device)
     for m in micro:
         v = values(critic, m)
-        loss, clipped = value_loss(v, m.values, m.returns, args.vf_clip, denom / world)
+        loss, clipped = value_loss(v, m.values, m.returns, VF_CLIP, denom / world)
         (loss * m.weight).backward()
         err = (m.returns - v).detach().double()
         R = m.returns.double()
@@ -68,11 +76,26 @@ def update(critic, opt, micro, denom, args):
 
 def record(sums):
     """The log's critic numbers from update's sums over all ranks: value_loss, vf_clipfrac and the explained variance
-    1 - Var(R - V) / Var(R) over the batch's policy tokens (> 0: the values explain some of the returns)."""
+    1 - Var(R - V) / Var(R) over the batch's policy tokens (> 0: the values explain some of the returns; None: the
+    returns are constant)."""
     sums = sums.clone()
     dist.all_reduce(sums)
     n_tok, loss, clipped, r, r2, e, e2 = sums.tolist()
     n_tok = max(n_tok, 1.0)
     var = lambda s, s2: s2 / n_tok - (s / n_tok) ** 2  # noqa: E731
+    flat = var(r, r2) <= 1e-9 * max(1.0, r2 / n_tok)  # constant returns, up to the sums' rounding: nothing to explain
     return dict(value_loss=loss, vf_clipfrac=clipped / n_tok,
-                explained_var=1 - var(e, e2) / var(r, r2) if var(r, r2) > 0 else None)
+                explained_var=None if flat else 1 - var(e, e2) / var(r, r2))
+
+def check_warmup(rec, step, args):
+    """After the last of --critic_warmup steps (rec: its log record, the same on every rank): the policy starts only
+    if the critic explains more than MIN_EXPLAINED_VAR of the returns' variance, else every rank exits with one line
+    (GAE's advantages from a critic that explains nothing are whitened returns: REINFORCE, not PPO)."""
+    if args.adv_estimator != "gae" or step != args.critic_warmup or not args.critic_warmup:
+        return
+    ev = rec.get("explained_var")
+    if ev is None or not ev > MIN_EXPLAINED_VAR:
+        sys.exit(f"error: after --critic_warmup {args.critic_warmup} steps the critic explains "
+                 f"{'nothing' if ev is None else f'{ev:.2f}'} of the returns' variance (the policy starts above "
+                 f"{MIN_EXPLAINED_VAR}): raise --critic_warmup, --critic_lr or --minibatches, or --critic_warmup 0 to "
+                 "train the policy at once")

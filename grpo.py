@@ -14,6 +14,8 @@ import torch
 import trainutil
 from engines import truncate
 
+OVERLONG_BUFFER = 0.2  # DAPO's soft overlong punishment: L_cache = 0.2 L_max (its 4,096 of 20,480 tokens)
+
 def norm(v, eps=1e-4, std=True):
     """(v - mean) / (std + eps) over a group, with the unbiased std as GRPO implementations; exactly 0 if all equal.
     std False: v - mean (Dr. GRPO: small reward differences are not blown up to +-1)."""
@@ -57,7 +59,7 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0):
     returns) [B, T], 0 off the mask, before any whitening (whiten)."""
     B, T = rewards.shape
     adv, next_v, next_a = torch.zeros_like(rewards), rewards.new_zeros(B), rewards.new_zeros(B)
-    m = mask.to(rewards.dtype)
+    m, mask = mask.to(rewards.dtype), mask.bool()  # a bool or a 0/1 float mask (verl's response_mask)
     for t in reversed(range(T)):
         a = rewards[:, t] + gamma * next_v - values[:, t] + gamma * lam * next_a  # [B]
         adv[:, t] = a * m[:, t]
@@ -108,20 +110,68 @@ def token_logprobs(model, ids, attn, sel, pos=None, temperature=1.0, entropy_gra
         entropy = -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(-1)  # [N]; 0 log 0 = 0
     return logp.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1), entropy
 
-def grpo_loss(logp, old, ref, adv, clip_eps, kl_coef, denom, entropy=None, entropy_coef=0.0):
-    """logp, old, ref, adv, entropy: [N] over the policy tokens of a micro-batch.
-      ratio = exp(logp - old)   (old: the sampling engine's logprobs, or with --old_logprobs trainer the trainer's)
-      l_t = -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) + kl_coef (exp(ref - logp) - (ref - logp) - 1)   (k3 KL)
-            - entropy_coef H_t   (an entropy bonus, EasyR1's entropy_coeff)
+def policy_ratio(logp, old, seq=None):
+    """The importance ratio [N] of the clipped loss. seq None (--ratio token, PPO's): exp(logp_t - old_t). seq [N]
+    (--ratio sequence, GSPO's, arXiv 2507.18071, as verl's compute_policy_loss_gspo): each token's sequence index
+    (spans_of), and every token of sequence i gets
+        s_i = exp(mean_{t in i}(logp_t - old_t)),   written  exp(logp_t - sg[logp_t] + sg[log s_i])
+    (GSPO-token: the value of s_i, the gradient s_i grad logp_t), log-clamped at 10 as verl's."""
+    if seq is None:
+        return torch.exp(logp - old)
+    d, n = (logp - old).detach(), len(seq)  # n bounds the sequences' count (no host sync for their max)
+    mean = torch.zeros(n, dtype=d.dtype, device=d.device).index_add_(0, seq, d) / \
+        torch.zeros(n, dtype=d.dtype, device=d.device).index_add_(0, seq, torch.ones_like(d)).clamp(min=1)  # [n]
+    return torch.exp((logp - logp.detach() + mean[seq]).clamp(max=10.0))
+
+def spans_of(sel):
+    """[N]: the index of the contiguous run of selected positions each selected one belongs to (row-major), sel
+    [B, T-1]: a step's completion in a packed group or a span of a trajectory, GSPO's sequence."""
+    prev = torch.zeros_like(sel)
+    prev[:, 1:] = sel[:, :-1]
+    return (sel & ~prev).flatten().cumsum(0).view_as(sel)[sel] - 1
+
+def tis_weights(old, sampler, cap):
+    """Truncated importance sampling (--tis_cap C; verl's rollout correction, token-level truncate): the weights
+    w_t = min(pi_old(t) / pi_sampler(t), C) = min(exp(old_t - sampler_t), C) [N], detached, that correct the loss for
+    the sampler (vLLM) not being the trainer: old is the trainer's recomputed logprob, sampler the engine's."""
+    return torch.exp(old - sampler).clamp(max=cap).detach()
+
+def grpo_loss(logp, old, ref, adv, clip, kl_coef, denom, entropy=None, entropy_coef=0.0, seq=None, tis=None):
+    """logp, old, ref, adv, entropy: [N] over the policy tokens of a micro-batch; clip = (eps_low, eps_high).
+      ratio_t = exp(logp_t - old_t)   (old: the sampling engine's logprobs, or with --old_logprobs trainer the
+                trainer's; seq: GSPO's sequence ratio instead, policy_ratio)
+      l_t = w_t max(-ratio_t A_t, -clip(ratio_t, 1 - eps_low, 1 + eps_high) A_t)   (verl's compute_policy_loss;
+                eps_high > eps_low: DAPO's clip-higher; w_t: tis, the truncated IS weights, else 1)
+            + kl_coef (exp(ref - logp) - (ref - logp) - 1)   (k3 KL)   - entropy_coef H_t   (EasyR1's entropy_coeff)
     Returns the loss to backprop, already divided by the global `denom` (the policy tokens of the global batch: every
-    token weighs the same, DAPO's token-level mean), and the per-token kl and clipped indicators."""
-    ratio = torch.exp(logp - old)
-    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    token weighs the same, DAPO's token-level mean), the per-token kl, and the per-token indicators that the clip
+    acted below (A < 0, ratio < 1 - eps_low) and above (A > 0, ratio > 1 + eps_high): verl's pg_clipfrac is their sum."""
+    ratio = policy_ratio(logp, old, seq)
+    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip[0], 1 + clip[1]) * adv)
+    pg = pg * tis if tis is not None else pg
     kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3 estimator of KL(policy || ref)
     per_tok = pg + kl_coef * kl - (entropy_coef * entropy if entropy_coef else 0.0)
     loss = per_tok.sum() / denom
-    clipped = ((ratio - 1).abs() > clip_eps).float()
-    return loss, kl.detach(), clipped
+    r = ratio.detach()
+    return loss, kl.detach(), ((adv < 0) & (r < 1 - clip[0])).float(), ((adv > 0) & (r > 1 + clip[1])).float()
+
+def was_cut(tok, ids, budget, stop):
+    """Whether the engine stopped a completion `ids` at its budget of new tokens before any of its stop strings."""
+    return len(ids) >= budget and not any(st in tok.decode(ids) for st in stop)
+
+def overlong(n_tokens, budget, cut, mode):
+    """DAPO's overlong handling of one completion of n_tokens at a step budget of `budget` new tokens (cut: the
+    engine stopped it at the budget, before its stop string). Returns (reward added, trained):
+      mask     a cut completion is not trained (overlong filtering): (0, not cut)
+      penalty  soft overlong punishment, L_max the budget, L_cache OVERLONG_BUFFER of it:
+               0 if n <= L_max - L_cache, ((L_max - L_cache) - n) / L_cache above (-1 at the budget), trained
+      none     (0, True)"""
+    if mode == "mask":
+        return 0.0, not cut
+    if mode == "penalty":
+        cache = max(1, round(OVERLONG_BUFFER * budget))
+        return min(0.0, ((budget - cache) - n_tokens) / cache), True
+    return 0.0, True
 
 def split_credit(tok, group, rewards, kb_part, std, scale):
     """--route_credit split: per completion, per-token advantages. The KB half of the route reward (0.5 [KB = gold's])
@@ -146,17 +196,19 @@ def choice_entropy(choices):
     n = len(choices)
     return float(-sum(c / n * math.log2(c / n) for c in Counter(choices).values())) if n else 0.0
 
-def pack_group(prefix, group, adv):
+def pack_group(prefix, group, adv, keep=None):
     """The n completions of one prompt as one row, the prompt (but its last token) once and then, per completion, that
     last token and the completion: a branch. seg gives each token's branch (-1: the shared prompt), pos its position
     id (a branch continues the prompt). collate's tree mask lets a branch see the prompt and itself only, so the
     repeated last token makes each policy token's left neighbour its true predecessor, and the row scores every
-    completion exactly as n separate rows (~3x less compute than those on CPU)."""
+    completion exactly as n separate rows (~3x less compute than those on CPU). keep[i] False: completion i stays in
+    the row untrained, mask 0 (--overlong mask)."""
     L = len(prefix) - 1
     row = dict(ids=list(prefix[:-1]), mask=[0] * L, old=[0.0] * L, adv=[0.0] * L, seg=[-1] * L, pos=list(range(L)))
     for i, ((ids, lps), a) in enumerate(zip(group, adv)):
         a = [0.0, *a] if isinstance(a, list) else [float(a)] * (1 + len(ids))  # a: one value, or one a token
-        for key, vals in (("ids", [prefix[-1], *ids]), ("mask", [0] + [1] * len(ids)), ("old", [0.0, *lps]),
+        trained = 1 if keep is None or keep[i] else 0
+        for key, vals in (("ids", [prefix[-1], *ids]), ("mask", [0] + [trained] * len(ids)), ("old", [0.0, *lps]),
                           ("adv", a), ("seg", [i] * (1 + len(ids))),
                           ("pos", list(range(L, L + 1 + len(ids))))):
             row[key] += vals

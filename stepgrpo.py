@@ -27,12 +27,10 @@ first) -> the weight sync into this rank's engine -> main. R1-Router's released 
 whole step, std-divided; this repo's extensions (docs/stepgrpo.md) are the defaults. Formulas sit by their functions.
 """
 import argparse
-import math
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,14 +46,13 @@ import steprewards
 import trainutil
 import transcript
 import vision
-from grpo import (choice_entropy, collate, group_advantages, grpo_loss, norm, pack_group, split_credit,
-                  token_advantages, token_logprobs, token_rewards)
+from grpo import (choice_entropy, group_advantages, norm, overlong, pack_group, split_credit, token_advantages,
+                  token_rewards, was_cut)
+from learner import TEMPERATURE, learn
 from report import curves_chart
 
 ROUTE_TOKENS, ANSWER_TOKENS = 64, 48  # generation budgets of a routing and an answer step while training
-TEMPERATURE = 1.0  # rollouts sample from softmax(logits / T), and the trainer's logprobs are of that distribution
-CLIP_EPS = 0.2     # PPO's ratio clip (R1-Router's, Search-R1's, verl's)
-GRAD_CLIP = 1.0    # global gradient norm
+DYNAMIC_TRIES = 4  # --dynamic_sampling: rounds of questions drawn at most in one step (the first included)
 KEEP = 3           # newest checkpoints kept (and <out>/best's)
 
 #### arguments
@@ -86,6 +83,12 @@ def get_args(argv=None):
                          "route reward on the <ret> tokens, the rest on the tokens before (extension)")
     ap.add_argument("--adv_std", action=argparse.BooleanOptionalAction, default=False,
                     help="divide group advantages by the group's std (GRPO, R1-Router); default: r - mean only (Dr. GRPO)")
+    ap.add_argument("--dynamic_sampling", action=argparse.BooleanOptionalAction, default=False,
+                    help="DAPO's: drop groups whose advantages are all 0 and draw more questions until --batch_questions "
+                         "have a group that carries a gradient (at most DYNAMIC_TRIES rounds; logged: refilled)")
+    ap.add_argument("--overlong", default="none", choices=["none", "mask", "penalty"],
+                    help="a step the engine cut at its token budget: mask = not trained (DAPO's overlong filtering); "
+                         "penalty = DAPO's soft overlong punishment on its reward (grpo.overlong)")
     ap.add_argument("--w_hit", type=float, default=0.0,
                     help="onpolicy: reward of a search that retrieves the gold document (Agentic RAG-R1's tool reward)")
     ap.add_argument("--batch_questions", type=int, default=16, help="questions per step, over all ranks")
@@ -111,6 +114,18 @@ def get_args(argv=None):
     ap.add_argument("--old_logprobs", default="sampler", choices=["sampler", "trainer"],
                     help="PPO's old logprobs: the engine's from sampling (cheaper), or recomputed by the trainer before "
                          "the update (R1-Router); trainer logs old_gap, the mean |sampler - trainer|")
+    ap.add_argument("--clip_low", type=float, default=0.2, help="PPO's ratio clip below 1: 1 - clip_low (verl's clip_ratio_low)")
+    ap.add_argument("--clip_high", type=float, default=0.2,
+                    help="the clip above 1: 1 + clip_high; DAPO's clip-higher: 0.28 (verl's clip_ratio_high)")
+    ap.add_argument("--ratio", default="token", choices=["token", "sequence"],
+                    help="the importance ratio: token = PPO's per token; sequence = GSPO's, the geometric mean over a step "
+                         "(GSPO clips at about 3e-4 / 4e-4)")
+    ap.add_argument("--tis_cap", type=float, default=0.0,
+                    help="truncated importance sampling: the loss weighted by min(pi_trainer / pi_sampler, C) per token "
+                         "(verl's rollout correction, e.g. 2; sets --old_logprobs trainer; 0: off)")
+    ap.add_argument("--minibatches", type=int, default=1,
+                    help="optimizer steps per rollout, each over a shuffled share of its rows, the policy's and the "
+                         "critic's (Search-R1's PPO: 2; the ratio is against the rollout's old logprobs)")
     ap.add_argument("--micro_batch", type=int, default=2, help="rows per forward/backward")
     ap.add_argument("--train_steps", type=int, default=12)
     ap.add_argument("--save_every", type=int, default=6)
@@ -134,10 +149,9 @@ def get_args(argv=None):
                     help="grpo: group-relative advantages; gae: PPO, a critic's values and GAE over policy tokens "
                          "(onpolicy: with --reward step the step rewards on each step's last token, Step-PPO)")
     ap.add_argument("--critic_lr", type=float, default=1e-5, help="gae: the critic's AdamW learning rate (Search-R1's)")
-    ap.add_argument("--gamma", type=float, default=1.0, help="gae: discount over policy tokens (Search-R1's, verl's)")
-    ap.add_argument("--lam", type=float, default=1.0, help="gae: GAE's lambda (Search-R1's, verl's)")
-    ap.add_argument("--vf_clip", type=float, default=0.5, help="gae: the value loss's clip around the old values (verl's)")
-    ap.add_argument("--critic_warmup", type=int, default=0, help="gae: steps that train the critic alone first")
+    ap.add_argument("--critic_warmup", type=int, default=4,
+                    help="gae: steps that train the critic alone first; the policy then starts only if the critic "
+                         f"explains more than {critic.MIN_EXPLAINED_VAR} of the returns' variance (0: no warm-up, no check)")
     ap.add_argument("--kl_in_reward", type=float, default=0.0,
                     help="gae: a per-token KL penalty -beta (logp_old - logp_ref) in the reward (Search-R1: 0.001)")
     ap.add_argument("--seed", type=int, default=0)
@@ -147,6 +161,8 @@ def get_args(argv=None):
 def check_args(args, world):
     """One-line errors for flag combinations that cannot work, before anything is loaded. --quant int8 sets
     --old_logprobs trainer: LLM.int8 quantises activations too, so the engine's bf16 logprobs are not the trainer's."""
+    if args.tis_cap > 0 and args.old_logprobs != "trainer":
+        args.old_logprobs = "trainer"  # the weights are pi_trainer / pi_sampler: the trainer's logprobs are needed
     if args.quant == "int8" and args.old_logprobs != "trainer":
         args.old_logprobs = "trainer"
         if int(os.environ.get("RANK", 0)) == 0:
@@ -161,6 +177,9 @@ def check_args(args, world):
     if args.group_size < 1 or (args.group_size < 2 and args.adv_estimator == "grpo"):
         sys.exit(f"error: -n {args.group_size}: a group needs at least 2 samples to have a relative advantage "
                  "(--adv_estimator gae: 1 is enough)")
+    if not (0 <= args.clip_low < 1 and args.clip_high >= 0 and args.tis_cap >= 0 and args.minibatches >= 1):
+        sys.exit(f"error: --clip_low {args.clip_low} --clip_high {args.clip_high} --tis_cap {args.tis_cap} --minibatches "
+                 f"{args.minibatches}: clip_low in [0, 1), clip_high >= 0, tis_cap >= 0, minibatches >= 1")
     if args.adv_estimator == "gae":
         check_ppo(args)
     elif args.kl_in_reward:
@@ -177,12 +196,11 @@ def check_ppo(args):
     if args.structure != "transcript":
         sys.exit("error: --adv_estimator gae needs --structure transcript: a released trajectory's chats are valued "
                  "apart, so GAE cannot run across them")
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(args, name) <= 1:
-            sys.exit(f"error: --{name} {getattr(args, name)}: it must be in [0, 1]")
-    if args.critic_warmup < 0 or args.vf_clip <= 0 or args.kl_in_reward < 0:
-        sys.exit(f"error: --critic_warmup {args.critic_warmup} --vf_clip {args.vf_clip} --kl_in_reward "
-                 f"{args.kl_in_reward}: a warm-up >= 0, a clip > 0, a penalty >= 0")
+    if args.dynamic_sampling:
+        sys.exit("error: --dynamic_sampling drops groups whose advantages are all 0: PPO (--adv_estimator gae) has no groups")
+    if args.critic_warmup < 0 or args.kl_in_reward < 0:
+        sys.exit(f"error: --critic_warmup {args.critic_warmup} --kl_in_reward {args.kl_in_reward}: a warm-up >= 0, "
+                 "a penalty >= 0")
 
 def check_questions(questions, args):
     """One-line errors for training questions Step-GRPO cannot use."""
@@ -201,7 +219,7 @@ def settings(args, **kw):
                             max_rets=args.max_rets, **kw)
 
 STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "format_ok", "overflow", "retrievals",
-         "tokens", "reask")  # logged means
+         "tokens", "reask", "cut", "refilled", "informative")  # logged means
 
 def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens.
@@ -215,7 +233,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     stats["rollout_generated"] = sum(x["n_policy_tokens"] for x in trajs)
     for g in range(len(qs)):
         group = trajs[g * args.group_size:(g + 1) * args.group_size]
-        scored = [steprewards.span_rewards(x, encode, w) for x in group]
+        scored = [overlong_spans(engine.tok, x, *steprewards.span_rewards(x, encode, w), args, stats) for x in group]
         scale = w.route_scale and {("route", t): w.route_scale[steprewards.gold_route(group[0]["gold_steps"], t)]
                                    for t in range(args.max_steps)}
         ppo = args.adv_estimator == "gae"
@@ -225,10 +243,34 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
             adv_tok = token_advantages(len(x["ids"]), x["spans"], a)
             tok_r = token_rewards(len(x["ids"]), x["spans"], r, o, args.reward) if ppo else None
             rows += [dict(ids=x["ids"][c:d], mask=x["mask"][c:d], old=x["logprobs"][c:d], adv=adv_tok[c:d],
-                          images=vision.images_in(x["images"], c, d), **({"reward": tok_r[c:d]} if ppo else {}))
+                          images=vision.images_in(x["images"], c, d), group=(qs[g]["id"], g),
+                          **({"reward": tok_r[c:d]} if ppo else {}))
                      for c, d in x["segments"] if any(x["mask"][c:d])]  # a row per chat (one unless released)
             steprewards.log_trajectory(stats, x, r, o)
     return rows, stats
+
+def overlong_spans(tok, x, r, o, args, stats):
+    """--overlong on on-policy trajectory x with span rewards r and outcome o (grpo.overlong): a span the engine cut at
+    its budget leaves the mask, or its reward (the outcome's with --reward outcome) gets the soft penalty. Returns r, o."""
+    budget = dict(route=route_budget(tok, args), answer=ANSWER_TOKENS, final=ANSWER_TOKENS)
+    stop = dict(route=rollout.route_stop(tok, settings(args))[0], answer=["</answer>"], final=["</answer>"])
+    r = list(r)
+    for j, sp in enumerate(x["spans"]):
+        ids = x["ids"][sp["start"]:sp["end"]]
+        cut = was_cut(tok, ids, budget[sp["kind"]], stop[sp["kind"]])
+        stats["cut"].append(float(cut))
+        add, keep = overlong(len(ids), budget[sp["kind"]], cut, args.overlong)
+        if args.reward == "outcome":
+            o += add
+        else:
+            r[j] += add
+        if not keep:
+            x["mask"][sp["start"]:sp["end"]] = [0] * (sp["end"] - sp["start"])
+    return r, o
+
+def route_budget(tok, args):
+    """The new tokens a routing step may write while training (rollout.route_stop at ROUTE_TOKENS)."""
+    return rollout.route_stop(tok, settings(args, route_tokens=ROUTE_TOKENS))[1]
 
 def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=None):
     """R1-Router's groups: a question's trajectory up to each step is a prompt, the n completions of that one step a
@@ -257,6 +299,10 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
         texts = [[engine.tok.decode(ids, skip_special_tokens=True) for ids, _ in g] for g in groups]
         for (x, sp, prefix, images), group, txt in zip(todo, groups, texts):
             rs, choices, kb_part, cls = steprewards.score_group(kind, x, sp, txt, s, encode, w, stats)
+            cut = [was_cut(engine.tok, ids, max_tok, stop) for ids, _ in group]
+            stats["cut"] += [float(c) for c in cut]
+            shaped = [overlong(len(ids), max_tok, c, args.overlong) for (ids, _), c in zip(group, cut)]
+            rs, keep = [r + add for r, (add, _) in zip(rs, shaped)], [k for _, k in shaped]
             stats["tokens"] += [len(ids) for ids, _ in group]
             generated = sum(len(ids) for ids, _ in group)
             stats["rollout_generated"] += generated
@@ -270,69 +316,49 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
             else:
                 adv = norm(rs, std=args.adv_std) * scale
             if getattr(getattr(engine, "vis", None), "mrope", False):  # 3-D positions: a row per completion, not a packed group
-                rows += [dict(ids=prefix + ids, mask=[0] * len(prefix) + [1] * len(ids), old=[0.0] * len(prefix) + list(lps),
-                              adv=[0.0] * len(prefix) + (a if isinstance(a, list) else [float(a)] * len(ids)), images=images)
-                         for (ids, lps), a in zip(group, adv)]
+                rows += [dict(ids=prefix + ids, mask=[0] * len(prefix) + [int(k)] * len(ids), old=[0.0] * len(prefix) + list(lps),
+                              adv=[0.0] * len(prefix) + (a if isinstance(a, list) else [float(a)] * len(ids)), images=images,
+                              group=(x["qid"], len(rows)))
+                         for (ids, lps), a, k in zip(group, adv, keep)]
             else:
-                rows.append(dict(pack_group(prefix, group, adv), images=images))
+                rows.append(dict(pack_group(prefix, group, adv, keep), images=images, group=(x["qid"], len(rows))))
     return rows, stats
 
+def rollout_rows(engine, retriever, mine, args, encode, w, seed, store, pool):
+    """This rank's training rows and rollout stats from its questions `mine`. --dynamic_sampling (DAPO): only the
+    groups whose advantages are not all 0, and while fewer than len(mine) questions have one, as many questions again
+    drawn from `pool` (seeded by the step's seed: an exact resume), at most DYNAMIC_TRIES rounds; the first len(mine)
+    questions with a gradient are trained. Logged: refilled, the share of them drawn after the first round, and
+    informative, their number over len(mine)."""
+    def batch(qs, sd):
+        if args.rollout == "onpolicy":
+            return onpolicy_batch(engine, retriever, qs, args, encode, w, sd)
+        return teacher_prefix_batch(engine, retriever, qs, args, encode, w, sd, store)
+    rows, stats = batch(mine, seed)
+    if not args.dynamic_sampling:
+        return rows, stats
+    kept, done = [], []  # done: (round, question id) of the questions trained
+    for rnd in range(DYNAMIC_TRIES):
+        if rnd:
+            extra = random.Random(seed + rnd).sample(pool, len(mine))
+            rows, more = batch(extra, seed + 15485863 * rnd)
+            for k, v in more.items():
+                stats[k] += v
+        groups = {}
+        for r in rows:
+            groups.setdefault(r["group"], []).append(r)
+        for (qid, _), g in groups.items():
+            if (rnd, qid) in done or len(done) < len(mine):
+                if any(a for r in g for a, m in zip(r["adv"], r["mask"]) if m):
+                    done += [] if (rnd, qid) in done else [(rnd, qid)]
+                    kept += g
+        if len(done) >= len(mine):
+            break
+    stats["refilled"].append(sum(r > 0 for r, _ in done) / max(1, len(done)))
+    stats["informative"].append(len(done) / len(mine))
+    return kept, stats
+
 #### update
-
-@dataclass
-class Micro:
-    """One micro-batch (grpo.collate): ids [B, T]; attn [B, T] padding or [B, 1, T, T] tree mask; pos [B, T] or None;
-    sel [B, T-1] the positions predicting a policy token; old, adv [N] over those N tokens (sampler logprob,
-    advantage); pix the image inputs of a VL policy ({} else); weight 0 for a stand-in (no rows);
-    lengths: the rows' tokens without padding (what the update computes usefully: bench/flops.py)."""
-    ids: torch.Tensor
-    attn: torch.Tensor
-    pos: torch.Tensor | None
-    sel: torch.Tensor
-    old: torch.Tensor
-    adv: torch.Tensor
-    pix: dict
-    weight: float
-    lengths: tuple = ()
-    reward: torch.Tensor | None = None   # [N] PPO's token rewards (gae), then the critic's values and the returns
-    values: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-
-def scaled_loss(logp, old, ref_lp, m, denom, args, ent):
-    """The one place the loss is scaled: (the loss to backprop, its part of the logged loss, kl, clipped). grpo_loss
-    divides the micro-batch's per-token sum by denom / world (denom: micro_batches' global count): FSDP averages the
-    gradients over ranks, so the update is the gradient of the global mean per policy token. The logged part is
-    loss / world: summed over micro-batches and ranks (log_record) it is that global mean."""
-    world = dist.get_world_size()
-    loss, kl, clipped = grpo_loss(logp, old, ref_lp, m.adv, CLIP_EPS, args.kl_coef, denom / world, ent,
-                                  args.entropy_coef)
-    return loss, loss.detach() / world, kl, clipped
-
-def micro_batches(rows, args, pad_id, device, vis=None):
-    """The rows that carry a gradient, collated in micro-batches with their image inputs (vis: a VL policy), and the
-    global loss denominator.
-    Without a KL or an entropy term a row whose policy tokens all have advantage 0 (a unanimous group) has zero
-    gradient: it is skipped, but `denom` still counts it, so the update is exactly the one over every row. Every rank runs the same
-    number of micro-batches (FSDP all-gathers inside each forward), at least one: a rank with none left runs a copy
-    of its first row with weight 0; and a VL policy's micro-batch without images a dummy picture (VisionIO.pixels
-    always), since another rank's may have some and run the vision blocks.
-    Returns [Micro], denom (the global count of policy tokens), the fraction of rows skipped."""
-    rows = sorted(rows, key=lambda s: len(s["ids"]))  # micro-batches of similar lengths pad less; the loss is a global sum
-    ppo = args.adv_estimator == "gae"  # GAE's advantages come later: every row counts
-    live = [s for s in rows if ppo or args.kl_coef > 0 or args.entropy_coef > 0
-            or any(a for a, m in zip(s["adv"], s["mask"]) if m)]
-    n_micro = torch.tensor([max(1, math.ceil(len(live) / args.micro_batch))], device=device)
-    dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
-    chunks = [live[k * args.micro_batch:(k + 1) * args.micro_batch] for k in range(int(n_micro))]
-    stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2, reward=[0.0] * 2)]  # no rows
-    pixels = lambda m, ids: vis.pixels([s.get("images", []) for s in m], device, ids, always=True) if vis else {}
-    keys = ("old", "adv", "reward") if ppo else ("old", "adv")
-    micro = [Micro(*c[:6], pix=pixels(m or stand_in, c[0]), weight=float(bool(m)), lengths=tuple(len(s["ids"]) for s in m),
-                   reward=c[6] if ppo else None)
-             for m in chunks for c in [collate(m or stand_in, pad_id, device, keys)]]
-    denom = torch.tensor([sum(sum(s["mask"]) for s in rows)], dtype=torch.float64, device=device)
-    dist.all_reduce(denom)
-    return micro, denom.clamp(min=1).item(), 1 - len(live) / max(1, len(rows))
 
 def update_tokens(args):
     """The most policy tokens a micro-batch can hold, the N of the loss's [N, vocabulary] logits (the memory check's):
@@ -343,54 +369,11 @@ def update_tokens(args):
         args.max_steps * route + ANSWER_TOKENS
     return args.micro_batch * row
 
-def add_stats(sums, weight, loss, kl, clipped, entropy):
-    """sums[k] += weight x this micro-batch's loss and its per-token sums (float64 scalars on the data's device)."""
-    for k, v in (("loss", loss.detach()), ("kl", kl.sum()), ("clipped", clipped.sum()), ("entropy", entropy.sum()),
-                 ("tokens", torch.ones_like(kl).sum())):
-        sums[k] += weight * v.double()
-
-def score_old(model, ref, micro, args, suppress=()):
-    """Before the update: each micro-batch's old logprobs (the sampler's; --old_logprobs trainer: the trainer's own,
-    R1-Router's released code via EasyR1, summing |sampler - trainer| into old_gap) and the reference's (None without
-    a KL term; ref None: the policy is LoRA and its adapters go off, trainutil.reference). suppress: token ids the
-    engines never sample (token_logprobs). Returns [old], [ref], old_gap."""
-    T, olds, refs = TEMPERATURE, [], []
-    old_gap = torch.zeros((), dtype=torch.float64, device=micro[0].ids.device)
-    with torch.no_grad():
-        for m in micro:
-            old, ref_lp = m.old, None
-            if args.kl_coef > 0 or args.kl_in_reward > 0:
-                with trainutil.reference(model, ref) as r:
-                    ref_lp = token_logprobs(r, m.ids, m.attn, m.sel, m.pos, T, pix=m.pix, suppress=suppress)[0]
-            if args.old_logprobs == "trainer":
-                mine = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, T, pix=m.pix, suppress=suppress)[0]  # [N]
-                old_gap += m.weight * (mine - old).abs().sum().double()
-                old = mine
-            olds.append(old)
-            refs.append(ref_lp)
-    return olds, refs, old_gap
-
-def update(model, opt, micro, olds, refs, denom, args, suppress=()):
-    """One pass of the PPO-clipped loss over the micro-batches, one optimizer step. Returns this rank's sums (loss,
-    kl and clipped over its policy tokens, entropy, tokens) and the global grad norm."""
-    device = micro[0].ids.device
-    sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
-    for m, old, ref_lp in zip(micro, olds, refs):
-        logp, ent = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, TEMPERATURE, args.entropy_coef > 0, m.pix,
-                                   suppress)  # [N] each
-        ref_lp = logp.detach() if ref_lp is None or args.kl_coef == 0 else ref_lp  # no reference: KL term 0
-        loss, logged, kl, clipped = scaled_loss(logp, old, ref_lp, m, denom, args, ent)
-        (loss * m.weight).backward()
-        add_stats(sums, m.weight, logged, kl, clipped, ent.detach())
-    grad_norm = trainutil.clip_grad_norm(model, GRAD_CLIP)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return sums, grad_norm
-
 def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id, peak, seed, store=None, check=False,
-               crit=None, warmup=False):
-    """One step on this rank's questions `mine`: rollouts and rewards, the update, the new weights into the engine.
-    Returns the rows, the rollout stats, the update's sums and grad norm, and the phases' seconds. The sync is checked
+               crit=None, warmup=False, pool=()):
+    """One step on this rank's questions `mine`: rollouts and rewards (rollout_rows; pool: the questions
+    --dynamic_sampling draws from), the update (learn), the new weights into the engine. Returns the rows, the
+    rollout stats, the update's sums and grad norm, and the phases' seconds. The sync is checked
     (trainutil.sync_gap, logged as sync_mean_diff and sync_max_diff) after this process's first update and where `check` says
     (main: at every checkpoint, so a saved policy is known to be the one its engine samples from). crit: PPO's
     (critic, its optimizer): GAE's advantages, then the critic's update (its numbers in sums["critic"]); warmup: the
@@ -399,33 +382,13 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     check = check or "sync" not in peak.gib  # gib: the phases run so far
     t = time.perf_counter()
     with peak("rollout"):
-        rows, stats = onpolicy_batch(engine, retriever, mine, args, encode, w, seed) if args.rollout == "onpolicy" \
-            else teacher_prefix_batch(engine, retriever, mine, args, encode, w, seed, store)
+        rows, stats = rollout_rows(engine, retriever, mine, args, encode, w, seed, store, pool)
     timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"),
                   rollout_tokens=stats.pop("rollout_tokens"),  # this rank's rollout work (bench/flops.py)
                   rollout_generated=stats.pop("rollout_generated"))
     engine.sleep()  # GPU: the engine's memory goes to the update until the sync wakes it
-    t = time.perf_counter()
-    vis = getattr(engine, "vis", None)
-    micro, denom, timing["skipped"] = micro_batches(rows, args, pad_id, device, vis)
-    sup = vis.special_ids if vis else ()
-    with peak("update"):
-        olds, refs, old_gap = score_old(model, ref, micro, args, sup)
-    if crit:
-        t_c = time.perf_counter()
-        with peak("critic"):
-            critic.advantages(crit[0], micro, olds, refs, args)
-            critic_sums, timing["critic_grad_norm"] = critic.update(*crit, micro, denom, args)
-        timing["critic_s"] = time.perf_counter() - t_c
-    with peak("update"):
-        if warmup:  # the policy waits for its critic: nothing but the token count
-            sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("loss", "kl", "clipped", "entropy")}
-            sums["tokens"] = torch.tensor(sum(m.weight * len(m.old) for m in micro), dtype=torch.float64, device=device)
-            grad_norm = 0.0
-        else:
-            sums, grad_norm = update(model, opt, micro, olds, refs, denom, args, sup)
-    sums.update(old_gap=old_gap, **({"critic": critic_sums} if crit else {}))
-    timing["update_s"] = time.perf_counter() - t - timing.get("critic_s", 0.0)
+    micro, sums, grad_norm = learn(model, ref, opt, crit, rows, args, pad_id, device, getattr(engine, "vis", None),
+                                   seed, warmup, peak, timing)
     lengths = [n for m in micro for n in m.lengths]
     timing.update(update_rows=len(lengths), update_tokens=sum(lengths),  # this rank's work (bench/flops.py)
                   update_policy=sum(len(m.old) for m in micro if m.weight))
@@ -457,7 +420,11 @@ def log_record(step, epoch, stats, sums, grad_norm, timing, rows, args):
     return dict(step=step, epoch=epoch, world=world,
                 **{k: tot[f"{k}.sum"] / tot[f"{k}.n"] if tot[f"{k}.n"] else None for k in STATS},
                 loss=tot["loss"],  # the global mean loss (scaled_loss)
-                kl=tot["kl"] / n_tok if args.kl_coef > 0 else None, clip_frac=tot["clipped"] / n_tok,
+                kl=tot["kl"] / n_tok if args.kl_coef > 0 else None,
+                clip_frac=(tot["clip_low"] + tot["clip_high"]) / n_tok,  # verl's pg_clipfrac: where the clip acted
+                clip_low_frac=tot["clip_low"] / n_tok, clip_high_frac=tot["clip_high"] / n_tok,
+                tis_weight=tot["tis"] / n_tok if args.tis_cap else None,  # the IS weights' mean, and the share capped
+                tis_capped=tot["tis_capped"] / n_tok if args.tis_cap else None,
                 old_gap=tot["old_gap"] / n_tok if args.old_logprobs == "trainer" else None,
                 entropy=tot["entropy"] / n_tok, grad_norm=grad_norm,
                 adv_abs=float(np.mean([abs(a) for s in rows for a, m in zip(s["adv"], s["mask"]) if m] or [0.0])),  # rank 0's
@@ -562,8 +529,8 @@ def main(argv=None):
         saving = (args.save_every and step % args.save_every == 0) or step == args.train_steps
         rows, stats, sums, grad_norm, timing = train_step(model, ref, opt, engine, ret, mine, args, encoder.encode, w,
                                                           pad_id, peak, seed=args.seed + 7919 * (step - 1) + 104729 * rank,
-                                                          store=store, check=saving, crit=crit,
-                                                          warmup=step <= args.critic_warmup)
+                                                          store=store, check=saving, crit=crit, pool=questions,
+                                                          warmup=crit is not None and step <= args.critic_warmup)
         rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, args)
         rec["memory_gib"] = trainutil.gather_peaks(peak.gib, world)  # per phase since the last record, one value a rank
         if saving and dev_qs:
@@ -585,6 +552,7 @@ def main(argv=None):
                                           fmt=transcript.format_meta(args))
             if rank == 0 and best:
                 trainutil.link_step(out, best, "best")
+        critic.check_warmup(rec, step, args)  # after the checkpoint: the warmed-up critic is kept
     peaks = trainutil.highest(peaks, trainutil.gather_peaks(peak.gib, world))  # the last checkpoint's, which no record holds
     if rank == 0:
         trainutil.link_step(out, step, "final")

@@ -255,12 +255,15 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     return model
 
 def to_critic(model):
-    """The causal LM with its LM head replaced by a scalar value head (untied from the embeddings), zero-initialised:
-    every value starts at 0, the same on every rank, and selected_logits returns values [N, 1]."""
+    """The causal LM with its LM head replaced by a scalar value head (untied from the embeddings), initialised as
+    verl's critic head (transformers' token-classification head: weight N(0, 0.02), bias 0) from a fixed seed, the
+    same on every rank; selected_logits returns values [N, 1]. Not zeros: a zero head moves each value by at most
+    lr x |h|_1 an update, and its gradient reaches the backbone only through the head."""
     head = model.get_output_embeddings()
     value = torch.nn.Linear(head.in_features, 1, device=head.weight.device, dtype=head.weight.dtype)
     if value.weight.device.type != "meta":
-        torch.nn.init.zeros_(value.weight)
+        g = torch.Generator(device=value.weight.device).manual_seed(0)
+        torch.nn.init.normal_(value.weight, std=0.02, generator=g)
         torch.nn.init.zeros_(value.bias)
     model.config.tie_word_embeddings = False
     model.set_output_embeddings(value)

@@ -347,7 +347,7 @@ def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(wide_model_dir):
     ids = torch.randint(5, V, (1, N + 1), generator=torch.Generator().manual_seed(0))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         logp, entropy = grpo.token_logprobs(model, ids, torch.ones(1, N + 1), torch.ones(1, N, dtype=torch.bool))
-        loss = grpo.grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(N), 0.2, 0.0, N, entropy)[0]
+        loss = grpo.grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(N), (0.2, 0.2), 0.0, N, entropy)[0]
         loss.backward()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())  # nbytes: + an allocation, - a free

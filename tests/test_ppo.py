@@ -14,6 +14,7 @@ from conftest import interrupted_copy, kill_a_rank
 
 import critic
 import grpo
+import learner
 import stepgrpo
 import trainutil
 
@@ -44,6 +45,8 @@ def test_gae_skips_evidence_tokens_and_matches_the_formula(gamma, lam):
     adv, ret = grpo.gae(torch.tensor(rewards), torch.tensor(values), torch.tensor(mask).bool(), gamma, lam)
     want_a, want_r = direct_gae(rewards, values, mask, gamma, lam)
     assert torch.allclose(adv, torch.tensor(want_a), atol=1e-6) and torch.allclose(ret, torch.tensor(want_r), atol=1e-6)
+    fa, fr = grpo.gae(torch.tensor(rewards), torch.tensor(values), torch.tensor(mask).float(), gamma, lam)
+    assert torch.equal(fa, adv) and torch.equal(fr, ret)  # a 0/1 float mask, verl's response_mask, as the bool one
     off = ~torch.tensor(mask).bool()
     assert (adv[off] == 0).all() and (ret[off] == 0).all()
     # the evidence neither resets the running advantage nor counts as a step: the same policy tokens packed together
@@ -96,7 +99,7 @@ def test_a_critic_learns_a_fixed_batch(tiny_model_dir):
         crit, opt = critic.load(args, torch.device("cpu"), 1, None)
         assert [n for n, p in crit.named_parameters() if p.requires_grad and "lm_head" in n] == \
             ["lm_head.weight", "lm_head.bias"] and crit.get_output_embeddings().out_features == 1
-        micro, denom, _ = stepgrpo.micro_batches(critic_rows(), args, 0, torch.device("cpu"))
+        micro, denom, _ = learner.micro_batches(critic_rows(), args, 0, torch.device("cpu"))
         losses, ev = [], []
         for _ in range(40):
             critic.advantages(crit, micro, [m.old for m in micro], [None] * len(micro), args)
@@ -116,7 +119,7 @@ def ppo_args(model, data, out, *extra):
     return ["--model", str(model), "--data", str(data), "--out", str(out), "--rollout", "onpolicy", "--adv_estimator",
             "gae", "--batch_questions", "2", "-n", "1", "--retriever", "bm25", "--eval_questions", "0", "--lr", "1e-2",
             "--critic_lr", "1e-2", "--kl_in_reward", "1.0", "--entropy_coef", "0.1", "--wandb_mode", "disabled",
-            "--save_every", "1", "--dtype", "fp32", *map(str, extra)]
+            "--save_every", "1", "--dtype", "fp32", "--critic_warmup", "0", *map(str, extra)]
 
 def records(out):
     return [json.loads(line) for line in open(Path(out) / "log.jsonl")]
@@ -152,18 +155,36 @@ def test_ppo_trains_the_critic_and_resumes_exactly(ppo_straight, tmp_path, tiny_
                                                                               rel=1e-6, abs=1e-9), key
 
 @pytest.mark.slow
-def test_a_critic_warmup_holds_the_policy(tmp_path, tiny_model_dir, tiny_index):
+def test_a_critic_warmup_holds_the_policy_and_a_critic_that_explains_nothing_stops_the_run(tmp_path, tiny_model_dir,
+                                                                                          tiny_index):
+    # the tiny random policy's returns are all 0 before its first update (its only reward, the KL penalty, is 0 at
+    # the reference): after the warm-up the critic explains nothing, and the policy never starts
     out = tmp_path / "warm"
-    stepgrpo.main(ppo_args(tiny_model_dir, tiny_index, out, "--train_steps", 1, "--critic_warmup", 1))
-    a, b = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a) and records(out)[0]["value_loss"] is not None
+    with pytest.raises(SystemExit) as e:
+        stepgrpo.main(ppo_args(tiny_model_dir, tiny_index, out, "--train_steps", 2, "--critic_warmup", 1))
+    msg = str(e.value.code)
+    assert msg.startswith("error: after --critic_warmup 1 steps the critic explains nothing") and "\n" not in msg, msg
+    a, b = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "step_1" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a) and records(out)[-1]["value_loss"] is not None
+    assert not (out / "final").exists()
+
+def test_the_policy_starts_after_the_warmup_only_above_the_explained_variance_bar():
+    args = Namespace(adv_estimator="gae", critic_warmup=3)
+    critic.check_warmup(dict(explained_var=0.31), 3, args)  # passes
+    critic.check_warmup(dict(explained_var=0.0), 2, args)   # not the warm-up's last step: no check
+    critic.check_warmup(dict(explained_var=0.0), 3, Namespace(adv_estimator="gae", critic_warmup=0))  # told: no warm-up
+    for rec, words in ((dict(explained_var=0.29), "explains 0.29 of"), (dict(explained_var=None), "explains nothing"),
+                       (dict(explained_var=float("nan")), "explains nan")):
+        with pytest.raises(SystemExit) as e:
+            critic.check_warmup(rec, 3, args)
+        assert str(e.value.code).startswith("error: after --critic_warmup 3 steps") and words in str(e.value.code)
 
 TWO_RANK_CRITIC = '''
 import faulthandler, json, sys
 faulthandler.enable()  # a rank that aborts prints its threads' Python stacks into the stderr the assertion shows
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
-import critic, stepgrpo, trainutil
+import critic, learner, trainutil
 from argparse import Namespace
 from test_ppo import critic_rows
 rank, world, device, _ = trainutil.env_rank()
@@ -172,7 +193,7 @@ args = Namespace(model=sys.argv[2], activation_checkpointing=False, dtype="fp32"
                  vf_clip=0.5, kl_in_reward=0.0, adv_estimator="gae", kl_coef=0.0, entropy_coef=0.0, micro_batch=2)
 crit, opt = critic.load(args, device, world, None)
 rows = critic_rows(8)[rank::world]
-micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, device)
+micro, denom, _ = learner.micro_batches(rows, args, 0, device)
 for _ in range(3):
     critic.advantages(crit, micro, [m.old for m in micro], [None] * len(micro), args)
     rec = critic.record(critic.update(crit, opt, micro, denom, args)[0])
@@ -223,8 +244,8 @@ def test_a_killed_rank_restarts_a_ppo_job(tmp_path, tiny_model_dir, tiny_index):
     assert all(torch.equal(ca[k], cb[k]) for k in ca)
 
 def test_ppo_flags_that_cannot_work_exit_with_one_line(tmp_path):
-    for extra, words in ((["--gamma", "1.5"], "--gamma 1.5: it must be in [0, 1]"),
-                         (["--lam", "-0.1"], "--lam -0.1: it must be in [0, 1]"),
+    for extra, words in ((["--critic_warmup", "-1"], "--critic_warmup -1"),
+                         (["--dynamic_sampling"], "PPO (--adv_estimator gae) has no groups"),
                          (["--rollout", "teacher_prefix"], "needs --rollout onpolicy"),
                          (["--structure", "released"], "needs --structure transcript"),
                          (["--adv_estimator", "grpo", "-n", "1"], "at least 2 samples")):

@@ -18,6 +18,7 @@ import dataio
 import prepare
 import reward
 import grpo
+import learner
 import stepgrpo
 import steprewards
 import transcript
@@ -71,7 +72,14 @@ def test_identical_rewards_give_zero_advantage():
     # exactly 0 (so main() can skip the row): the mean of 7 copies of 0.1 is not 0.1 in floating point
     assert np.mean([0.1] * 7) != 0.1 and grpo.norm([0.1] * 7).tolist() == [0.0] * 7
 
-def test_loss_matches_a_direct_computation():
+def verl_vanilla_loss(logp, old, adv, low, high):
+    """verl's compute_policy_loss (vanilla, its dual clip left out), written out: pg_losses1 = -A ratio, pg_losses2 =
+    -A clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high), the max of the two per token; pg_clipfrac: pg2 > pg1."""
+    ratio = torch.exp(logp - old)
+    pg1, pg2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    return torch.maximum(pg1, pg2), (pg2 > pg1).float()
+
+def test_loss_matches_a_direct_computation_and_verls_policy_loss():
     torch.manual_seed(0)
     N = 8
     logp, old, ref = -torch.rand(N) * 3, -torch.rand(N) * 3, -torch.rand(N) * 3
@@ -84,12 +92,69 @@ def test_loss_matches_a_direct_computation():
         pg = -min(ratio * a, min(max(ratio, 1 - eps), 1 + eps) * a)
         d = (ref[i] - logp[i]).item()
         per_tok.append(pg + beta * (math.exp(d) - d - 1))
-    loss, kl, clipped = grpo.grpo_loss(logp, old, ref, adv, eps, beta, N)
+    loss, kl, low, high = grpo.grpo_loss(logp, old, ref, adv, (eps, eps), beta, N)
     assert loss.item() == pytest.approx(sum(per_tok) / N, rel=1e-5)
-    assert torch.all(kl >= 0) and clipped.tolist() == [float(abs(math.exp(logp[i] - old[i]) - 1) > eps) for i in range(N)]
+    assert torch.all(kl >= 0)
     ent = torch.rand(N) * 2  # the entropy bonus: -coef H_t on every token
-    loss, _, _ = grpo.grpo_loss(logp, old, ref, adv, eps, beta, N, ent, 1e-3)
+    loss = grpo.grpo_loss(logp, old, ref, adv, (eps, eps), beta, N, ent, 1e-3)[0]
     assert loss.item() == pytest.approx(sum(p - 1e-3 * h for p, h in zip(per_tok, ent.tolist())) / N, rel=1e-5)
+    # DAPO's clip-higher against verl's formula on hand-made ratios: 1.25 with A > 0 is inside [0.8, 1.28], 1.3 is
+    # clipped above; 0.75 with A < 0 is clipped below, 0.75 with A > 0 is not (the min takes the unclipped term)
+    ratios = torch.tensor([1.25, 1.3, 0.75, 0.75, 1.3, 1.0])
+    A = torch.tensor([1.0, 1.0, -1.0, 1.0, -2.0, 0.5])
+    lp, o = torch.log(ratios), torch.zeros(6)
+    mine, low, high = grpo.grpo_loss(lp, o, lp, A, (0.2, 0.28), 0.0, 1.0)[0], *grpo.grpo_loss(lp, o, lp, A, (0.2, 0.28), 0.0, 1.0)[2:]
+    verl, frac = verl_vanilla_loss(lp, o, A, 0.2, 0.28)
+    assert mine.item() == pytest.approx(verl.sum().item(), rel=1e-6)
+    assert (low + high).tolist() == frac.tolist() == [0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert low.tolist() == [0, 0, 1, 0, 0, 0] and high.tolist() == [0, 1, 0, 0, 0, 0]
+    # by hand: -1.25, -1.28, -(-0.8), -0.75, -(-2 x 1.3), -0.5
+    assert mine.item() == pytest.approx(-1.25 - 1.28 + 0.8 - 0.75 + 2.6 - 0.5, rel=1e-6)
+
+def test_the_clipped_gradient_stops_where_verls_does():
+    # the gradient of each token's loss is 0 exactly where the clip acts, on both sides, as verl's
+    lp = torch.log(torch.tensor([1.35, 1.25, 0.7, 0.9])).requires_grad_()
+    A = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    grpo.grpo_loss(lp, torch.zeros(4), lp.detach(), A, (0.2, 0.28), 0.0, 1.0)[0].backward()
+    assert lp.grad[0] == 0 and lp.grad[2] == 0 and lp.grad[1] == pytest.approx(-1.25) and lp.grad[3] == pytest.approx(0.9)
+
+def test_gspo_sequence_ratio_is_the_geometric_mean_of_each_span():
+    # GSPO: s_i = exp(mean_t(logp - old)) over sequence i, the same value on each of its tokens, and the gradient of
+    # the token-mean loss -A s_i equals that of the sequence-level objective written directly
+    sel = torch.tensor([[0, 1, 1, 0, 1, 1, 1], [1, 1, 0, 0, 0, 0, 0]]).bool()
+    seq = grpo.spans_of(sel)
+    assert seq.tolist() == [0, 0, 1, 1, 1, 2, 2]
+    torch.manual_seed(1)
+    old = -torch.rand(7)
+    lp = (old + 0.1 * torch.randn(7)).requires_grad_()
+    A = torch.tensor([1.0, 1.0, -0.5, -0.5, -0.5, 2.0, 2.0])
+    s = grpo.policy_ratio(lp, old, seq)
+    for i, idx in enumerate(([0, 1], [2, 3, 4], [5, 6])):
+        assert torch.allclose(s[idx], torch.exp((lp - old)[idx].mean()).expand(len(idx)))
+    grpo.grpo_loss(lp, old, lp.detach(), A, (1.0, 1.0), 0.0, 7.0, seq=seq)[0].backward()
+    direct = lp.detach().clone().requires_grad_()
+    total = sum(-A[idx[0]] * torch.exp((direct - old)[idx].mean()) * len(idx) for idx in ([0, 1], [2, 3, 4], [5, 6])) / 7
+    total.backward()
+    assert torch.allclose(lp.grad, direct.grad, atol=1e-6)
+    # outside the clip: 3e-4 / 4e-4 (GSPO's), a sequence ratio of exp(0.01) is clipped for A > 0: no gradient
+    lp2 = torch.tensor([0.01, 0.01]).requires_grad_()
+    grpo.grpo_loss(lp2, torch.zeros(2), lp2.detach(), torch.ones(2), (3e-4, 4e-4), 0.0, 2.0, seq=torch.tensor([0, 0]))[0].backward()
+    assert lp2.grad.abs().max() == 0
+
+def test_truncated_importance_weights_and_dapos_overlong_shaping():
+    # TIS: min(exp(old - sampler), C) per token, detached; the loss scales by it
+    old, sampler = torch.log(torch.tensor([0.5, 0.2, 0.9])), torch.log(torch.tensor([0.25, 0.2, 0.1]))
+    w = grpo.tis_weights(old, sampler, 2.0)
+    assert w.tolist() == pytest.approx([2.0, 1.0, 2.0]) and not w.requires_grad
+    lp, A = torch.zeros(3), torch.tensor([1.0, -1.0, 0.5])
+    plain = grpo.grpo_loss(lp, lp, lp, A, (0.2, 0.2), 0.0, 1.0)[0]
+    weighted = grpo.grpo_loss(lp, lp, lp, A, (0.2, 0.2), 0.0, 1.0, tis=w)[0]
+    assert plain.item() == pytest.approx(-0.5) and weighted.item() == pytest.approx(-2.0 + 1.0 - 1.0)
+    # DAPO's soft overlong punishment at L_max 64, L_cache 0.2 x 64 = 13: 0 up to 51 tokens, then linear to -1 at 64
+    assert [grpo.overlong(n, 64, n == 64, "penalty")[0] for n in (40, 51, 52, 58, 64)] == \
+        pytest.approx([0.0, 0.0, -1 / 13, -7 / 13, -1.0])
+    assert grpo.overlong(64, 64, True, "mask") == (0.0, False) and grpo.overlong(64, 64, False, "mask") == (0.0, True)
+    assert grpo.overlong(64, 64, True, "none") == (0.0, True)
 
 def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
     # --entropy_coef: the loss's gradient is the PPO gradient minus coef x the entropy's own gradient;
@@ -105,7 +170,7 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
         def grad(coef, only_entropy=False):
             model.zero_grad()
             logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos, entropy_grad=True)
-            loss = -ent.sum() if only_entropy else grpo.grpo_loss(logp, old, logp.detach(), adv, 0.2, 0.0, 3.0, ent,
+            loss = -ent.sum() if only_entropy else grpo.grpo_loss(logp, old, logp.detach(), adv, (0.2, 0.2), 0.0, 3.0, ent,
                                                                         coef)[0]
             loss.backward()
             return model.lm_head.weight.grad.to_local().clone()
@@ -114,16 +179,17 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
         model.zero_grad()
         with torch.no_grad():
             mine = grpo.token_logprobs(model, ids, attn, sel, pos)[0]
-        args = Namespace(old_logprobs="trainer", entropy_coef=0.0, kl_coef=0.0, kl_in_reward=0.0)
+        args = Namespace(old_logprobs="trainer", entropy_coef=0.0, kl_coef=0.0, kl_in_reward=0.0, clip_low=0.2,
+                         clip_high=0.2, ratio="token", tis_cap=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        micro = [stepgrpo.Micro(ids, attn, pos, sel, old, adv, {}, 1.0)]
-        olds, refs, old_gap = stepgrpo.score_old(model, None, micro, args)
-        sums, _ = stepgrpo.update(model, opt, micro, olds, refs, 3.0, args)
+        micro = [learner.Micro(ids, attn, pos, sel, old, adv, {}, 1.0)]
+        olds, refs, _, old_gap = learner.score_old(model, None, micro, args)
+        sums, _ = learner.update(model, opt, micro, olds, refs, 3.0, args)
     finally:
         if own:
             torch.distributed.destroy_process_group()
     assert old_gap.item() == pytest.approx((mine - old).abs().sum().item(), rel=1e-6)
-    assert sums["clipped"].item() == 0  # ratio exp(logp - logp) = 1, although the sampler's logprobs are far off
+    assert sums["clip_low"].item() == sums["clip_high"].item() == 0  # ratio exp(logp - logp) = 1, although the sampler's logprobs are far off
 
 def test_only_policy_tokens_reach_the_loss(tiny_model_dir):
     # token_logprobs gives exactly the logprobs of the selected (policy) tokens, as a full forward would
@@ -165,7 +231,7 @@ def test_packed_group_scores_like_separate_rows(tiny_model_dir):
     assert torch.allclose(la, lb, atol=1e-5) and torch.allclose(ea, eb, atol=1e-4)
     wrong = grpo.token_logprobs(model, B[0], torch.ones_like(B[0]), B[3])[0]  # the packed row with a plain causal mask
     assert not torch.allclose(la, wrong, atol=1e-3)
-    loss = lambda L: grpo.grpo_loss(L, A[4] - 0.1, L, A[5], 0.2, 0.0, len(la))[0]
+    loss = lambda L: grpo.grpo_loss(L, A[4] - 0.1, L, A[5], (0.2, 0.2), 0.0, len(la))[0]
     assert loss(la).item() == pytest.approx(loss(lb).item(), abs=1e-6)
 
 def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
@@ -180,14 +246,14 @@ def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
         model.zero_grad()
         ids, attn, pos, sel, old, adv = grpo.collate(rows, 0, "cpu")
         logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos, entropy_grad=True)
-        grpo.grpo_loss(logp, old, old - 0.3, adv, 0.2, kl_coef, 8, ent, entropy_coef)[0].backward()
+        grpo.grpo_loss(logp, old, old - 0.3, adv, (0.2, 0.2), kl_coef, 8, ent, entropy_coef)[0].backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
     full = grads(live + [dead], 0.0)
     assert full.abs().max() > 1e-4 and torch.allclose(grads(live, 0.0), full, atol=1e-7)
     assert not torch.allclose(grads(live, 0.1), grads(live + [dead], 0.1), atol=1e-5)
     assert not torch.allclose(grads(live, 0.0, 0.1), grads(live + [dead], 0.0, 0.1), atol=1e-5)
     # micro_batches keeps such a row when a KL or an entropy term gives it a gradient, and only then
-    live_rows = lambda **kw: len(stepgrpo.micro_batches(live + [dead], Namespace(**{"kl_coef": 0.0, "entropy_coef": 0.0,
+    live_rows = lambda **kw: len(learner.micro_batches(live + [dead], Namespace(**{"kl_coef": 0.0, "entropy_coef": 0.0,
                                                         "micro_batch": 8, "adv_estimator": "grpo", **kw}), 0, torch.device("cpu"))[0][0].old)
     import trainutil
     own = trainutil.init_group(1)
@@ -257,8 +323,8 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
             rows = [grpo.pack_group(p, [(ids, [lp + shift for lp in lps]) for ids, lps in g[k]], [1.0, -1.0, 0.5, -0.5])
                     for p, *g in groups]
             model = model or trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False, tree_mask=True)
-            micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, cpu)
-            stepgrpo.update(model, torch.optim.SGD(model.parameters(), lr=1.0), micro, *stepgrpo.score_old(model, None,
+            micro, denom, _ = learner.micro_batches(rows, args, 0, cpu)
+            learner.update(model, torch.optim.SGD(model.parameters(), lr=1.0), micro, *learner.score_old(model, None,
                             micro, args)[:2], denom, args)
             return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
         a, b, c = updated(0, model=model), updated(1), updated(1, shift=0.05)
@@ -607,11 +673,13 @@ def test_step_bookkeeping_stays_on_the_data_device(monkeypatch):
             dict(ids=[5, 9, 9, 8], mask=[0, 1, 1, 1], old=[0.0, -0.1, -0.3, -0.2], adv=[0.0, -1.0, -1.0, -1.0])]
     ids, attn, pos, sel, old, adv = grpo.collate(rows, 0, meta)
     logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos)
-    sums = {k: torch.zeros((), dtype=torch.float64, device=meta) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
-    loss, kl, clipped = grpo.grpo_loss(logp, old, logp.detach() - 0.1, adv, 0.2, 0.1, 5.0)
+    sums = {k: torch.zeros((), dtype=torch.float64, device=meta) for k in learner.SUMS}
+    tis = grpo.tis_weights(old, old - 0.1, 2.0)
+    seq = grpo.spans_of(sel)
+    loss, kl, low, high = grpo.grpo_loss(logp, old, logp.detach() - 0.1, adv, (0.2, 0.28), 0.1, 5.0, seq=seq, tis=tis)
     loss.backward()
-    stepgrpo.add_stats(sums, 1.0, loss, kl, clipped, ent)
-    assert all(t.device == meta for t in (logp, ent, loss, kl, clipped, *sums.values()))
+    learner.add_stats(sums, 1.0, loss, kl, low, high, ent, tis, 2.0)
+    assert all(t.device == meta for t in (logp, ent, loss, kl, low, high, tis, seq, *sums.values()))
     assert all(p.grad is not None and p.grad.device == meta for p in model.parameters())
     s, n = sft.loss_sum(model, *sft.collate([([5, 6, 7], [1, 1, 1])], 0, meta))
     assert s.device == meta and n.device == meta
@@ -624,17 +692,18 @@ def test_the_logged_loss_does_not_depend_on_the_world_size(monkeypatch):
     import trainutil
     rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, 0.5, 0.5, 0.5]),
             dict(ids=[5, 9, 9], mask=[0, 1, 1], old=[0.0, -4.1, -4.3], adv=[0.0, -1.0, -1.0])]
-    args = Namespace(kl_coef=0.0, micro_batch=2, old_logprobs="sampler", entropy_coef=0.0, adv_estimator="grpo")
+    args = Namespace(kl_coef=0.0, micro_batch=2, old_logprobs="sampler", entropy_coef=0.0, adv_estimator="grpo",
+                     clip_low=0.2, clip_high=0.2, ratio="token", tis_cap=0.0)
 
     def logged_loss():
         torch.manual_seed(0)
         model, cpu = TinyLM(), torch.device("cpu")
-        micro, denom, _ = stepgrpo.micro_batches(rows, args, 0, cpu)
+        micro, denom, _ = learner.micro_batches(rows, args, 0, cpu)
         m = micro[0]
         logp, ent = grpo.token_logprobs(model, m.ids, m.attn, m.sel, m.pos)
-        loss, logged, kl, clipped = stepgrpo.scaled_loss(logp, m.old, logp.detach(), m, denom, args, ent)
-        sums = {k: torch.zeros((), dtype=torch.float64) for k in ("loss", "kl", "clipped", "entropy", "tokens")}
-        stepgrpo.add_stats(sums, m.weight, logged, kl, clipped, ent)
+        loss, logged, kl, low, high = learner.scaled_loss(logp, m.old, logp.detach(), m, denom, args, ent)
+        sums = {k: torch.zeros((), dtype=torch.float64) for k in learner.SUMS}
+        learner.add_stats(sums, m.weight, logged, kl, low, high, ent)
         return stepgrpo.log_record(1, 0, {k: [] for k in stepgrpo.STATS}, sums, 0.0, {}, rows, args)["loss"], loss.item()
 
     own = trainutil.init_group(1)
@@ -704,3 +773,126 @@ def test_prefixes_folder_must_hold_synth_trajectories(tmp_path):
     (tmp_path / "train.jsonl").write_text(json.dumps({"qid": "q1", "ids": [1]}) + "\n")
     with pytest.raises(dataio.DataError, match=r"train.jsonl: row 1: not a synth.py trajectory"):
         transcript.load_trajectories(tmp_path, tok, print)
+
+#### the field's standard RL: minibatches, dynamic sampling, overlong steps
+
+class HalfWrong:
+    """GoldPolicy's steps, except that on the questions in `mixed` every second routing completion of a batch names
+    another KB: their route groups are mixed, every other question's unanimous."""
+    def __init__(self, tok, qs, mixed):
+        import rollout
+        self.gold, self.tok, self.vis, self.mixed = rollout.GoldPolicy(tok, qs), tok, None, set(mixed)
+
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
+                 keys=None):
+        out = self.gold.generate(prompts, max_tokens, temperature, top_p, stop, seed, top_k, images, keys)
+        if "</answer>" in stop:
+            return out
+        for i, (_, qid, turn) in enumerate(keys):
+            plan = self.gold.plan(self.gold.by_id[qid])
+            if qid in self.mixed and i % 2 and turn // 2 < len(plan):
+                pairs = [(q, tuple("table" if kb != "table" else "text" for kb in kbs)) for q, kbs in reward.pairs_of(plan[turn // 2])]
+                ids = self.tok.encode(reward.format_route(rollout_think(), pairs), add_special_tokens=False)[:max_tokens]
+                out[i] = (ids, [0.0] * len(ids))
+        return out
+
+def rollout_think():
+    import rollout
+    return rollout.GoldPolicy.THINK
+
+def test_dynamic_sampling_keeps_the_groups_with_a_gradient_and_draws_more_questions(tiny_index, encoder):
+    tok, qs, ret, args, _ = teacher_setup(tiny_index)
+    args.dynamic_sampling = True
+    a, b, c, d = [q for q in qs if q["steps"]][:4]
+    mine, pool = [a, b], [c, d]
+    # one of the step's two questions (a) has a mixed group: a second round draws both of the pool's, of which c is
+    # mixed, and the step is full
+    policy = HalfWrong(tok, qs, mixed=[a["id"], c["id"]])
+    rows, st = stepgrpo.rollout_rows(policy, ret, mine, args, encoder.encode, steprewards.Weights(), 7, None, pool)
+    assert {r["group"][0] for r in rows} == {a["id"], c["id"]}
+    assert all(any(v for v, m in zip(r["adv"], r["mask"]) if m) for r in rows)  # no unanimous group is trained
+    assert st["informative"] == [1.0] and st["refilled"] == [0.5]
+    # a pool with no mixed question: DYNAMIC_TRIES rounds, and the step trains the one question it has
+    rows, st = stepgrpo.rollout_rows(policy, ret, mine, args, encoder.encode, steprewards.Weights(), 7, None, [b, d])
+    assert {r["group"][0] for r in rows} == {a["id"]} and st["informative"] == [0.5] and st["refilled"] == [0.0]
+    # off: every group, unanimous ones included, and no round but the first
+    args.dynamic_sampling = False
+    plain, st = stepgrpo.rollout_rows(policy, ret, mine, args, encoder.encode, steprewards.Weights(), 7, None, pool)
+    assert len(plain) > len(rows) and {r["group"][0] for r in plain} == {q["id"] for q in mine} and st["refilled"] == []
+
+def test_overlong_steps_are_masked_or_penalised(tiny_index, encoder):
+    # a routing step cut at the budget: --overlong mask leaves its tokens out of the loss, penalty lowers its reward
+    # by DAPO's soft punishment (-1 at the budget), none leaves both alone
+    import rollout
+    tok, qs, ret, args, _ = teacher_setup(tiny_index)
+
+    class Rambles(rollout.GoldPolicy):  # every second completion: the budget's worth of text, never </ret>
+        def generate(self, prompts, max_tokens, *a, keys=None, **k):
+            out = super().generate(prompts, max_tokens, *a, keys=keys, **k)
+            long = tok.encode("<think>" + " and then" * 200, add_special_tokens=False)[:max_tokens]
+            return [(long, [0.0] * len(long)) if i % 2 else o for i, o in enumerate(out)]
+    got = {}
+    for mode in ("none", "mask", "penalty"):
+        args.overlong = mode
+        rows, st = stepgrpo.teacher_prefix_batch(Rambles(tok, qs), ret, qs[:2], args, encoder.encode,
+                                                 steprewards.Weights(), seed=0)
+        got[mode] = rows
+        assert st["cut"] == [0.0, 1.0] * (len(st["cut"]) // 2)
+    trained = lambda rows: sum(sum(r["mask"]) for r in rows)
+    assert trained(got["mask"]) < trained(got["none"]) == trained(got["penalty"])
+    for r in got["mask"]:  # only the completion that ended at </ret> is trained: segment 0 of each packed group
+        assert {s for s, m in zip(r["seg"], r["mask"]) if m} == {0}
+    # the cut completion scores 0 (no parse) either way; with the penalty, -1 more: a larger gap in the group
+    gap = lambda rows: max(abs(a) for r in rows for a in r["adv"])
+    assert gap(got["penalty"]) > gap(got["none"])
+
+def test_minibatches_split_the_rows_once_and_one_is_the_whole_batch_bit_for_bit(tiny_model_dir):
+    import trainutil
+    rows = [dict(ids=[5, 6 + i, 7, 8 + i], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4],
+                 adv=[0.0, 0.5 - 0.25 * i, 0.5, 0.5]) for i in range(6)]
+    assert learner.minibatch_rows(rows, 1, 0) == [rows]
+    shares = learner.minibatch_rows(rows, 4, 3)
+    assert sorted(id(r) for s in shares for r in s) == sorted(map(id, rows)) and [len(s) for s in shares] == [2, 2, 1, 1]
+    args = stepgrpo.get_args(["--dtype", "fp32", "--lr", "1e-2", "--micro_batch", "2"])
+    own = trainutil.init_group(1)
+    try:
+        def weights(k, direct=False):
+            torch.manual_seed(0)
+            model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+            args.minibatches = k
+            if direct:  # one update over every row: what a step ran before minibatches
+                micro, denom, _ = learner.micro_batches(rows, args, 0, torch.device("cpu"))
+                olds, refs, _, _ = learner.score_old(model, None, micro, args)
+                learner.update(model, opt, micro, olds, refs, denom, args)
+                sums = None
+            else:
+                sums = learner.learn(model, None, opt, None, rows, args, 0, torch.device("cpu"), None, 0, False,
+                                     trainutil.PeakMemory(), {})[1]
+            return {n: p.full_tensor().clone() for n, p in model.named_parameters()}, sums
+        one, direct, two = weights(1)[0], weights(1, direct=True)[0], weights(2)
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+    assert all(torch.equal(one[n], direct[n]) for n in one)
+    assert any(not torch.equal(one[n], two[0][n]) for n in one)
+    assert two[1]["tokens"].item() == sum(sum(r["mask"]) for r in rows)  # each row once
+    # the second minibatch's ratio is against the rollout's logprobs, after one step at lr 1e-2: the clip can act
+    assert two[1]["clip_low"].item() + two[1]["clip_high"].item() > 0
+
+@pytest.mark.slow
+def test_the_fields_rl_tricks_run_end_to_end_and_resume_exactly(tmp_path, tiny_model_dir, tiny_index):
+    # on-policy with clip-higher, GSPO's ratio, TIS, two minibatches and the overlong penalty (dynamic sampling would
+    # drop every group of the tiny random policy, all unanimous: its own test uses a scripted policy)
+    flags = ["--rollout", "onpolicy", "--clip_high", "0.28", "--ratio", "sequence", "--tis_cap", "2", "--minibatches",
+             "2", "--overlong", "penalty", "--train_steps", "2", "--dtype", "fp32"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    stepgrpo.main(common(tiny_model_dir, tiny_index, straight) + flags)
+    recs = records(straight)
+    assert all(r["tis_weight"] > 0 and r["cut"] > 0 and r["clip_high_frac"] is not None for r in recs)
+    assert all(r["old_gap"] is not None for r in recs)  # --tis_cap recomputes the trainer's old logprobs
+    interrupted_copy(straight, 1, resumed)
+    stepgrpo.main(common(tiny_model_dir, tiny_index, resumed) + flags + ["--resume"])
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert records(resumed)[1]["loss"] == pytest.approx(recs[1]["loss"], rel=1e-6, abs=1e-9)
