@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 MODEL := $(DEFAULT_MODEL)
 
-.PHONY: setup demo baselines test test-fast test-gpu bench bench-serve bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo lora multiquery real real-eval clean
+.PHONY: setup demo baselines test test-fast test-gpu bench bench-serve bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo rl-compare lora multiquery real real-eval clean
 setup: .venv/.stamp $(MODEL)/config.json
 
 # pip byte-compiles on one core: the packages' .pyc are compiled on all of them after (-x: torch's one Python-3.12-only
@@ -196,6 +196,12 @@ visual: $(DATA)/index/meta.json $(MODEL)/config.json
 # main job's SFT at about equal generated rollout tokens, one seed, each dev-picked, on the first 200 test questions
 ppo: $(OUT)/sft/final/config.json
 	PY=$(PY) bash runs/ppo.sh
+
+# Where the credit goes (golden prefixes or the policy's own states, --rollout branch) and DAPO's three (clip-higher,
+# dynamic sampling, the overlong penalty), beside outcome GRPO and SFT-continued, from the main job's SFT at about
+# equal generated rollout tokens, one seed, each dev-picked, on the first 200 test questions (runs/rl_compare.sh)
+rl-compare: $(OUT)/sft/final/config.json
+	PY=$(PY) bash runs/rl_compare.sh
 
 # Full fine-tuning against LoRA and QLoRA: speed, memory, checkpoint size, sync; quality at equal wall-clock time
 lora: $(OUT)/sft/final/config.json $(DATA)/traj/train.jsonl
