@@ -99,6 +99,11 @@ def test_a_critic_learns_a_fixed_batch(tiny_model_dir):
         crit, opt = critic.load(args, torch.device("cpu"), 1, None)
         assert [n for n, p in crit.named_parameters() if p.requires_grad and "lm_head" in n] == \
             ["lm_head.weight", "lm_head.bias"] and crit.get_output_embeddings().out_features == 1
+        head = crit.get_output_embeddings()  # verl's critic head and optimizer: N(0, 0.02), bias 0; AdamW 0.9 / 0.999 / 0.01
+        w = head.weight.full_tensor()
+        assert 0.015 < w.std().item() < 0.025 and head.bias.full_tensor().abs().max() == 0
+        assert torch.equal(w, critic.load(args, torch.device("cpu"), 1, None)[0].get_output_embeddings().weight.full_tensor())
+        assert opt.defaults["betas"] == (0.9, 0.999) and opt.defaults["weight_decay"] == 0.01
         micro, denom, _ = learner.micro_batches(critic_rows(), args, 0, torch.device("cpu"))
         losses, ev = [], []
         for _ in range(40):

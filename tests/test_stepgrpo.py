@@ -185,6 +185,10 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
         micro = [learner.Micro(ids, attn, pos, sel, old, adv, {}, 1.0)]
         olds, refs, _, old_gap = learner.score_old(model, None, micro, args)
         sums, _ = learner.update(model, opt, micro, olds, refs, 3.0, args)
+        # PPO's KL in the reward is against the trainer's own logprobs, also where the ratio takes the sampler's
+        kl_args = Namespace(**{**vars(args), "old_logprobs": "sampler", "kl_in_reward": 0.001})
+        k_old, _, k_mine, _ = learner.score_old(model, model, micro, kl_args)  # the policy as its own reference
+        assert torch.equal(k_old[0], old) and torch.allclose(k_mine[0], mine)
     finally:
         if own:
             torch.distributed.destroy_process_group()
