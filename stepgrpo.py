@@ -13,6 +13,7 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py ... --rollout onpolicy                    # step scoring over whole sampled trajectories
     python stepgrpo.py ... --rollout onpolicy --reward outcome   # plain GRPO on the outcome (Search-R1, ReSearch)
     python stepgrpo.py ... --rollout onpolicy --w_hit 0.5        # + a retrieval (tool) reward (Agentic RAG-R1)
+    python stepgrpo.py ... --rollout branch --branch_steps 2     # groups at the policy's own states, no gold prefix
     python stepgrpo.py ... --lora_r 16 --lr 5e-5                 # LoRA (also from an SFT-LoRA run's final checkpoint)
     python stepgrpo.py ... --lora_r 16 --lr 5e-5 --quant nf4     # QLoRA: nf4 base (bitsandbytes)
     python stepgrpo.py --model out/sft-k2/final ... --max_pairs 2  # multi-query steps (SFT on synth.py --max_pairs 2)
@@ -48,7 +49,7 @@ import steprewards
 import trainutil
 import transcript
 import vision
-from grpo import (choice_entropy, collate, group_advantages, grpo_loss, norm, pack_group, split_credit,
+from grpo import (choice_entropy, collate, group_advantages, group_rows, grpo_loss, norm, split_credit,
                   token_advantages, token_logprobs, token_rewards)
 from report import curves_chart
 
@@ -69,15 +70,17 @@ def get_args(argv=None):
     ap.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
                     help="continue from <out>/latest; auto: if there is one, else start (a restarted job)")
     # rollouts and rewards
-    ap.add_argument("--rollout", default="teacher_prefix", choices=["teacher_prefix", "onpolicy"],
+    ap.add_argument("--rollout", default="teacher_prefix", choices=["teacher_prefix", "onpolicy", "branch"],
                     help="teacher_prefix: a group is n completions of one golden-prefix step (R1-Router); onpolicy: "
-                         "n whole trajectories of one question (extension)")
+                         "n whole trajectories of one question; branch: n completions, each continued to the end, of "
+                         "one step of the policy's own trajectory (extensions)")
+    ap.add_argument("--branch_steps", type=int, default=2, help="branch: the steps of a trajectory that get a group")
     ap.add_argument("--teacher_spans", default="route", choices=["route", "all"],
                     help="teacher_prefix: route = the routing steps only (extension); all = answers too (R1-Router)")
     ap.add_argument("--prefixes", default="gold",
                     help="teacher_prefix: gold = each question's golden trajectory; or a synth.py folder (e.g. a "
                          "teacher's): groups at its trajectories' prefixes, on its questions only")
-    ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (onpolicy only)")
+    ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (not teacher_prefix)")
     ap.add_argument("--balance_kb", action=argparse.BooleanOptionalAction, default=True,
                     help="scale route advantages by the inverse frequency of the gold route (extension)")
     ap.add_argument("--w_format", type=float, default=0.2, help="reward of a step that parses (extension; 0: R1-Router)")
@@ -152,10 +155,12 @@ def check_args(args, world):
         if int(os.environ.get("RANK", 0)) == 0:
             print("note: --quant int8 uses --old_logprobs trainer (LLM.int8 quantises activations: the engine's bf16 "
                   "logprobs are not the trainer's)", flush=True)
-    if args.rollout == "onpolicy" and args.prefixes != "gold":
-        sys.exit("error: --prefixes is a teacher_prefix flag (--rollout onpolicy writes its own steps)")
+    if args.rollout != "teacher_prefix" and args.prefixes != "gold":
+        sys.exit(f"error: --prefixes is a teacher_prefix flag (--rollout {args.rollout} writes its own steps)")
     if args.rollout == "teacher_prefix" and args.reward == "outcome":
-        sys.exit("error: --reward outcome needs --rollout onpolicy (a teacher_prefix group holds one step, no outcome)")
+        sys.exit("error: --reward outcome needs --rollout onpolicy or branch (a teacher_prefix group holds one step, no outcome)")
+    if args.branch_steps < 1:
+        sys.exit(f"error: --branch_steps {args.branch_steps}: it must be at least 1")
     if args.batch_questions % world:
         sys.exit(f"error: --batch_questions {args.batch_questions} must be divisible by the world size {world}")
     if args.group_size < 1 or (args.group_size < 2 and args.adv_estimator == "grpo"):
@@ -269,12 +274,28 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
                 adv = split_credit(engine.tok, group, rs, kb_part, args.adv_std, scale)
             else:
                 adv = norm(rs, std=args.adv_std) * scale
-            if getattr(getattr(engine, "vis", None), "mrope", False):  # 3-D positions: a row per completion, not a packed group
-                rows += [dict(ids=prefix + ids, mask=[0] * len(prefix) + [1] * len(ids), old=[0.0] * len(prefix) + list(lps),
-                              adv=[0.0] * len(prefix) + (a if isinstance(a, list) else [float(a)] * len(ids)), images=images)
-                         for (ids, lps), a in zip(group, adv)]
-            else:
-                rows.append(dict(pack_group(prefix, group, adv), images=images))
+            rows += group_rows(prefix, group, adv, images, getattr(getattr(engine, "vis", None), "mrope", False))
+    return rows, stats
+
+def branch_batch(engine, retriever, qs, args, encode, w, seed):
+    """Groups at the policy's own states (no gold prefix): one trajectory a question, then at up to --branch_steps of
+    its spans (rollout.branch_points) the n completions of that step from its prefix, each continued to the end by
+    the policy (rollout.branch); A = norm(r) within a group, r = steprewards.branch_reward (times the --balance_kb
+    factor of the gold route on routing steps), on the branched step's tokens alone (prefix, continuation: context)."""
+    s, n = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS, temperature=TEMPERATURE), args.group_size
+    ret = rollout.Memo(retriever)  # a replayed step's search returns what the trajectory's did
+    trajs = rollout.rollout(engine, ret, qs, n=1, s=s, seed=seed)
+    ys = rollout.branch(engine, ret, qs, trajs, rollout.branch_points(trajs, args.branch_steps, seed), n, s, seed + 1)
+    stats = {k: [] for k in STATS}
+    stats.update(retrieve_s=sum(x["timings"]["retrieve"] for x in trajs + ys),  # every generated token, for the budget:
+                 rollout_tokens=sum(len(x["ids"]) for x in trajs) + sum(y["new_tokens"] for y in ys),
+                 rollout_generated=sum(x["n_policy_tokens"] for x in trajs) + sum(y["generated"] for y in ys))
+    rows, mrope = [], getattr(getattr(engine, "vis", None), "mrope", False)
+    for group in (ys[k:k + n] for k in range(0, len(ys), n)):
+        rs, cls = steprewards.score_branches(group, encode, w, args.reward, stats)
+        scale = w.route_scale.get(cls, 1.0) if w.route_scale and cls else 1.0
+        prefix, images, completions = rollout.branch_group(group)
+        rows += group_rows(prefix, completions, norm(rs, std=args.adv_std) * scale, images, mrope)
     return rows, stats
 
 #### update
@@ -336,10 +357,11 @@ def micro_batches(rows, args, pad_id, device, vis=None):
 
 def update_tokens(args):
     """The most policy tokens a micro-batch can hold, the N of the loss's [N, vocabulary] logits (the memory check's):
-    --micro_batch rows, each the n completions of one step (teacher_prefix, a packed group) or a whole trajectory
-    (onpolicy), at the generation budgets (a multi-query routing step may write max_pairs pairs: rollout.route_stop)."""
+    --micro_batch rows, each the n completions of one step (teacher_prefix and branch, a packed group) or a whole
+    trajectory (onpolicy), at the generation budgets (a multi-query routing step may write max_pairs pairs:
+    rollout.route_stop)."""
     route = ROUTE_TOKENS * args.max_pairs
-    row = args.group_size * max(route, ANSWER_TOKENS) if args.rollout == "teacher_prefix" else \
+    row = args.group_size * max(route, ANSWER_TOKENS) if args.rollout != "onpolicy" else \
         args.max_steps * route + ANSWER_TOKENS
     return args.micro_batch * row
 
@@ -400,6 +422,7 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     t = time.perf_counter()
     with peak("rollout"):
         rows, stats = onpolicy_batch(engine, retriever, mine, args, encode, w, seed) if args.rollout == "onpolicy" \
+            else branch_batch(engine, retriever, mine, args, encode, w, seed) if args.rollout == "branch" \
             else teacher_prefix_batch(engine, retriever, mine, args, encode, w, seed, store)
     timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"),
                   rollout_tokens=stats.pop("rollout_tokens"),  # this rank's rollout work (bench/flops.py)
@@ -471,7 +494,7 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     folder and synced after each update from trainutil.policy_params, as vLLM's is (one gather a parameter, a strict
     copy). Not generate on the FSDP2 module itself: its forward all-gathers every layer at every decoding step, a
     collective all ranks would have to run in lockstep while their rollouts end at different times."""
-    tree = args.rollout == "teacher_prefix"  # packed groups: 4D attention masks (SDPA, not flash-attn)
+    tree = args.rollout != "onpolicy"  # packed groups (teacher_prefix, branch): 4D attention masks (SDPA, not flash-attn)
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
                                    tree_mask=tree, lora=lora)
     ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=args.dtype == "bf16",
