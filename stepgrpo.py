@@ -74,7 +74,8 @@ def get_args(argv=None):
                     help="teacher_prefix: a group is n completions of one golden-prefix step (R1-Router); onpolicy: "
                          "n whole trajectories of one question; branch: n completions, each continued to the end, of "
                          "one step of the policy's own trajectory (extensions)")
-    ap.add_argument("--branch_steps", type=int, default=2, help="branch: the steps of a trajectory that get a group")
+    ap.add_argument("--branch_steps", type=int, default=2,
+                    help="branch: the most steps of a trajectory that get a group (drawn when it has more)")
     ap.add_argument("--teacher_spans", default="route", choices=["route", "all"],
                     help="teacher_prefix: route = the routing steps only (extension); all = answers too (R1-Router)")
     ap.add_argument("--prefixes", default="gold",
@@ -287,7 +288,7 @@ def branch_batch(engine, retriever, qs, args, encode, w, seed):
     trajs = rollout.rollout(engine, ret, qs, n=1, s=s, seed=seed)
     ys = rollout.branch(engine, ret, qs, trajs, rollout.branch_points(trajs, args.branch_steps, seed), n, s, seed + 1)
     stats = {k: [] for k in STATS}
-    stats.update(retrieve_s=sum(x["timings"]["retrieve"] for x in trajs + ys),  # every generated token, for the budget:
+    stats.update(retrieve_s=sum(x["timings"]["retrieve"] for x in trajs + ys),  # a branch's tokens from its span on
                  rollout_tokens=sum(len(x["ids"]) for x in trajs) + sum(y["new_tokens"] for y in ys),
                  rollout_generated=sum(x["n_policy_tokens"] for x in trajs) + sum(y["generated"] for y in ys))
     rows, mrope = [], getattr(getattr(engine, "vis", None), "mrope", False)
