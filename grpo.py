@@ -3,7 +3,7 @@ grpo.py: the policy-gradient arithmetic of stepgrpo.py, free of engines and proc
 (per step and per trajectory, with or without the std division), PPO's GAE over policy tokens with its whitening and
 its clipped value loss, the split of a routing step's credit between its wording and its KB tokens, the PPO-clipped
 token loss with its k3 KL and entropy terms, and the packing of a group's completions behind one shared prompt (a
-tree attention mask). Each formula sits next to its function; tests check them by hand.
+tree attention mask) or, for 3-D positions, a row each. Each formula sits next to its function; tests check them by hand.
 """
 import math
 from collections import Counter
@@ -213,6 +213,18 @@ def pack_group(prefix, group, adv, keep=None):
                           ("pos", list(range(L, L + 1 + len(ids))))):
             row[key] += vals
     return row
+
+def group_rows(prefix, group, adv, images=(), mrope=False, keep=None):
+    """The training rows of one group, the n completions (ids, logprobs) of the prompt `prefix` with their advantages
+    adv (each one value or one a token): one packed row (pack_group), or for a policy with 3-D positions (mrope, a VL
+    policy's) a row per completion. images: the prefix's pictures ([[start, n, path]]). keep[i] False: completion i
+    untrained (pack_group)."""
+    if not mrope:
+        return [dict(pack_group(prefix, group, adv, keep), images=images)]
+    P, keep = len(prefix), keep or [True] * len(group)
+    return [dict(ids=prefix + ids, mask=[0] * P + [int(k)] * len(ids), old=[0.0] * P + list(lps),
+                 adv=[0.0] * P + (a if isinstance(a, list) else [float(a)] * len(ids)), images=images)
+            for (ids, lps), a, k in zip(group, adv, keep)]
 
 def collate(rows, pad_id, device, keys=("old", "adv")):
     """Right-pad to ids [B, T]; sel [B, T-1] marks positions whose next token is a policy token; the per-token values

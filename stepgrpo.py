@@ -13,6 +13,7 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py ... --rollout onpolicy                    # step scoring over whole sampled trajectories
     python stepgrpo.py ... --rollout onpolicy --reward outcome   # plain GRPO on the outcome (Search-R1, ReSearch)
     python stepgrpo.py ... --rollout onpolicy --w_hit 0.5        # + a retrieval (tool) reward (Agentic RAG-R1)
+    python stepgrpo.py ... --rollout branch --branch_steps 2     # groups at the policy's own states, no gold prefix
     python stepgrpo.py ... --lora_r 16 --lr 5e-5                 # LoRA (also from an SFT-LoRA run's final checkpoint)
     python stepgrpo.py ... --lora_r 16 --lr 5e-5 --quant nf4     # QLoRA: nf4 base (bitsandbytes)
     python stepgrpo.py --model out/sft-k2/final ... --max_pairs 2  # multi-query steps (SFT on synth.py --max_pairs 2)
@@ -46,7 +47,7 @@ import steprewards
 import trainutil
 import transcript
 import vision
-from grpo import (choice_entropy, group_advantages, norm, overlong, pack_group, split_credit, token_advantages,
+from grpo import (choice_entropy, group_advantages, group_rows, norm, overlong, split_credit, token_advantages,
                   token_rewards, was_cut)
 from learner import TEMPERATURE, learn
 from report import curves_chart
@@ -66,15 +67,18 @@ def get_args(argv=None):
     ap.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
                     help="continue from <out>/latest; auto: if there is one, else start (a restarted job)")
     # rollouts and rewards
-    ap.add_argument("--rollout", default="teacher_prefix", choices=["teacher_prefix", "onpolicy"],
+    ap.add_argument("--rollout", default="teacher_prefix", choices=["teacher_prefix", "onpolicy", "branch"],
                     help="teacher_prefix: a group is n completions of one golden-prefix step (R1-Router); onpolicy: "
-                         "n whole trajectories of one question (extension)")
+                         "n whole trajectories of one question; branch: n completions, each continued to the end, of "
+                         "one step of the policy's own trajectory (extensions)")
+    ap.add_argument("--branch_steps", type=int, default=2,
+                    help="branch: the most steps of a trajectory that get a group (drawn when it has more)")
     ap.add_argument("--teacher_spans", default="route", choices=["route", "all"],
                     help="teacher_prefix: route = the routing steps only (extension); all = answers too (R1-Router)")
     ap.add_argument("--prefixes", default="gold",
                     help="teacher_prefix: gold = each question's golden trajectory; or a synth.py folder (e.g. a "
                          "teacher's): groups at its trajectories' prefixes, on its questions only")
-    ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (onpolicy only)")
+    ap.add_argument("--reward", default="step", choices=["step", "outcome"], help="outcome = plain GRPO (not teacher_prefix)")
     ap.add_argument("--balance_kb", action=argparse.BooleanOptionalAction, default=True,
                     help="scale route advantages by the inverse frequency of the gold route (extension)")
     ap.add_argument("--w_format", type=float, default=0.2, help="reward of a step that parses (extension; 0: R1-Router)")
@@ -168,10 +172,12 @@ def check_args(args, world):
         if int(os.environ.get("RANK", 0)) == 0:
             print("note: --quant int8 uses --old_logprobs trainer (LLM.int8 quantises activations: the engine's bf16 "
                   "logprobs are not the trainer's)", flush=True)
-    if args.rollout == "onpolicy" and args.prefixes != "gold":
-        sys.exit("error: --prefixes is a teacher_prefix flag (--rollout onpolicy writes its own steps)")
+    if args.rollout != "teacher_prefix" and args.prefixes != "gold":
+        sys.exit(f"error: --prefixes is a teacher_prefix flag (--rollout {args.rollout} writes its own steps)")
     if args.rollout == "teacher_prefix" and args.reward == "outcome":
-        sys.exit("error: --reward outcome needs --rollout onpolicy (a teacher_prefix group holds one step, no outcome)")
+        sys.exit("error: --reward outcome needs --rollout onpolicy or branch (a teacher_prefix group holds one step, no outcome)")
+    if args.branch_steps < 1:
+        sys.exit(f"error: --branch_steps {args.branch_steps}: it must be at least 1")
     if args.batch_questions % world:
         sys.exit(f"error: --batch_questions {args.batch_questions} must be divisible by the world size {world}")
     if args.group_size < 1 or (args.group_size < 2 and args.adv_estimator == "grpo"):
@@ -252,14 +258,10 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
 def overlong_spans(tok, x, r, o, args, stats):
     """--overlong on on-policy trajectory x with span rewards r and outcome o (grpo.overlong): a span the engine cut at
     its budget leaves the mask, or its reward (the outcome's with --reward outcome) gets the soft penalty. Returns r, o."""
-    budget = dict(route=route_budget(tok, args), answer=ANSWER_TOKENS, final=ANSWER_TOKENS)
-    stop = dict(route=rollout.route_stop(tok, settings(args))[0], answer=["</answer>"], final=["</answer>"])
     r = list(r)
     for j, sp in enumerate(x["spans"]):
-        ids = x["ids"][sp["start"]:sp["end"]]
-        cut = was_cut(tok, ids, budget[sp["kind"]], stop[sp["kind"]])
-        stats["cut"].append(float(cut))
-        add, keep = overlong(len(ids), budget[sp["kind"]], cut, args.overlong)
+        (add,), (keep,) = overlong_group(tok, [(x["ids"][sp["start"]:sp["end"]], None)], *step_budget(tok, args, sp["kind"]),
+                                         args.overlong, stats)
         if args.reward == "outcome":
             o += add
         else:
@@ -268,9 +270,20 @@ def overlong_spans(tok, x, r, o, args, stats):
             x["mask"][sp["start"]:sp["end"]] = [0] * (sp["end"] - sp["start"])
     return r, o
 
-def route_budget(tok, args):
-    """The new tokens a routing step may write while training (rollout.route_stop at ROUTE_TOKENS)."""
-    return rollout.route_stop(tok, settings(args, route_tokens=ROUTE_TOKENS))[1]
+def step_budget(tok, args, kind):
+    """(new tokens, stop strings) of a step of `kind` while training (a route's: rollout.route_stop at ROUTE_TOKENS)."""
+    if kind == "route":
+        stop, n = rollout.route_stop(tok, settings(args, route_tokens=ROUTE_TOKENS))
+        return n, stop
+    return ANSWER_TOKENS, ["</answer>"]
+
+def overlong_group(tok, group, budget, stop, mode, stats):
+    """--overlong on completions [(ids, logprobs)] of one step (grpo.overlong): each one's reward added and whether it
+    is trained; stats["cut"] gets whether the engine cut each at the budget."""
+    cut = [was_cut(tok, ids, budget, stop) for ids, _ in group]
+    stats["cut"] += [float(c) for c in cut]
+    shaped = [overlong(len(ids), budget, c, mode) for (ids, _), c in zip(group, cut)]
+    return [a for a, _ in shaped], [k for _, k in shaped]
 
 def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=None):
     """R1-Router's groups: a question's trajectory up to each step is a prompt, the n completions of that one step a
@@ -299,10 +312,8 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
         texts = [[engine.tok.decode(ids, skip_special_tokens=True) for ids, _ in g] for g in groups]
         for (x, sp, prefix, images), group, txt in zip(todo, groups, texts):
             rs, choices, kb_part, cls = steprewards.score_group(kind, x, sp, txt, s, encode, w, stats)
-            cut = [was_cut(engine.tok, ids, max_tok, stop) for ids, _ in group]
-            stats["cut"] += [float(c) for c in cut]
-            shaped = [overlong(len(ids), max_tok, c, args.overlong) for (ids, _), c in zip(group, cut)]
-            rs, keep = [r + add for r, (add, _) in zip(rs, shaped)], [k for _, k in shaped]
+            adds, keep = overlong_group(engine.tok, group, max_tok, stop, args.overlong, stats)
+            rs = [r + add for r, add in zip(rs, adds)]
             stats["tokens"] += [len(ids) for ids, _ in group]
             generated = sum(len(ids) for ids, _ in group)
             stats["rollout_generated"] += generated
@@ -315,13 +326,33 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
                 adv = split_credit(engine.tok, group, rs, kb_part, args.adv_std, scale)
             else:
                 adv = norm(rs, std=args.adv_std) * scale
-            if getattr(getattr(engine, "vis", None), "mrope", False):  # 3-D positions: a row per completion, not a packed group
-                rows += [dict(ids=prefix + ids, mask=[0] * len(prefix) + [int(k)] * len(ids), old=[0.0] * len(prefix) + list(lps),
-                              adv=[0.0] * len(prefix) + (a if isinstance(a, list) else [float(a)] * len(ids)), images=images,
-                              group=(x["qid"], len(rows)))
-                         for (ids, lps), a, k in zip(group, adv, keep)]
-            else:
-                rows.append(dict(pack_group(prefix, group, adv, keep), images=images, group=(x["qid"], len(rows))))
+            rows += [dict(r, group=(x["qid"], len(rows)))
+                     for r in group_rows(prefix, group, adv, images, getattr(getattr(engine, "vis", None), "mrope", False), keep)]
+    return rows, stats
+
+def branch_batch(engine, retriever, qs, args, encode, w, seed):
+    """Groups at the policy's own states (no gold prefix): one trajectory a question, then at up to --branch_steps of
+    its spans (rollout.branch_points) the n completions of that step from its prefix, each continued to the end by
+    the policy (rollout.branch); A = norm(r) within a group, r = steprewards.branch_reward (times the --balance_kb
+    factor of the gold route on routing steps), on the branched step's tokens alone (prefix, continuation: context)."""
+    s, n = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS, temperature=TEMPERATURE), args.group_size
+    ret = rollout.Memo(retriever)  # a replayed step's search returns what the trajectory's did
+    trajs = rollout.rollout(engine, ret, qs, n=1, s=s, seed=seed)
+    ys = rollout.branch(engine, ret, qs, trajs, rollout.branch_points(trajs, args.branch_steps, seed), n, s, seed + 1)
+    stats = {k: [] for k in STATS}
+    stats.update(retrieve_s=sum(x["timings"]["retrieve"] for x in trajs + ys),  # a branch's tokens from its span on
+                 rollout_tokens=sum(len(x["ids"]) for x in trajs) + sum(y["new_tokens"] for y in ys),
+                 rollout_generated=sum(x["n_policy_tokens"] for x in trajs) + sum(y["generated"] for y in ys))
+    rows, mrope = [], getattr(getattr(engine, "vis", None), "mrope", False)
+    for group in (ys[k:k + n] for k in range(0, len(ys), n)):
+        rs, cls = steprewards.score_branches(group, encode, w, args.reward, stats)
+        scale = w.route_scale.get(cls, 1.0) if w.route_scale and cls else 1.0
+        prefix, images, completions = rollout.branch_group(group)
+        kind = group[0]["spans"][group[0]["branch"]]["kind"]
+        adds, keep = overlong_group(engine.tok, completions, *step_budget(engine.tok, args, kind), args.overlong, stats)
+        rs = [r + add for r, add in zip(rs, adds)]
+        rows += [dict(r, group=(group[0]["qid"], len(rows)))
+                 for r in group_rows(prefix, completions, norm(rs, std=args.adv_std) * scale, images, mrope, keep)]
     return rows, stats
 
 def rollout_rows(engine, retriever, mine, args, encode, w, seed, store, pool):
@@ -333,6 +364,8 @@ def rollout_rows(engine, retriever, mine, args, encode, w, seed, store, pool):
     def batch(qs, sd):
         if args.rollout == "onpolicy":
             return onpolicy_batch(engine, retriever, qs, args, encode, w, sd)
+        if args.rollout == "branch":
+            return branch_batch(engine, retriever, qs, args, encode, w, sd)
         return teacher_prefix_batch(engine, retriever, qs, args, encode, w, sd, store)
     rows, stats = batch(mine, seed)
     if not args.dynamic_sampling:
@@ -362,10 +395,11 @@ def rollout_rows(engine, retriever, mine, args, encode, w, seed, store, pool):
 
 def update_tokens(args):
     """The most policy tokens a micro-batch can hold, the N of the loss's [N, vocabulary] logits (the memory check's):
-    --micro_batch rows, each the n completions of one step (teacher_prefix, a packed group) or a whole trajectory
-    (onpolicy), at the generation budgets (a multi-query routing step may write max_pairs pairs: rollout.route_stop)."""
+    --micro_batch rows, each the n completions of one step (teacher_prefix and branch, a packed group) or a whole
+    trajectory (onpolicy), at the generation budgets (a multi-query routing step may write max_pairs pairs:
+    rollout.route_stop)."""
     route = ROUTE_TOKENS * args.max_pairs
-    row = args.group_size * max(route, ANSWER_TOKENS) if args.rollout == "teacher_prefix" else \
+    row = args.group_size * max(route, ANSWER_TOKENS) if args.rollout != "onpolicy" else \
         args.max_steps * route + ANSWER_TOKENS
     return args.micro_batch * row
 
@@ -438,7 +472,7 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     folder and synced after each update from trainutil.policy_params, as vLLM's is (one gather a parameter, a strict
     copy). Not generate on the FSDP2 module itself: its forward all-gathers every layer at every decoding step, a
     collective all ranks would have to run in lockstep while their rollouts end at different times."""
-    tree = args.rollout == "teacher_prefix"  # packed groups: 4D attention masks (SDPA, not flash-attn)
+    tree = args.rollout != "onpolicy"  # packed groups (teacher_prefix, branch): 4D attention masks (SDPA, not flash-attn)
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
                                    tree_mask=tree, lora=lora)
     ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=args.dtype == "bf16",

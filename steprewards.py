@@ -7,11 +7,13 @@ formulas it uses).
     span_rewards   an on-policy trajectory: each span's step_reward and the outcome (--rollout onpolicy)
     log_trajectory what an on-policy trajectory adds to a step's logged means
     score_group    a group of completions of one step at a prefix trajectory (--rollout teacher_prefix)
+    branch_reward  a branch: its branched step's span_rewards entry plus its continuation's outcome (--rollout branch)
+    score_branches a group of branches at one of the policy's own prefixes, and what it adds to the logged means
     kb_balance     the class-balancing factor on route advantages (--balance_kb)
 
 A step's target is the prefix trajectory's own step (R1-Router: the teacher's sub-question, KB and intermediate
-answer; golden prefixes: the gold's) or, on-policy, the gold decomposition's; the final answer is scored against the
-gold answers.
+answer; golden prefixes: the gold's) or, on-policy and in branches, the gold decomposition's step of the same index;
+the final answer is scored against the gold answers.
 """
 from collections import Counter
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import reward
+from grpo import choice_entropy
 
 @dataclass
 class Weights:
@@ -134,3 +137,41 @@ def score_group(kind, x, sp, texts, s, encode, w, stats):
         stats["format_ok"].append(float(p.ok))
         rs.append(r)
     return rs, choices, kb_part, gold_route(x["steps"], t)
+
+def branch_reward(x, encode, w, mode="step"):
+    """--rollout branch: the reward of branch trajectory x (rollout.branch; span x["branch"] sampled anew, the rest of
+    the trajectory continued by the policy): its outcome R plus, with mode "step", the branched span's step reward,
+    both as span_rewards scores them (step t against the gold's step t, past the gold's steps the stop; a final
+    answer's is the format term alone, R scores it). mode "outcome": R alone. Returns (reward, step reward, R)."""
+    r, outcome = span_rewards(x, encode, w)
+    step_r = r[x["branch"]]
+    return outcome + (step_r if mode == "step" else 0.0), step_r, outcome
+
+def score_branches(group, encode, w, mode, stats):
+    """The rewards of a group of branches at one prefix (rollout.branch: the same span sampled anew, each continued
+    to the end; branch_reward), and the class of the gold route of a branched routing step (--balance_kb; None for
+    an answer). Appends to stats the branched step's reward (route_r, answer_r: a final answer's is the outcome) and
+    tokens, a routing step's KB accuracy, re-asks and the group's KB choice spread (kb_entropy, kb_mixed), and each
+    branch's outcome, format, overflow and searches."""
+    sp, choices, rs = group[0]["spans"][group[0]["branch"]], [], []
+    t = sp["step"]
+    for y in group:
+        r, step_r, outcome = branch_reward(y, encode, w, mode)
+        rs.append(r)
+        mine = y["spans"][y["branch"]]  # sp's kind and step; its own tokens
+        if sp["kind"] == "route":
+            parsed = y["format_ok"] or y["branch"] < len(y["spans"]) - 1  # a step that fails to parse ends its trajectory
+            choices.append(route_kbs(y["steps"], t) if parsed else None)
+            stats["kb_acc"] += [float(choices[-1] == route_kbs(y["gold_steps"], t))] if parsed else []
+            earlier = [e for e in y["steps"] if e["step"] < t]
+            stats["reask"] += [float(reward.re_asks(q, earlier))
+                               for q, _ in reward.pairs_of([e for e in y["steps"] if e["step"] == t])]
+        if sp["kind"] != "final":
+            stats[f"{sp['kind']}_r"].append(step_r)
+        for k, v in (("outcome", outcome), ("format_ok", y["format_ok"]), ("overflow", y["overflow"]),
+                     ("retrievals", len(y["steps"])), ("tokens", mine["end"] - mine["start"])):
+            stats[k].append(float(v))
+    if sp["kind"] == "route":
+        stats["kb_entropy"].append(choice_entropy(choices))
+        stats["kb_mixed"].append(float(len(set(choices)) > 1))
+    return rs, gold_route(group[0]["gold_steps"], t) if sp["kind"] == "route" else None

@@ -387,7 +387,7 @@ def hidden_vllm(tmp_path):
     return dict(os.environ, PYTHONPATH=str(hide.parent))
 
 @pytest.mark.parametrize("mode,structure,engine", [("teacher_prefix", "transcript", "vllm"), ("onpolicy", "transcript", "vllm"),
-                                                   ("onpolicy", "released", "hf")])
+                                                   ("onpolicy", "released", "hf"), ("branch", "transcript", "vllm")])
 @pytest.mark.slow
 def test_two_ranks_sync_the_engine_after_every_update(tmp_path, tiny_model_dir, tiny_index, mode, structure, engine, request):
     # the HF engine's case runs where vllm cannot be imported: --backend hf needs none of it
@@ -405,7 +405,12 @@ def test_two_ranks_sync_the_engine_after_every_update(tmp_path, tiny_model_dir, 
     # packed teacher-prefix group with the prompt's last token once more a completion (grpo.pack_group; -n 2)
     extra = lambda r: (2 - 1) * r["update_rows"] if mode == "teacher_prefix" else 0
     assert all(r["rollout_tokens"] + extra(r) == r["update_tokens"] > 0 for r in recs if structure == "transcript"
-               and r["skipped"] == 0)
+               and r["skipped"] == 0 and mode != "branch")
+    # branch: every trajectory ends at its first (malformed) step, so a group's row is the prefix once and the n
+    # branched steps, while the rollouts also generated the sampled trajectory's own step (rollout_generated counts it)
+    assert all(r["rollout_tokens"] - r["rollout_generated"] + (2 - 1) * r["update_rows"] == r["update_tokens"] -
+               r["update_policy"] and r["rollout_generated"] > r["update_policy"] > 0 for r in recs
+               if mode == "branch" and r["skipped"] == 0)
     assert all(0 < r["rollout_generated"] < r["rollout_tokens"] for r in recs)
     assert recs[1]["kl"] > 0  # the policy moved away from the frozen reference
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
@@ -435,6 +440,21 @@ def test_resume_continues_exactly(straight, tmp_path, tiny_model_dir, tiny_index
     assert [r["step"] for r in rb] == [1, 2, 3]
     for i in (1, 2):
         for key in ("loss", "kl", "entropy", "tokens", "grad_norm"):
+            assert ra[i][key] == pytest.approx(rb[i][key], rel=1e-6, abs=1e-9), key
+
+@pytest.mark.slow
+def test_resume_continues_a_branch_run_exactly(tmp_path, tiny_model_dir, tiny_index):
+    # --rollout branch: the branch points and the branches' sampling come from the step's seed alone
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = lambda out: common(tiny_model_dir, tiny_index, out) + ["--train_steps", "3", "--rollout", "branch"]
+    stepgrpo.main(args(straight))
+    stepgrpo.main(args(interrupted_copy(straight, 1, resumed)) + ["--resume"])
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = records(straight), records(resumed)
+    assert [r["step"] for r in rb] == [1, 2, 3] and all(r["skipped"] == 0 for r in ra)
+    for i in (1, 2):
+        for key in ("loss", "kl", "entropy", "tokens", "grad_norm", "rollout_generated", "update_rows"):
             assert ra[i][key] == pytest.approx(rb[i][key], rel=1e-6, abs=1e-9), key
 
 @pytest.mark.slow
@@ -594,11 +614,17 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
 
 def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
     for extra, flag in ((["--reward", "outcome"], "--reward"), (["-n", "1"], "-n"), (["--max_pairs", "0"], "--max_pairs"),
-                        (["--structure", "released", "--max_pairs", "2"], "--max_pairs"), (["--max_rets", "4"], "--max_rets")):
+                        (["--structure", "released", "--max_pairs", "2"], "--max_pairs"), (["--max_rets", "4"], "--max_rets"),
+                        (["--rollout", "branch", "--branch_steps", "0"], "--branch_steps"),
+                        (["--rollout", "branch", "--prefixes", str(tmp_path)], "--prefixes"),
+                        (["--rollout", "branch", "--adv_estimator", "gae"], "--adv_estimator")):
         with pytest.raises(SystemExit) as e:
             stepgrpo.check_args(stepgrpo.get_args(["--data", str(tmp_path), *extra]), 1)
         msg = str(e.value.code)  # what the command prints: one line, not a traceback
         assert msg.startswith("error: ") and "\n" not in msg and flag in msg, msg
+    # branch takes the outcome alone and the released structure
+    stepgrpo.check_args(stepgrpo.get_args(["--data", str(tmp_path), "--rollout", "branch", "--reward", "outcome",
+                                           "--structure", "released", "--branch_steps", "1"]), 1)
     # the real command line: a policy trained on one chat a step, given growing transcripts (the default)
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "transcript.json").write_text(json.dumps(dict(structure="released", max_pairs=1)))
@@ -900,3 +926,142 @@ def test_the_fields_rl_tricks_run_end_to_end_and_resume_exactly(tmp_path, tiny_m
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert records(resumed)[1]["loss"] == pytest.approx(recs[1]["loss"], rel=1e-6, abs=1e-9)
+
+#### --rollout branch: groups at the policy's own states
+
+def scripted_policy():
+    """A GoldPolicy that writes from the whole request key (trajectory i, question id, turn): with mix, each route of a
+    gold step names the gold KB or, by a coin seeded with the key, another one (branches whose continuations differ);
+    the final answer is the gold's in trajectories of even i and wrong in odd ones, so with -n 2 the first branch of
+    every group ends right and the second wrong, whatever step was branched."""
+    import random
+    import zlib
+
+    import rollout
+
+    class Scripted(rollout.GoldPolicy):
+        mix = False
+
+        def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
+                     keys=None):
+            out = []
+            for k, key in enumerate(keys):
+                self.key = key
+                out += super().generate(prompts[k:k + 1], max_tokens, temperature, top_p, stop, seed, top_k, None, [key])
+            return out
+
+        def step_text(self, q, turn, phase):
+            plan = self.plan(q)
+            if phase == "route" and self.mix and turn // 2 < len(plan):
+                coin = random.Random(zlib.crc32(repr(self.key).encode()))
+                kb = lambda g: g["kb"] if coin.random() < 0.5 else ("table" if g["kb"] == "text" else "text")
+                return reward.format_route(self.THINK, [(g["sub_question"], kb(g)) for g in plan[turn // 2]])
+            if phase == "answer" and not (turn % 2 and turn // 2 < len(plan)) and self.key[0] % 2:
+                return reward.format_answer("Combining the answers.", "Nobody knows")  # a wrong final answer
+            return super().step_text(q, turn, phase)
+    return Scripted
+
+def branch_setup(tiny_index, structure="transcript", mix=False):
+    """The teacher-prefix tests' tokenizer, questions and retriever, --rollout branch -n 2 --branch_steps 2 (r - mean,
+    no KB balance) in `structure`, and the scripted policy; the base trajectories, the picks and the branches as
+    stepgrpo.branch_batch makes them."""
+    import rollout
+    tok, qs, ret, args, _ = teacher_setup(tiny_index)
+    args.rollout, args.structure, args.adv_std = "branch", structure, False
+    policy = scripted_policy()(tok, qs)
+    policy.mix = mix
+    s = stepgrpo.settings(args, route_tokens=stepgrpo.ROUTE_TOKENS, answer_tokens=stepgrpo.ANSWER_TOKENS, temperature=1.0)
+    memo = rollout.Memo(ret)
+    trajs = rollout.rollout(policy, memo, qs, 1, s, seed=0)
+    picks = rollout.branch_points(trajs, args.branch_steps, 0)
+    return tok, qs, ret, args, policy, s, trajs, picks, rollout.branch(policy, memo, qs, trajs, picks, 2, s, 1)
+
+def test_branch_points_take_every_step_or_k_of_them_by_the_seed():
+    import rollout
+    trajs = [dict(spans=[None] * n) for n in (0, 1, 2, 5, 7)]
+    picks = rollout.branch_points(trajs, 2, seed=3)
+    by = lambda p: {j: [b for i, b in p if i == j] for j in range(len(trajs))}
+    got = by(picks)
+    assert got[0] == [] and got[1] == [0] and got[2] == [0, 1]  # at most k steps: all of them
+    assert all(len(got[j]) == 2 and len(set(got[j])) == 2 and got[j] == sorted(got[j]) for j in (3, 4))
+    assert rollout.branch_points(trajs, 2, seed=3) == picks  # the seed alone decides
+    assert any(rollout.branch_points(trajs, 2, seed=s) != picks for s in range(4, 10))
+    assert rollout.branch_points(trajs, 7, seed=3) == [(j, b) for j, x in enumerate(trajs) for b in range(len(x["spans"]))]
+
+@pytest.mark.parametrize("structure", ["transcript", "released"])
+def test_branch_groups_share_their_prefix_token_for_token(tiny_index, encoder, structure):
+    # the scripted policy routes to random KBs: each branch replays its base trajectory up to the branched span (ids,
+    # logprobs, evidence, spans equal), then goes its own way; the packed row of a group is that prefix once, then
+    # per branch the prefix's last token and the branch's new step
+    import rollout
+    tok, qs, ret, args, policy, s, trajs, picks, ys = branch_setup(tiny_index, structure, mix=True)
+    assert len(ys) == 2 * len(picks) and {len(x["spans"]) for x in trajs} - {1, 2}  # some trajectories have > 2 spans
+    assert {trajs[j]["spans"][b]["kind"] for j, b in picks} == {"route", "answer", "final"}
+    for y, (j, b) in zip(ys, (p for p in picks for _ in range(2))):
+        x, start = trajs[j], trajs[j]["spans"][b]["start"]
+        assert (y["base"], y["branch"]) == (j, b) and y["ids"][:start] == x["ids"][:start]
+        assert y["logprobs"][:start] == x["logprobs"][:start] and y["spans"][:b] == x["spans"][:b]
+        assert y["steps"][:len([e for e in x["steps"] if e["step"] < x["spans"][b]["step"]])] == \
+            [e for e in x["steps"] if e["step"] < x["spans"][b]["step"]]
+    assert any(y["ids"] != trajs[y["base"]]["ids"] for y in ys)  # the continuations went elsewhere
+    rows, st = stepgrpo.branch_batch(policy, ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
+    assert len(rows) == len(picks) and st["kb_mixed"] and 0 < np.mean(st["kb_mixed"]) < 1
+    for row, (j, b) in zip(rows, picks):
+        prefix, _ = rollout.span_prefix(trajs[j], trajs[j]["spans"][b])
+        shared = [t for t, g in zip(row["ids"], row["seg"]) if g == -1]
+        assert shared == prefix[:-1] and [row["ids"][row["seg"].index(k)] for k in (0, 1)] == [prefix[-1]] * 2
+        if structure == "released":  # the prefix is the step's own chat
+            assert tok.decode(shared).count("<|im_start|>system") == 1
+    # a retriever that answers a query two ways breaks the replay, which says so
+    class Fickle:
+        calls = 0
+        def search(self, queries, kb, k=3, images=None):
+            Fickle.calls += 1
+            return [d[::-1] if Fickle.calls % 2 else d for d in ret.search(queries, kb, k)]
+    with pytest.raises(RuntimeError, match="the replay of its trajectory up to span"):
+        rollout.branch(policy, Fickle(), qs, trajs, picks, 2, s, 1)
+
+def test_branch_advantage_follows_the_outcome_of_the_continuation(tiny_index, encoder):
+    # every branch writes the gold step (equal step rewards); the first branch of each group ends with the gold answer,
+    # the second with a wrong one, later: the branched step's advantage is the continuation's +-0.5 (r - mean), with
+    # the step reward or the outcome alone (--reward outcome), on every branched kind
+    tok, qs, ret, args, policy, *_ = branch_setup(tiny_index)
+    for mode in ("step", "outcome"):
+        args.reward = mode
+        rows, st = stepgrpo.branch_batch(policy, ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
+        assert st["outcome"] == [1.0, 0.0] * len(rows) and st["format_ok"] == [1.0] * 2 * len(rows)
+        assert st["kb_acc"] == [1.0] * len(st["kb_acc"]) and st["kb_entropy"] == [0.0] * len(st["kb_entropy"])
+        assert st["route_r"] == pytest.approx([1.2] * len(st["route_r"])) and st["route_r"]
+        for row in rows:
+            adv = [{a for a, m, s in zip(row["adv"], row["mask"], row["seg"]) if m and s == g} for g in (0, 1)]
+            assert list(map(len, adv)) == [1, 1] and [*adv[0], *adv[1]] == pytest.approx([0.5, -0.5])
+        kinds = [tok.decode([t for t, m, s in zip(r["ids"], r["mask"], r["seg"]) if m and s == 0]) for r in rows]
+        assert sum("</ret>" in k for k in kinds) and sum("<answer>" in k for k in kinds)
+    # the reward itself: the outcome plus the branched span's span_rewards entry
+    tok, qs, ret, args, policy, s, trajs, picks, ys = branch_setup(tiny_index)
+    w = steprewards.Weights()
+    for y in ys:
+        r, R = steprewards.span_rewards(y, encoder.encode, w)
+        assert steprewards.branch_reward(y, encoder.encode, w) == pytest.approx((R + r[y["branch"]], r[y["branch"]], R))
+        assert steprewards.branch_reward(y, encoder.encode, w, "outcome")[0] == R
+
+def test_branch_rows_train_the_branched_step_alone(tiny_index, encoder):
+    # mask 1 exactly on each branch's branched step (its ids, its sampler logprobs as old), 0 on the shared prefix and
+    # on each branch's repeated last prompt token; the continuation is not in the row; a VL (mrope) policy's group is a
+    # row per completion with the same masks
+    import rollout
+    tok, qs, ret, args, policy, s, trajs, picks, ys = branch_setup(tiny_index, mix=True)
+    rows, st = stepgrpo.branch_batch(policy, ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
+    assert sum(sum(r["mask"]) for r in rows) == sum(st["tokens"]) == sum(
+        y["spans"][y["branch"]]["end"] - y["spans"][y["branch"]]["start"] for y in ys)
+    for g, row in enumerate(rows):
+        prefix, images, group = rollout.branch_group(ys[2 * g:2 * g + 2])
+        assert len(row["ids"]) == len(prefix) - 1 + sum(1 + len(ids) for ids, _ in group)
+        for k, (ids, lps) in enumerate(group):
+            mine = [p for p, sg in enumerate(row["seg"]) if sg == k]
+            assert [row["mask"][p] for p in mine] == [0] + [1] * len(ids)
+            assert [row["ids"][p] for p in mine[1:]] == ids and [row["old"][p] for p in mine[1:]] == lps
+        assert not any(m for m, sg in zip(row["mask"], row["seg"]) if sg == -1)
+        vl = grpo.group_rows(prefix, group, [1.0, -1.0], images, mrope=True)
+        assert [r["ids"] for r in vl] == [prefix + ids for ids, _ in group]
+        assert [r["mask"] for r in vl] == [[0] * len(prefix) + [1] * len(ids) for ids, _ in group]
