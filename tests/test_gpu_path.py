@@ -12,6 +12,7 @@ import torch
 
 import dataio
 import engines
+import grpo
 import prepare
 import sft
 import stepgrpo
@@ -256,7 +257,7 @@ def test_no_grad_forwards_leave_the_root_sharded(tiny_model_dir):
         sel, attn = torch.ones(1, 3, dtype=torch.bool), torch.ones(1, 4)
         ref = trainutil.load_sharded(tiny_model_dir, cpu, 1, train=False, bf16=False)
         with torch.no_grad():
-            stepgrpo.token_logprobs(ref, ids, attn, sel)
+            grpo.token_logprobs(ref, ids, attn, sel)
         assert all(isinstance(p, DTensor) for p in ref.parameters())
         model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False)
         trainutil.sync_gap(model, engines.HFEngine(tiny_model_dir), dict(ids=[5, 6, 7, 8]), cpu)
