@@ -174,9 +174,10 @@ def overlong(n_tokens, budget, cut, mode):
     return 0.0, True
 
 def split_credit(tok, group, rewards, kb_part, std, scale):
-    """--route_credit split: per completion, per-token advantages. The KB half of the route reward (0.5 [KB = gold's])
-    is normalised in the group and put on the tokens from <ret> on, where the KB is written; the rest of the reward
-    (the sub-question's cosine, the format term) on the tokens before. So the decision's credit is not diluted over
+    """--route_credit split: per completion, per-token advantages. The part of the route reward its KB choice earned
+    (kb_part: steprewards.kb_credit; R1-Router's 0.5 [KB = gold's]) is normalised in the group and put on the tokens
+    from <ret> on, where the KB is written; the rest of the reward (R1-Router's: the sub-question's cosine, the format
+    term) on the tokens before. So the decision's credit is not diluted over
     the ~40 tokens of the step's wording, and wording noise does not reach the decision tokens."""
     a_kb = norm(kb_part, std=std) * scale
     a_rest = norm([r - k for r, k in zip(rewards, kb_part)], std=std) * scale

@@ -52,7 +52,6 @@ from grpo import (choice_entropy, group_advantages, group_rows, norm, overlong, 
 from learner import TEMPERATURE, learn
 from report import curves_chart
 
-ROUTE_TOKENS, ANSWER_TOKENS = 64, 48  # generation budgets of a routing and an answer step while training
 DYNAMIC_TRIES = 4  # --dynamic_sampling: rounds of questions drawn at most in one step (the first included)
 KEEP = 3           # newest checkpoints kept (and <out>/best's)
 
@@ -231,7 +230,7 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens.
     --adv_estimator gae: each row gets its token rewards instead (grpo.token_rewards; the critic's GAE gives the
     advantages in the update)."""
-    s = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS, temperature=TEMPERATURE)
+    s = settings(args, temperature=TEMPERATURE)
     trajs = rollout.rollout(engine, retriever, qs, n=args.group_size, s=s, seed=seed)
     rows, stats = [], {k: [] for k in STATS}
     stats["retrieve_s"] = sum(x["timings"]["retrieve"] for x in trajs)
@@ -271,11 +270,13 @@ def overlong_spans(tok, x, r, o, args, stats):
     return r, o
 
 def step_budget(tok, args, kind):
-    """(new tokens, stop strings) of a step of `kind` while training (a route's: rollout.route_stop at ROUTE_TOKENS)."""
+    """(new tokens, stop strings) of a step of `kind` while training (a route's: rollout.route_stop), the budgets
+    evaluation gives it (rollout.Settings), so a step is judged as it will be scored."""
+    s = settings(args)
     if kind == "route":
-        stop, n = rollout.route_stop(tok, settings(args, route_tokens=ROUTE_TOKENS))
+        stop, n = rollout.route_stop(tok, s)
         return n, stop
-    return ANSWER_TOKENS, ["</answer>"]
+    return s.answer_tokens, ["</answer>"]
 
 def overlong_group(tok, group, budget, stop, mode, stats):
     """--overlong on completions [(ids, logprobs)] of one step (grpo.overlong): each one's reward added and whether it
@@ -291,14 +292,14 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
     The trajectory is the golden one (rollout.GoldPolicy, real retrieval), or with --prefixes <folder> the one stored
     there for the question (`store`: qid -> trajectory, e.g. a teacher's, synth.py --teacher). r: steprewards.score_group."""
     t0 = time.perf_counter()  # the gold policy writes its steps at no cost: this is retrieval time
-    s = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS)
+    s = settings(args)
     prompts = rollout.span_prefixes([store[q["id"]] for q in qs]) if store is not None else \
         rollout.golden_prefixes(engine.tok, retriever, qs, s, vis=getattr(engine, "vis", None))[1]
     stats = {k: [] for k in STATS}
     stats["retrieve_s"] = time.perf_counter() - t0  # no "retrievals": a prefix's retrievals are the gold's, not the policy's
     stats["rollout_tokens"] = stats["rollout_generated"] = 0  # a group's prefix once (the engine caches it), its completions
     rows = []  # one packed row per group
-    kinds = (("route", *rollout.route_stop(engine.tok, s)), ("answer", ["</answer>"], ANSWER_TOKENS))
+    kinds = (("route", *rollout.route_stop(engine.tok, s)), ("answer", ["</answer>"], s.answer_tokens))
     for kind, stop, max_tok in kinds[:1] if args.teacher_spans == "route" else kinds:
         todo = [t for t in prompts if (t[1]["kind"] == "route") == (kind == "route")]
         fit = [rollout.fits(engine, prefix, max_tok) for _, _, prefix, _ in todo]
@@ -335,7 +336,7 @@ def branch_batch(engine, retriever, qs, args, encode, w, seed):
     its spans (rollout.branch_points) the n completions of that step from its prefix, each continued to the end by
     the policy (rollout.branch); A = norm(r) within a group, r = steprewards.branch_reward (times the --balance_kb
     factor of the gold route on routing steps), on the branched step's tokens alone (prefix, continuation: context)."""
-    s, n = settings(args, route_tokens=ROUTE_TOKENS, answer_tokens=ANSWER_TOKENS, temperature=TEMPERATURE), args.group_size
+    s, n = settings(args, temperature=TEMPERATURE), args.group_size
     ret = rollout.Memo(retriever)  # a replayed step's search returns what the trajectory's did
     trajs = rollout.rollout(engine, ret, qs, n=1, s=s, seed=seed)
     ys = rollout.branch(engine, ret, qs, trajs, rollout.branch_points(trajs, args.branch_steps, seed), n, s, seed + 1)
@@ -398,9 +399,10 @@ def update_tokens(args):
     --micro_batch rows, each the n completions of one step (teacher_prefix and branch, a packed group) or a whole
     trajectory (onpolicy), at the generation budgets (a multi-query routing step may write max_pairs pairs:
     rollout.route_stop)."""
-    route = ROUTE_TOKENS * args.max_pairs
-    row = args.group_size * max(route, ANSWER_TOKENS) if args.rollout != "onpolicy" else \
-        args.max_steps * route + ANSWER_TOKENS
+    s = settings(args)
+    route = s.route_tokens * args.max_pairs
+    row = args.group_size * max(route, s.answer_tokens) if args.rollout != "onpolicy" else \
+        args.max_steps * route + s.answer_tokens
     return args.micro_batch * row
 
 def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id, peak, seed, store=None, check=False,
@@ -537,8 +539,7 @@ def main(argv=None):
     model, ref, opt, crit, step, dev_hist, engine = setup_policy(args, start, weights, resuming, lora, rank, world,
                                                                 device, print0)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    w = steprewards.Weights(args.w_format, args.w_hit,
-                            steprewards.kb_balance(questions, args.max_steps, args.max_pairs) if args.balance_kb else None)
+    w = steprewards.Weights.of(args, questions)
     if w.route_scale:
         print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
     per_epoch = len(questions) // args.batch_questions

@@ -7,6 +7,7 @@ formulas it uses).
     span_rewards   an on-policy trajectory: each span's step_reward and the outcome (--rollout onpolicy)
     log_trajectory what an on-policy trajectory adds to a step's logged means
     score_group    a group of completions of one step at a prefix trajectory (--rollout teacher_prefix)
+    kb_credit      the part of a route's step_reward its KB choice earned (--route_credit split)
     branch_reward  a branch: its branched step's span_rewards entry plus its continuation's outcome (--rollout branch)
     score_branches a group of branches at one of the policy's own prefixes, and what it adds to the logged means
     kb_balance     the class-balancing factor on route advantages (--balance_kb)
@@ -16,7 +17,7 @@ answer; golden prefixes: the gold's) or, on-policy and in branches, the gold dec
 the final answer is scored against the gold answers.
 """
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,6 +29,12 @@ class Weights:
     format: float = 0.2
     hit: float = 0.0
     route_scale: dict | None = None  # --balance_kb: gold route -> factor on route advantages (kb_balance)
+
+    @classmethod
+    def of(cls, args, questions):
+        """stepgrpo.py's weights: --w_format, --w_hit, and with --balance_kb the factors of the training questions."""
+        return cls(args.w_format, args.w_hit,
+                   kb_balance(questions, args.max_steps, args.max_pairs) if args.balance_kb else None)
 
 def step_reward(kind, step, target, w, encode, retrieved=None):
     """The reward of one policy step; 0 for a step that does not parse (step.ok False).
@@ -50,6 +57,18 @@ def step_reward(kind, step, target, w, encode, retrieved=None):
         return r
     golds = target if kind == "final" else [reward.group_answer(target)] if target else []
     return w.format + (reward.answer_reward(step.answer, golds) if golds else 0.0)
+
+def kb_credit(step, target, w, encode, r):
+    """--route_credit split: the part of route step's reward r (step_reward's) that its KB choice earned, r minus the
+    step_reward of the same step with every KB it names blanked (kb "", which no target has; a stop becomes the
+    sub-question "none" searching ""). So the split follows whatever step_reward is: for R1-Router's it is exactly
+    0.5 [KB = target's] (for several pairs, their KB terms), for a reward of the KB alone all of r, for one of the
+    wording alone 0. A step that does not parse earned nothing."""
+    if not step.ok:
+        return 0.0
+    pairs = [("none", ("",))] if step.stop else [(q, ("",) * len(kbs)) for q, kbs in step.pairs]
+    blank = replace(step, stop=False, kb="", sub_question=pairs[0][0], pairs=pairs)
+    return r - step_reward("route", blank, target, w, encode)
 
 def gold_route(gold_steps, t):
     """The class of routing step t of grouped gold steps (reward.group_steps): its (first) KB, or "stop"."""
@@ -112,8 +131,8 @@ def log_trajectory(stats, x, r, outcome):
 def score_group(kind, x, sp, texts, s, encode, w, stats):
     """The rewards of one group's completions `texts` of span sp of prefix trajectory x (step_reward against the
     prefix trajectory's own step: R1-Router's teacher's, for golden prefixes the gold's; the final answer against
-    the gold answers), and for routing steps each one's KB choice and the KB half of its reward (--route_credit
-    split), and the class of the route it is judged against (--balance_kb). s: rollout.Settings (the step format)."""
+    the gold answers), and for routing steps each one's KB choice and the part of its reward the KB earned (kb_credit,
+    for --route_credit split), and the class of the route it is judged against (--balance_kb). s: rollout.Settings (the step format)."""
     t = sp["step"]
     mine = reward.by_step(x["steps"])
     target = mine[t] if t < len(mine) else []  # []: the prefix trajectory stops here
@@ -126,7 +145,7 @@ def score_group(kind, x, sp, texts, s, encode, w, stats):
             r = step_reward("route", p, target, w, encode)
             stats["route_r"].append(r)
             choices.append(kbs)
-            kb_part.append(0.5 * float(ok_kb))  # the route reward's KB half (--route_credit split)
+            kb_part.append(kb_credit(p, target, w, encode, r))
             if p.ok:
                 stats["kb_acc"].append(float(ok_kb))
             stats["reask"] += [float(reward.re_asks(q, [e for e in x["steps"] if e["step"] < t])) for q, _ in p.pairs]

@@ -564,14 +564,15 @@ def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, e
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
     lens = sorted(len(p) for _, sp, p, _ in prefixes if sp["kind"] == "route")
     eng = rollout.GoldPolicy(tok, qs)
-    eng.max_len = lens[len(lens) // 2] + stepgrpo.ROUTE_TOKENS
+    budget = stepgrpo.step_budget(tok, args, "route")[0]
+    eng.max_len = lens[len(lens) // 2] + budget
     seqs, st = stepgrpo.teacher_prefix_batch(eng, ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
-    fits = sum(n + stepgrpo.ROUTE_TOKENS <= eng.max_len for n in lens)
+    fits = sum(n + budget <= eng.max_len for n in lens)
     assert 0 < fits < len(lens) and len(seqs) == fits
-    assert st["overflow"] == pytest.approx([float(n + stepgrpo.ROUTE_TOKENS > eng.max_len)
+    assert st["overflow"] == pytest.approx([float(n + budget > eng.max_len)
                                             for _, sp, p, _ in prefixes if sp["kind"] == "route" for n in [len(p)]])
     assert st["route_r"] == pytest.approx([1.2] * 2 * fits)
-    assert all(seg_start + stepgrpo.ROUTE_TOKENS <= eng.max_len
+    assert all(seg_start + budget <= eng.max_len
                for s in seqs for seg_start in [s["seg"].index(0) + 1])
 
 def test_released_structure_trains_on_one_row_a_chat(tiny_index, encoder):
@@ -970,7 +971,7 @@ def branch_setup(tiny_index, structure="transcript", mix=False):
     args.rollout, args.structure, args.adv_std = "branch", structure, False
     policy = scripted_policy()(tok, qs)
     policy.mix = mix
-    s = stepgrpo.settings(args, route_tokens=stepgrpo.ROUTE_TOKENS, answer_tokens=stepgrpo.ANSWER_TOKENS, temperature=1.0)
+    s = stepgrpo.settings(args, temperature=1.0)
     memo = rollout.Memo(ret)
     trajs = rollout.rollout(policy, memo, qs, 1, s, seed=0)
     picks = rollout.branch_points(trajs, args.branch_steps, 0)

@@ -86,3 +86,27 @@ def test_span_rewards_of_multi_query_steps():
     gold = traj([], [], None, gold_step=(0, 0))["gold_steps"]
     assert steprewards.route_kbs(gold, 0) == ("table", "text") == steprewards.route_kbs([a, b], 0)
     assert steprewards.route_kbs(gold, 1) == ("stop",) and steprewards.gold_route(gold, 0) == "text"
+
+def test_kb_credit_is_the_kb_term_of_whatever_step_reward_is(monkeypatch):
+    # R1-Router's route reward: the blanked step loses exactly 0.5 [KB = target's] (a pair's share with several),
+    # the wording and format terms stay; a stop is judged as a KB choice too; a malformed step earned nothing
+    enc, w = BowEncoder(), steprewards.Weights(format=0.2)
+    x_text = [dict(sub_question="Which country is X in?", kb="text")]
+    route = lambda text: reward.parse_route(text, max_pairs=2)
+    right = route(reward.format_route("t", [("Which country is X in?", "text")]))
+    wrong = route(reward.format_route("t", [("Who founded Y?", "table")]))
+    stop = route(reward.format_route("t", []))
+    two = route(reward.format_route("t", [("Which country is X in?", "text"), ("Who founded Y?", "image")]))
+    both = x_text + [dict(sub_question="Who founded Y?", kb="table")]
+    for step, target, kb in ((right, x_text, 0.5), (wrong, x_text, 0.0), (stop, [], 0.5), (stop, x_text, 0.0),
+                             (right, [], 0.0), (two, both, 0.25)):
+        r = steprewards.step_reward("route", step, target, w, enc)
+        assert steprewards.kb_credit(step, target, w, enc, r) == pytest.approx(kb), (step, target)
+    bad = reward.parse_route("no tags")
+    assert steprewards.kb_credit(bad, x_text, w, enc, 0.0) == 0.0
+    # a fork's reward of the KB alone: all of it; of the wording alone: none of it
+    monkeypatch.setattr(steprewards, "step_reward", lambda kind, step, *a, **k: float("table" in step.pairs[0][1])
+                        if step.pairs else 0.0)
+    assert steprewards.kb_credit(wrong, x_text, w, enc, 1.0) == 1.0
+    monkeypatch.setattr(steprewards, "step_reward", lambda kind, step, *a, **k: float("X" in step.sub_question))
+    assert steprewards.kb_credit(right, x_text, w, enc, 1.0) == 0.0
