@@ -13,7 +13,21 @@ export TOKENIZERS_PARALLELISM := false
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 MODEL := $(DEFAULT_MODEL)
 
-.PHONY: setup demo baselines test test-fast test-gpu bench bench-serve bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo rl-compare lora multiquery real real-eval clean
+.PHONY: help setup demo baselines test test-fast test-gpu bench bench-serve bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo rl-compare lora multiquery real real-eval clean
+help:
+	@echo "make demo        set up, then the main job: golden data -> SFT -> SFT-continued, Step-GRPO -> a results table"
+	@echo "make test        set up, then the whole suite (test-fast: without the slow end-to-end runs)"
+	@echo "make setup       .venv with the pinned CPU stack and the default policy ($(DEFAULT_MODEL))"
+	@echo "make baselines   every method and ceiling on the main job's test questions"
+	@echo "make vs-sft      the claims: Step-GRPO against SFT-continued at the SFT's plateau (also: teacher, heldout, reworded)"
+	@echo "make ppo         PPO, Step-PPO, outcome GRPO and Step-GRPO from the main job's SFT"
+	@echo "make rl-compare  golden-prefix against branched Step-GRPO, DAPO's three, outcome GRPO, SFT-continued"
+	@echo "make released    R1-Router's released reward, protocol and step structure against the recipe"
+	@echo "make visual      the VL policy on text + visual questions (also: lora, multiquery, real, real-eval)"
+	@echo "make bench       retrieval, rollouts, weight sync, FLOP/s (also: bench-serve, bench-memory, bench-index, bench-trl)"
+	@echo "make gpu-check   on a GPU machine: does training work here (DRY=1: the same on the CPU)"
+	@echo "make clean       remove data/, out/, wandb/"
+
 setup: .venv/.stamp $(MODEL)/config.json
 
 # pip byte-compiles on one core: the packages' .pyc are compiled on all of them after (-x: torch's one Python-3.12-only
@@ -30,22 +44,28 @@ $(MODEL)/config.json: | .venv/.stamp
 	@test "$(MODEL)" = "$(DEFAULT_MODEL)" || { echo "error: MODEL=$(MODEL): no config.json there; MODEL names an HF model folder (make converts only $(DEFAULT_MODEL))"; exit 2; }
 	$(PY) prepare.py --out $(MODEL)
 
+# what the data were made with: a stamp named after MODEL's absolute path, so `make demo MODEL=B` after model A remakes
+# the trajectories (their prompts are B's chat template) and everything trained on them
+MODEL_STAMP := $(DATA)/made-with/$(subst /,+,$(abspath $(MODEL)))
+$(MODEL_STAMP): $(MODEL)/config.json
+	rm -rf $(DATA)/made-with && mkdir -p $(DATA)/made-with && touch '$@'
+
 $(DATA)/world.json: corpus.py .venv/.stamp
 	$(STAGE) world $(PY) corpus.py --world mini --out $(DATA)
 
 $(DATA)/index/meta.json: retrievers.py $(DATA)/world.json
 	$(STAGE) index $(PY) retrievers.py build --data $(DATA)
 
-$(DATA)/traj/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
+$(DATA)/traj/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL_STAMP)
 	$(PY) synth.py --model $(MODEL) --data $(DATA) --out $(DATA)/traj --limit 400
 
 # the main job's: one passage a search (--topk 1: retrieval's recall@1 is 0.97-1.00 here), 30% fewer tokens a row
-$(DATA)/traj-top1/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
+$(DATA)/traj-top1/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL_STAMP)
 	$(STAGE) data $(PY) synth.py --model $(MODEL) --data $(DATA) --out $(DATA)/traj-top1 --limit 400 --topk 1
 
 # every training question's golden trajectory (4,000): what SFT-continued trains on in the recipe, the questions
 # Step-GRPO draws from
-$(DATA)/traj-all/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json
+$(DATA)/traj-all/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL_STAMP)
 	$(PY) synth.py --model $(MODEL) --data $(DATA) --out $(DATA)/traj-all --splits train
 
 # The main job: R1-Router's procedure on the embedded mini-world at a newcomer's budget (~45 min on 2 cores, fp32):
@@ -100,7 +120,7 @@ demo: $(OUT)/eval/stepgrpo/results.json
 # with the main job's SFT (no retrieval, single-shot RAG, IterRetGen, IRCoT, every KB, the oracle-KB and gold-steps
 # ceilings)
 BASE := out/baselines
-$(BASE)/prompt-only/results.json: $(MODEL)/config.json $(DATA)/index/meta.json
+$(BASE)/prompt-only/results.json: $(MODEL_STAMP) $(DATA)/index/meta.json
 	$(PY) evaluate.py --model $(MODEL) --name prompt-only --few_shot 3 --protocol fallback $(EVAL_FLAGS) --out $(dir $@)
 
 $(BASE)/sft/results.json: $(OUT)/sft/final/config.json

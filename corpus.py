@@ -377,9 +377,14 @@ def follow(w, rels, etype, e, phrase, rng, reworded=False):
         etype, e = otype, obj
     return question, answers, steps
 
+def value_kbs():
+    """The KBs a question's last hop can ask: those with a value relation (a new row of dataio.KB_TABLE has none
+    here, its documents and questions come from elsewhere)."""
+    return [k for k in KBS if any(v[2] == k and v[1] is None for v in RELATIONS.values())]
+
 def chain_question(w, hops, rng, reworded=False):
     """A question of `hops` relations: pick the last (value) relation, then walk backwards to a start entity."""
-    kb = rng.choice(KBS)  # choose the KB of the final hop first, so the three KBs are equally represented
+    kb = rng.choice(value_kbs())  # choose the KB of the final hop first, so the KBs are equally represented
     rels = [rng.choice([r for r, v in RELATIONS.items() if v[2] == kb and v[1] is None])]
     while len(rels) < hops:  # prepend an entity-valued relation whose object is the next hop's subject
         options = [r for r, v in RELATIONS.items() if v[1] == RELATIONS[rels[0]][0]]
@@ -405,7 +410,7 @@ def visual_question(w, kind, e, rng):
     """A question about the picture of entity `e`: step 1 asks the image KB who is shown, then 1 or 2 hops from there
     as in chain_question (entity-valued relations, then a value relation)."""
     etype, sub_question, phrase = VISUAL[kind]
-    kb, hops = rng.choice(KBS), rng.choice([1, 2])  # the KB of the final hop first, as in chain_question
+    kb, hops = rng.choice(value_kbs()), rng.choice([1, 2])  # the KB of the final hop first, as in chain_question
     values = [r for r, v in RELATIONS.items() if v[2] == kb and v[1] is None]
     if hops == 1:  # not the shown entity's own image attributes: the picture itself answers those
         options = [[r] for r in values if RELATIONS[r][0] == etype and kb != "image"]
@@ -631,8 +636,8 @@ def generate_mini(args):
     for q in tqdm(vqs, desc="drawing question images", disable=args.quiet):
         kind, i = q["steps"][0]["doc_id"].split("-")[1:]
         vary_image(pictures[kind, int(i)], vrng).save(tmp / q["image"])
-    for kb in KBS:
-        write_jsonl(tmp / "kb" / f"{kb}.jsonl", kbs[kb])
+    for kb in KBS:  # a KB the world has no documents for (a new row of dataio.KB_TABLE): an empty file to fill
+        write_jsonl(tmp / "kb" / f"{kb}.jsonl", kbs.get(kb, []))
     for split, rows in splits.items():
         write_jsonl(tmp / "questions" / f"{split}.jsonl", rows)
     held = {"heldout_pairs": [">".join(p) for p in pairs]} if pairs else {}

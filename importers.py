@@ -50,7 +50,7 @@ import sys
 from pathlib import Path
 
 from corpus import linearise
-from dataio import KBS, DataError, check_row, iter_jsonl, json_error
+from dataio import KB_OF, KBS, DataError, check_row, iter_jsonl, json_error
 
 MAX_ROWS = 30  # longer tables keep their first 30 rows
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp")  # a visual question's picture is <image_id> + one of these
@@ -217,7 +217,8 @@ def check_split(split, rows, ids, source):
 
 def corpus_rows(path, kb):
     """A JSONL corpus as KB docs: {id, title, text} or {id, contents: 'title\\ntext'} (FlashRAG; Search-R1 quotes
-    the title); a table passage keeps its text, with no header or rows; an image passage needs `path`."""
+    the title); a table passage keeps its text, with no header or rows; an image passage needs `path`; a KB's other
+    fields (dataio.KB_TABLE) are the row's."""
     for n, r in iter_jsonl(path):
         where = f"{path}:{n}"
         did = r.get("id")
@@ -236,6 +237,8 @@ def corpus_rows(path, kb):
             if not pic.is_file():
                 raise DataError(f"{where}: picture not found: {pic}")
             doc = dict(id=doc["id"], title=title, caption=r.get("caption", text), path=str(pic.resolve()))
+        # the KB's own fields (a new row of dataio.KB_TABLE), read from the row as its type says
+        doc.update({f: _get(r, f, typ, where) for f, typ in KB_OF[kb].fields.items() if f not in doc})
         yield n, doc
 
 # ----------------------------------------------------------------------------------------------------------------

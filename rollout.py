@@ -62,10 +62,19 @@ SYSTEM_PROMPT = (
 )
 LAST_STEP_NOTE = "No more sub-questions are allowed; give the final answer."
 
+def with_new_kbs(prompt):
+    """A released prompt names the three KBs: a KB added as a row of dataio.KB_TABLE joins its retriever list and
+    its guidelines (the prompt's own text unchanged, so with the three it is verbatim)."""
+    new = [kb for kb in KB_TABLE if kb.name not in ("text", "table", "image")]
+    listed = "Text Image Retriever, Table Retriever"
+    prompt = prompt.replace(listed + ".", listed + "".join(", " + kb.retriever for kb in new) + ".")
+    last = '(e.g., "GDP of Japan in 2020")\n'
+    return prompt.replace(last, last + "".join(f"   - `{kb.retriever}`:\n     - For {kb.about}\n" for kb in new))
+
 # --structure released: R1-Router's released inference code (src/prompt.py and src/answer_generation.py of
 # ChloeTT-LAO/Router-Search), where every step is its own single-turn chat with one of these system prompts, verbatim
 # (typos and the answer prompts' stray leading quote included); the routing prompt as given to the trained model
-RELEASED_ROUTE_PROMPT = """You are a professional question decomposition expert for multi-hop QA systems. Your task is to decompose complex questions into **strictly single-hop** sub-questions and select appropriate retrievers.
+RELEASED_ROUTE_PROMPT = with_new_kbs("""You are a professional question decomposition expert for multi-hop QA systems. Your task is to decompose complex questions into **strictly single-hop** sub-questions and select appropriate retrievers.
 
 **Strict Output Format:**
 <think>
@@ -101,7 +110,7 @@ RELEASED_ROUTE_PROMPT = """You are a professional question decomposition expert 
    - Never select retrievers for non-atomic questions
 
 
-"""
+""")
 RELEASED_ANSWER_PROMPT = """"You are a professional question answering model. Your task is to carefully think through the question based on the information retrieved and then provide the final answer.
 
 Strict Output Format: 
@@ -123,14 +132,14 @@ Strict Output Format:
 </answer>
 """
 # the released evaluation's reminder after a third malformed routing step (answer_generation.py), verbatim
-RELEASED_REMINDER = """**You dont give me the answer with the correct format, please follow the Strict Output Format:
+RELEASED_REMINDER = with_new_kbs("""**You dont give me the answer with the correct format, please follow the Strict Output Format:
                             <Thought>
                             [Analyze the original question and determine the next required sub-question. Do NOT reveal answers or perform multi-hop reasoning.]
                             <Sub-question>
                             [Exactly ONE single-hop question. If no retrieval is needed, write 'None'.]
                             <Ret> 
                             [Choose 1 retriever from: Text Retriever, Text Image Retriever, Table Retriever. Write 'None' if <Sub-question> is 'None'.]
-                            """
+                            """)
 
 class GoldPolicy(Batched):
     """Writes the gold decomposition as policy turns (templated <think>), through the real step loop and retrieval:

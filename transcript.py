@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import reward
-from dataio import DataError, read_jsonl
+from dataio import KBS, DataError, read_jsonl
 from vision import Img, images_in
 
 META = "meta.json"  # beside a folder of trajectories (synth.py): tokenizer_meta of the tokenizer that wrote their ids
@@ -29,8 +29,8 @@ def format_meta(args):
     """The flags that shape a trajectory's text. synth.py writes them into META, sft.py and stepgrpo.py into each
     checkpoint (FORMAT), and check_format compares: a policy run with another format than it was trained on (golden
     one chat per step for a router trained on a growing one, multi-query steps for a single-query one) scores and trains
-    without an error, on prompts it has never seen."""
-    return {k: getattr(args, k) for k in FORMAT_FLAGS}
+    without an error, on prompts it has never seen. With them the KBs (dataio.KBS): the prompt names each one."""
+    return {**{k: getattr(args, k) for k in FORMAT_FLAGS}, "kbs": list(KBS)}
 
 def check_tokenizer(data, tok, print0):
     """Trajectories are token ids: refuse those synth.py wrote with another tokenizer (<data>/meta.json), which would
@@ -73,6 +73,8 @@ def check_format(model, args):
         return None
     theirs, mine = json.loads(path.read_text()), format_meta(args)
     diff = [f"--{k} {mine[k]} (trained: {theirs[k]})" for k in FORMAT_FLAGS if k in theirs and theirs[k] != mine[k]]
+    if theirs.get("kbs", mine["kbs"]) != mine["kbs"]:
+        diff.append(f"the KBs {' '.join(mine['kbs'])} of dataio.KB_TABLE (trained: {' '.join(theirs['kbs'])})")
     if not diff:
         return None
     return f"{model} was trained on another transcript format: {', '.join(diff)}; pass the trained values"
@@ -81,6 +83,9 @@ class ChatFormat:
     """The string pieces of the tokenizer's chat template, found by rendering sentinel messages, so any
     concatenative template (ChatML, Llama-3, ...) works without hard-coding it."""
     def __init__(self, tok, system_prompt):
+        if not tok.chat_template:
+            raise DataError(f"{tok.name_or_path}: the tokenizer has no chat template (tokenizer_config.json's "
+                            "chat_template or chat_template.jinja); every step is a chat turn rendered through it")
         self.tok, self.system = tok, system_prompt
         r = lambda msgs, gen=False: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
         S, U = dict(role="system", content=system_prompt), dict(role="user", content="\x00Q")

@@ -2,8 +2,10 @@
 policy model (make's MODEL), a new KB type (a row of dataio.KB_TABLE)."""
 import json
 import shutil
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class OddSamplesAskTheTable(rollout.GoldPolicy):
     """The gold steps, but every other sample (request) routes each sub-question to the table KB (the text KB where
-    the gold is the table): groups whose KB choices differ."""
+    the gold is the table) and ends it with " Please.": groups whose KB choices and wordings differ."""
     def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
                  keys=None):
         out = []
@@ -31,12 +33,15 @@ class OddSamplesAskTheTable(rollout.GoldPolicy):
         plan = self.plan(q)
         if phase == "route" and self.odd and turn // 2 < len(plan):
             flip = lambda kb: "text" if kb == "table" else "table"
-            return reward.format_route(self.THINK, [(s["sub_question"], flip(s["kb"])) for s in plan[turn // 2]])
+            return reward.format_route(self.THINK, [(s["sub_question"] + " Please.", flip(s["kb"]))
+                                                    for s in plan[turn // 2]])
         return super().step_text(q, turn, phase)
 
 def table_reward(kind, step, target, w, encode, retrieved=None):
-    """A fork's step reward: 1 for a search of the table KB, 0 for everything else."""
-    return float(kind == "route" and step.ok and not step.stop and "table" in step.pairs[0][1])
+    """A fork's step reward: 1 for a search of the table KB plus 0.5 for a polite sub-question, 0 for anything else."""
+    if kind != "route" or not step.ok or step.stop:
+        return 0.0
+    return float("table" in step.pairs[0][1]) + 0.5 * step.sub_question.endswith("Please.")
 
 def runs_of(row):
     """(advantage, text) of each run of equal advantages over a row's policy tokens (a packed row: per branch)."""
@@ -56,9 +61,11 @@ def runs_of(row):
 
 @pytest.mark.parametrize("mode", ["teacher_prefix", "onpolicy"])
 def test_a_new_step_reward_moves_the_advantages_as_it_says(tiny_index, encoder, monkeypatch, mode):
-    # recipe 1: replace steprewards.step_reward; both rollout modes score every step with it. A table search earns 1,
-    # anything else 0: in each group of 2 (one sample asks the table, the other the gold's or the text KB) the table
-    # route gets +0.5 and the other -0.5 (r - mean, the default), and no other token gets any advantage
+    # recipe 1 under the default flags: replace steprewards.step_reward; both rollout modes score every routing step
+    # with it. In each group of 2 (one sample asks the gold KB, the other the table or the text KB and says "Please")
+    # the rewards differ by 1 for the table and 0.5 for "Please". Teacher-prefix's default split credit puts the KB
+    # term's advantage (+-0.5) on the KB tokens and the wording's (+-0.25) on the sub-question's; on-policy a step's
+    # whole reward on its tokens; each times the gold route's --balance_kb factor; no other token gets any advantage
     from transformers import AutoTokenizer
 
     import dataio
@@ -66,19 +73,38 @@ def test_a_new_step_reward_moves_the_advantages_as_it_says(tiny_index, encoder, 
     monkeypatch.setattr(steprewards, "step_reward", table_reward)
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     qs = [q for q in dataio.load_questions(tiny_index, "train") if q["steps"]][:4]
-    args = stepgrpo.get_args(["-n", "2", "--rollout", mode, "--route_credit", "whole", "--no-balance_kb"])
-    engine, ret, w = OddSamplesAskTheTable(tok, qs), retrievers.Retriever(tiny_index, "bm25"), steprewards.Weights()
+    args = stepgrpo.get_args(["-n", "2", "--rollout", mode])
+    engine, ret = OddSamplesAskTheTable(tok, qs), retrievers.Retriever(tiny_index, "bm25")
+    w = steprewards.Weights.of(args, qs)
     batch = stepgrpo.teacher_prefix_batch if mode == "teacher_prefix" else stepgrpo.onpolicy_batch
     rows, _ = batch(engine, ret, qs, args, encoder.encode, w, seed=0)
     runs = [r for row in rows for r in runs_of(row) if r[0]]
-    assert runs and all(a == pytest.approx(0.5 if "Table Retriever" in text else -0.5) for a, text in runs)
-    assert all("</ret>" in text and "<answer>" not in text for _, text in runs)  # route tokens only
+    assert runs and all("<answer>" not in text for _, text in runs)  # route tokens only
+    scales = set(w.route_scale.values())
+    for a, text in runs:
+        table, please = "Table Retriever" in text, "Please." in text
+        if mode == "onpolicy":  # a whole step: table + please against the other sample's
+            assert "</ret>" in text
+            # the odd sample says "Please" and asks the table unless the gold does, the even one asks the gold's
+            gold_table = table != please
+            odd, even = float(not gold_table) + 0.5, float(gold_table)
+            expect = (odd - even) / 2 * (1 if please else -1)
+        elif "</ret>" in text:  # split: the KB tokens, from <ret> on
+            assert "<sub-question>" not in text
+            expect = 0.5 if table else -0.5
+        else:  # split: the wording
+            assert "<ret>" not in text and "</sub-question>" in text
+            expect = 0.25 if please else -0.25
+        assert any(a == pytest.approx(expect * s) for s in scales), (a, expect, text)
     assert {a > 0 for a, _ in runs} == {True, False}
+    if mode == "teacher_prefix":
+        assert {"</ret>" in text for _, text in runs} == {True, False}  # both halves moved
 
 def test_a_model_folder_given_to_make_is_used_as_given(tiny_model_dir, tmp_path):
     # recipe 2: make demo MODEL=<folder> takes the folder's tokenizer and weights (no conversion); a MODEL that is not
     # a model folder stops with one line, and make writes nothing into it
-    plan = subprocess.run(["make", "-n", "demo", f"MODEL={tiny_model_dir}"], cwd=ROOT, capture_output=True, text=True)
+    plan = subprocess.run(["make", "-n", "demo", f"MODEL={tiny_model_dir}", f"DATA={tmp_path}/d", f"OUT={tmp_path}/o"],
+                          cwd=ROOT, capture_output=True, text=True)
     assert plan.returncode == 0, plan.stderr
     assert "prepare.py" not in plan.stdout
     for script in ("synth.py", "sft.py"):
@@ -88,6 +114,47 @@ def test_a_model_folder_given_to_make_is_used_as_given(tiny_model_dir, tmp_path)
     assert r.returncode == 2 and r.stdout.strip() == (f"error: MODEL={missing}: no config.json there; MODEL names an HF "
                                                       f"model folder (make converts only {prepare.DEFAULT_MODEL})")
     assert not missing.exists()
+
+def test_make_demo_with_another_model_after_one_remakes_the_data_and_retrains(tiny_model_dir, tmp_path):
+    # recipe 2: after the main job ran with model A, `make demo MODEL=B` plans B's golden data and SFT (and not A's
+    # reused as B's), and A again after B plans A's; a built job with its own model plans no data or training
+    a, b = tiny_model_dir, tmp_path / "b"
+    shutil.copytree(a, b)
+    data, out = tmp_path / "d", tmp_path / "o"
+    make = lambda model, *flags: subprocess.run(["make", *flags, "demo", f"MODEL={model}", f"DATA={data}", f"OUT={out}"],
+                                                cwd=ROOT, capture_output=True, text=True)
+    stamp = lambda model: data / "made-with" / os.path.abspath(model).replace("/", "+")
+    def built_with(model):  # the main job's files, each newer than what it is made from, as a finished run leaves them
+        shutil.rmtree(data / "made-with", ignore_errors=True)
+        files = [stamp(model), data / "world.json", data / "index/meta.json", data / "traj-top1/train.jsonl"] + \
+            [out / f"{arm}/final/config.json" for arm in ("sft", "sft-cont", "stepgrpo")] + [out / "eval/stepgrpo/results.json"]
+        for i, f in enumerate(files):
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.touch()
+            os.utime(f, (time.time() + i, time.time() + i))
+    trains = lambda plan: [s for s in ("synth.py", "sft.py", "stepgrpo.py", "evaluate.py") if f"{s} " in plan.stdout]
+    built_with(a)
+    assert trains(make(a, "-n")) == []  # the report alone (runs/demo_report.sh)
+    plan = make(b, "-n")
+    assert plan.returncode == 0 and trains(plan) == ["synth.py", "sft.py", "stepgrpo.py", "evaluate.py"], plan.stdout
+    assert f"synth.py --model {b} " in plan.stdout and f"sft.py --model {b} " in plan.stdout
+    built_with(b)
+    assert trains(make(a, "-n"))[:2] == ["synth.py", "sft.py"]
+
+def test_a_model_without_a_chat_template_stops_the_data_stage_with_one_line(tiny_model_dir, tiny_index, tmp_path):
+    # recipe 2: every step is a chat turn; a folder whose tokenizer has none is refused by name, nothing written
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    r = subprocess.run([sys.executable, "synth.py", "--model", str(bare), "--data", str(tiny_index), "--out",
+                        str(tmp_path / "traj"), "--limit", "2", "--splits", "dev"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"error: {bare}: the tokenizer has no chat template (tokenizer_config.json's chat_template or "
+        "chat_template.jinja); every step is a chat turn rendered through it"], r.stderr[-2000:]
+    assert not (tmp_path / "traj").exists()
 
 FOURTH_KB = '''    KB("speech", "Speech Retriever", "spr", "speech: what people said", {"id": str, "title": str, "text": str}, "text"),
 '''
@@ -100,6 +167,14 @@ from transformers import AutoTokenizer
 data, tok = sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2])
 assert dataio.KBS[-1] == "speech" and "Speech Retriever" in rollout.SYSTEM_PROMPT  # the prompt names it
 assert "speech: what people said" in rollout.SYSTEM_PROMPT
+assert "Table Retriever, Speech Retriever." in rollout.RELEASED_ROUTE_PROMPT  # the released prompts name it too
+assert "`Speech Retriever`:" in rollout.RELEASED_ROUTE_PROMPT and "Speech Retriever." in rollout.RELEASED_REMINDER
+import pathlib, tempfile, transcript
+three = pathlib.Path(tempfile.mkdtemp())  # a checkpoint trained with the three KBs is refused under four
+fmt = transcript.format_meta(rollout.Settings())
+(three / transcript.FORMAT).write_text(json.dumps({**fmt, "kbs": ["text", "table", "image"]}))
+assert "the KBs text table image speech of dataio.KB_TABLE (trained: text table image)" in \
+    transcript.check_format(three, rollout.Settings())
 text = "<think>t</think><sub-question>What did Ulla say at the opening?</sub-question><ret>Speech Retriever</ret>"
 p = reward.parse_route(text)
 assert p.ok and p.kb == "speech", p  # the parser reads it
@@ -117,15 +192,21 @@ assert abs(steprewards.step_reward("route", wrong, [q["steps"][0]], steprewards.
 print("ok")
 '''
 
-def test_a_fourth_kb_added_to_the_table_reaches_the_prompt_parser_retrieval_and_reward(tiny_world, tmp_path):
-    # recipe 3: one row added to dataio.KB_TABLE (in a copy of the code) and a file of its documents
+def fork_code(tmp_path):
+    """A copy of the code (scripts, Makefile, runs/) with the fourth KB's row added to dataio.KB_TABLE."""
     code = tmp_path / "code"
     code.mkdir()
-    for f in ROOT.glob("*.py"):
+    for f in [*ROOT.glob("*.py"), ROOT / "Makefile"]:
         shutil.copy(f, code)
+    shutil.copytree(ROOT / "runs", code / "runs")
     src = (code / "dataio.py").read_text()
     end = src.index("\n)\nKBS = ")
     (code / "dataio.py").write_text(src[:end + 1] + FOURTH_KB + src[end + 1:])
+    return code
+
+def test_a_fourth_kb_added_to_the_table_reaches_the_prompt_parser_retrieval_and_reward(tiny_world, tmp_path):
+    # recipe 3: one row added to dataio.KB_TABLE (in a copy of the code) and a file of its documents
+    code = fork_code(tmp_path)
     data = tmp_path / "data"
     shutil.copytree(tiny_world, data, ignore=shutil.ignore_patterns("index"))
     docs = [dict(id="speech-1", title="Opening of the Selstoa bridge", text="Ulla Brenmark said: the river is ours."),
@@ -139,3 +220,49 @@ def test_a_fourth_kb_added_to_the_table_reaches_the_prompt_parser_retrieval_and_
     r = subprocess.run([sys.executable, "-c", CHECK, str(data), str(ROOT / prepare.DEFAULT_MODEL)], cwd=code,
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+def speech_questions(world, n=24):
+    """Documents of the fourth KB (what the world's people said) and one 1-hop question about each."""
+    people = [json.loads(line)["title"] for line in open(world / "kb" / "text.jsonl")][:n]
+    docs, qs = [], []
+    for i, name in enumerate(people):
+        said = f"the {['river', 'harvest', 'bridge', 'mountain'][i % 4]} is {['ours', 'late', 'wide', 'old'][i // 4 % 4]}"
+        docs.append(dict(id=f"speech-{i}", title=f"Speech by {name}", text=f"{name} said: {said}."))
+        sub = f"What did {name} say in the speech?"
+        qs.append(dict(id=f"sp{i}", question=sub, answers=[said], type="1hop",
+                       steps=[dict(sub_question=sub, kb="speech", doc_id=f"speech-{i}", answer=said)]))
+    return docs, qs
+
+@pytest.mark.slow
+def test_a_fourth_kb_runs_through_the_whole_main_job(tiny_model_dir, tmp_path):
+    # recipe 3 end to end: the row added, corpus.py makes a world (its new KB empty), the KB's documents and questions
+    # added, then `make demo` in the fork: indexes, golden data, SFT, SFT-continued, Step-GRPO, evaluation, report
+    code, world = fork_code(tmp_path), tmp_path / "world"
+    r = subprocess.run([sys.executable, "corpus.py", "--out", str(world), "--n_people", "60", "--n_cities", "12",
+                        "--n_countries", "4", "--n_orgs", "15", "--n_works", "40", "--n_train", "40", "--n_dev", "8",
+                        "--n_test", "8", "--n_visual_train", "4", "--n_visual_dev", "2", "--n_visual_test", "2",
+                        "--quiet"], cwd=code, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (world / "kb" / "speech.jsonl").read_text() == ""
+    docs, qs = speech_questions(world)
+    (world / "kb" / "speech.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    for split, part in (("train", qs[:16]), ("dev", qs[16:20]), ("test", qs[20:])):  # scored first: EVAL_N
+        path = world / "questions" / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(q) + "\n" for q in part) + path.read_text())
+    out = tmp_path / "demo"
+    cmd = ["make", "-s", "-o", ".venv/.stamp", "-o", f"{tiny_model_dir}/config.json", "demo", f"PY={sys.executable}",
+           f"MODEL={tiny_model_dir}", f"DATA={world}", f"OUT={out}", "SFT_STEPS=2", "CONT_STEPS=1", "GRPO_STEPS=1",
+           "GRPO_QUESTIONS=2", "EVAL_N=6"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=code, env=dict(os.environ, WANDB_MODE="disabled"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "speech" in json.loads((world / "index" / "meta.json").read_text())["kbs"]
+    golden = [json.loads(line) for line in open(world / "traj-top1" / "train.jsonl")]
+    spoken = [x for x in golden if x["qid"].startswith("sp")]
+    assert len(spoken) == 16 and all(x["format_ok"] and x["steps"][0]["kb"] == "speech" and
+                                     x["steps"][0]["retrieved"][0].startswith("speech-") for x in spoken)
+    res = json.loads((out / "results" / "results.json").read_text())
+    for arm in ("sft", "sft-cont", "stepgrpo"):
+        m = res[f"{arm}/routed"]
+        assert "speech" in m["retrievals_by_kb"] and "speech" in m["confusion"], (arm, m)
+        assert json.loads((out / arm / "final" / "transcript.json").read_text())["kbs"][-1] == "speech"
+    assert "speech/q" in r.stdout  # the report's table has the KB's column
