@@ -74,6 +74,12 @@ def update(critic, opt, micro, denom, args):
     opt.zero_grad(set_to_none=True)
     return sums, grad_norm
 
+def combine(parts):
+    """update's sums over a rollout's minibatches: their totals, the value loss (each pass's token mean) their mean."""
+    total = sum(parts)
+    total[1] /= len(parts)
+    return total
+
 def record(sums):
     """The log's critic numbers from update's sums over all ranks: value_loss, vf_clipfrac and the explained variance
     1 - Var(R - V) / Var(R) over the batch's policy tokens (> 0: the values explain some of the returns; None: the

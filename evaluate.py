@@ -232,6 +232,11 @@ def get_args(argv=None):
                     help="VL policy: cap on a picture's pixels (default: the checkpoint's processor's, which sft.py "
                          "and stepgrpo.py save with the cap they trained with; a base Qwen2.5-VL needs it: see "
                          "stepgrpo.py --max_pixels)")
+    ap.add_argument("--judge", default=None, metavar="MODEL",
+                    help="an LLM judge of the final answers beside EM / F1 / F1-Recall (judge.py: ragas' "
+                         "AnswerAccuracy, temperature 0, cached in each report folder's judge.jsonl): a model folder, "
+                         "run in-process, or its tokenizer with --judge_url")
+    ap.add_argument("--judge_url", default=None, help="--judge's OpenAI-compatible server, e.g. http://host:8000/v1")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", nargs="+", default=None, help="a model's report folder (default out/eval/<name>-<split>)")
     ap.add_argument("--combine", nargs="+", default=None, help="merge these results.json files into one report (--out)")
@@ -282,9 +287,20 @@ def settings_of(args):
     return settings
 
 
-def run_methods(args, engine, ret, qs, settings, shots, model, name, out):
+def judge_answers(judge, trajs, out):
+    """--judge: each trajectory's "judge", the judge's AnswerAccuracy of its final answer against the gold answers (a
+    format failure 0, unasked), cached in out/judge.jsonl."""
+    judge.use_cache(out / "judge.jsonl")
+    asked = [x for x in trajs if x["format_ok"] and x["final_answer"]]
+    scores = judge.accuracy([(x["question"], " or ".join(x["answers"]), x["final_answer"]) for x in asked])
+    for x in trajs:
+        x["judge"] = 0.0
+    for x, s in zip(asked, scores):
+        x["judge"] = s
+
+def run_methods(args, engine, ret, qs, settings, shots, model, name, out, judge=None):
     """Each of args.methods on qs -> {row name: score}; a method's trajectories and its method-<method>.json go to
-    out as it finishes, and one an earlier run with the same signature finished is reused."""
+    out as it finishes, and one an earlier run with the same signature finished is reused. judge: --judge's."""
     from tqdm import tqdm
     results, signature, split = {}, run_signature(args, qs, model, name), "+".join(args.split)
     for method in args.methods:
@@ -297,6 +313,8 @@ def run_methods(args, engine, ret, qs, settings, shots, model, name, out):
         trajs = run_method(method, engine, ret, qs, settings, args.seed, args.iters, shots, bar)
         bar.update(len(qs) - bar.n)
         bar.close()
+        if judge:
+            judge_answers(judge, trajs, out)
         label = method + (f"+{args.few_shot}shot" if shots and method in STEP_FORMAT else "") + \
             (f"+{args.protocol}" if args.protocol != "strict" and method in STEP_FORMAT else "")
         row = {f"{name}/{label}": dict(metrics.score(trajs), seconds=round(time.perf_counter() - t, 1))}
@@ -375,6 +393,12 @@ def main(args):
     engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=args.max_model_len,
                                  max_pixels=args.max_pixels, max_images=settings.max_images, base_url=args.base_url,
                                  api_key=args.api_key)
+    judge = None
+    if args.judge_url and not args.judge:
+        sys.exit("error: --judge_url needs --judge, the judge's model folder (its tokenizer and chat template)")
+    if args.judge:
+        import judge as judges
+        judge = judges.Judge.load(args.judge, args.judge_url, max_model_len=args.max_model_len, seed=args.seed)
     if args.few_shot:
         examples = few_shot_examples(dataio.load_questions(args.data, "train"), args.few_shot)
         shots = rollout.few_shot_prefix(engine.tok, ret, examples, settings)
@@ -382,17 +406,18 @@ def main(args):
     for i, (model, name, out) in enumerate(zip(args.model, names, outs)):
         if i:
             engine.sync_weights(checkpoint_weights(model))
-        evaluate_model(args, engine, ret, qs, settings, shots, model, name, out)
+        evaluate_model(args, engine, ret, qs, settings, shots, model, name, out, judge)
 
 
-def evaluate_model(args, engine, ret, qs, settings, shots, model, name, out):
-    """The engine, holding model's weights, scores args.methods and the route probe; the report goes to out."""
+def evaluate_model(args, engine, ret, qs, settings, shots, model, name, out, judge=None):
+    """The engine, holding model's weights, scores args.methods (their answers judged by judge, --judge's) and the
+    route probe; the report goes to out."""
     split = "+".join(args.split)
     earlier = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
     if earlier and not any(k.startswith(f"{name}/") for k in earlier):
         print(f"note: {out} holds another model's report ({', '.join(earlier)}); it is replaced (--out names another "
               f"folder)")
-    results = run_methods(args, engine, ret, qs, settings, shots, model, name, out)
+    results = run_methods(args, engine, ret, qs, settings, shots, model, name, out, judge)
     if args.probe:
         out.mkdir(parents=True, exist_ok=True)
         p = dict(route_probe(engine, ret, qs, settings, args.probe, args.seed), model=model, split=split, questions=len(qs))

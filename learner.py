@@ -156,7 +156,7 @@ def learn(model, ref, opt, crit, rows, args, pad_id, device, vis, seed, warmup, 
         with peak("critic"):
             critic.advantages(crit[0], flat, mine, refs, args)  # whitened over the whole rollout
             out = [critic.update(*crit, mb, denom, args) for mb, denom, _ in shares]
-        sums["critic"] = sum(c for c, _ in out) * torch.tensor([1, 1 / K, 1, 1, 1, 1, 1], dtype=torch.float64, device=device)
+        sums["critic"] = critic.combine([c for c, _ in out])
         timing["critic_grad_norm"] = float(np.mean([g for _, g in out]))
         timing["critic_s"] = time.perf_counter() - t_c
     norms = []

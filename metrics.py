@@ -196,6 +196,9 @@ def metrics(trajs):
                               over the batch; the method's wall clock is `seconds` in results.json, seconds/q the table's)
       lost                    {cause: F1-Recall points lost to it}, one cause a question (failure(x)): the points
                               sum with f1_recall to 100, so they say which ceiling a gain can come from
+      judge, judge_em_agree   with evaluate.py --judge: the mean LLM-judge score of the final answers (judge.py:
+                              ragas' AnswerAccuracy, 0 / 0.5 / 1 a question, a format failure 0), and the % of
+                              questions where the judge (score >= 0.5) and EM agree; absent without a judge
       confusion               routing confusion matrix (below), counts
       by_type                 the metrics above (without confusion) per question type
     """
@@ -224,6 +227,10 @@ def metrics(trajs):
     for x, a in zip(trajs, answers):
         lost[failure(x)] += 100 * (1 - a["f1_recall"]) / n
     m["lost"] = {k: lost[k] for k in FAILURES if k in lost}
+    judged = [(x["judge"], a["em"]) for x, a in zip(trajs, answers) if x.get("judge") is not None]
+    if judged:
+        m["judge"] = 100 * mean(j for j, _ in judged)
+        m["judge_em_agree"] = 100 * mean((j >= 0.5) == (em == 1) for j, em in judged)
     m["policy_tokens"] = mean(x.get("n_policy_tokens", 0) for x in trajs)
     for k in ("generate", "retrieve"):
         m[f"time_{k}"] = mean((x.get("timings") or {}).get(k, 0.0) for x in trajs)

@@ -59,6 +59,11 @@ def markdown(results, title):
                       for m, s in results.items()])
     lost = _table(["method", *FAILURES],  # only rows with "lost": --combine may read older results.json
                   [[m, *(_fmt(s["lost"].get(k, 0.0)) for k in FAILURES)] for m, s in results.items() if "lost" in s])
+    judged = _table(["method", "LLM judge", "EM", "judge = EM %"],  # evaluate.py --judge's rows only
+                    [[m, _fmt(s["judge"]), _fmt(s["em"]), _fmt(s["judge_em_agree"])] for m, s in results.items()
+                     if s.get("judge") is not None])
+    judge = ["## LLM judge (ragas' AnswerAccuracy of the final answer; its agreement with EM)", "", *judged, ""] \
+        if len(judged) > 2 else []
     types = type_order({ty for s in results.values() for ty in s["by_type"]})
     by_type = lambda k, digits: _table(["method", *types], [[m, *(_fmt(s["by_type"][ty].get(k), digits)
                                                                   if ty in s["by_type"] else "-" for ty in types)]
@@ -66,7 +71,7 @@ def markdown(results, title):
     return "\n".join([f"# {title}", "", "All rates in %; answer metrics count a format failure as 0; answer words: "
                       "the mean length of the final answer in words (a format failure's: 0).", "", *main, "",
                       "## Routing", "", *routing, "",
-                      "## Where F1-Recall is lost (points, the first failure of each question)", "", *lost, "",
+                      *judge, "## Where F1-Recall is lost (points, the first failure of each question)", "", *lost, "",
                       "## F1-Recall by question type", "", *by_type("f1_recall", 1), "",
                       "## Answer words by question type", "", *by_type("answer_words", 2), ""])
 

@@ -103,7 +103,9 @@ def span_rewards(x, encode, w):
         g = gold[t] if t < len(gold) else []
         took = t < len(pred)  # a route span past the searches was the stop
         if sp["kind"] == "route":
-            step = reward.Route(ok=True, stop=not took, pairs=reward.pairs_of(pred[t]) if took else [])
+            pairs = reward.pairs_of(pred[t]) if took else []  # the step as reward.parse_route read it
+            step = reward.Route(ok=True, stop=not took, pairs=pairs, sub_question=pairs[0][0] if took else "None",
+                                kb=pairs[0][1][0] if took else None)
             out.append(step_reward("route", step, g, w, encode,
                                    {d for st in pred[t] for d in st["retrieved"]} if took else None))
         else:

@@ -1,14 +1,36 @@
-"""The README's three fork recipes, each followed through: a new per-step reward (steprewards.step_reward), a new
-policy model (make's MODEL), a new KB type (a row of dataio.KB_TABLE)."""
+"""The README's three fork recipes, each followed through on the default flags: a new per-step reward
+(steprewards.step_reward), a new policy model (make's MODEL), a new KB type (a row of dataio.KB_TABLE, through the
+whole main job). Each of these mutations makes one of them fail (tests/fork_mutations.py applies each to a copy of
+the checkout and runs the test that should catch it):
+   1. split credit's KB part hard-wired to R1-Router's 0.5 [KB right]
+   2. split credit's wording half zeroed
+   3. on-policy default credit the outcome alone
+   4. on-policy steps rebuilt without their sub-question
+   5. make converts any MODEL folder
+   6. the data stage without its model (stale reuse)
+   7. synth.py ignores --model
+   8. no chat template: a traceback, not one line
+   9. world generation picks a KB without relations
+  10. the prompt names the first three KBs
+  11. the released prompts name the three
+  12. the parser reads the three retriever names
+  13. the indexes skip a fourth KB
+  14. the checkpoint's format does not record the KBs
+  15. importers drop a KB's own fields
+  16. metrics count the three KBs
+  17. the report's table has the three KBs' columns
+  18. evaluate.py's every-KB baselines search the three
+"""
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import make_demo
 
 import prepare
 import reward
@@ -110,7 +132,8 @@ def test_a_model_folder_given_to_make_is_used_as_given(tiny_model_dir, tmp_path)
     for script in ("synth.py", "sft.py"):
         assert f"{script} --model {tiny_model_dir} " in plan.stdout
     missing = tmp_path / "not-a-model"
-    r = subprocess.run(["make", "-s", f"{missing}/config.json", f"MODEL={missing}"], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(["make", "-s", "-o", ".venv/.stamp", f"{missing}/config.json", f"MODEL={missing}"], cwd=ROOT,
+                       capture_output=True, text=True)  # -o: the venv taken as built, never remade from a test
     assert r.returncode == 2 and r.stdout.strip() == (f"error: MODEL={missing}: no config.json there; MODEL names an HF "
                                                       f"model folder (make converts only {prepare.DEFAULT_MODEL})")
     assert not missing.exists()
@@ -141,22 +164,38 @@ def test_make_demo_with_another_model_after_one_remakes_the_data_and_retrains(ti
     built_with(b)
     assert trains(make(a, "-n"))[:2] == ["synth.py", "sft.py"]
 
-def test_a_model_without_a_chat_template_stops_the_data_stage_with_one_line(tiny_model_dir, tiny_index, tmp_path):
-    # recipe 2: every step is a chat turn; a folder whose tokenizer has none is refused by name, nothing written
+def test_synth_writes_the_given_models_tokens_and_refuses_one_without_a_chat_template(tiny_model_dir, tiny_index,
+                                                                                        tmp_path):
+    # recipe 2's data stage: synth.py --model writes the trajectories in that model's tokenizer (the tests' 4,096-id
+    # cut of SmolLM2's, not the default's 49,152); every step is a chat turn, so a folder whose tokenizer has no
+    # chat template is refused by name, nothing written
+    from transformers import AutoTokenizer
+
+    import transcript
+    synth = lambda model, out: subprocess.run([sys.executable, "synth.py", "--model", str(model), "--data", str(tiny_index),
+                                               "--out", str(out), "--limit", "2", "--splits", "dev", "--retriever", "bm25"],
+                                              cwd=ROOT, capture_output=True, text=True)
+    r = synth(tiny_model_dir, tmp_path / "traj")
+    assert r.returncode == 0, r.stderr[-2000:]
+    meta = json.loads((tmp_path / "traj" / transcript.META).read_text())
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert meta["vocab_sha256"] == transcript.tokenizer_meta(tok)["vocab_sha256"]
+    rows = [json.loads(line) for line in open(tmp_path / "traj" / "dev.jsonl")]
+    assert len(rows) == 2 and all(max(x["ids"]) < len(tok) for x in rows)
     bare = tmp_path / "bare"
     shutil.copytree(tiny_model_dir, bare)
     cfg = json.loads((bare / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
     (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
     (bare / "chat_template.jinja").unlink(missing_ok=True)
-    r = subprocess.run([sys.executable, "synth.py", "--model", str(bare), "--data", str(tiny_index), "--out",
-                        str(tmp_path / "traj"), "--limit", "2", "--splits", "dev"], cwd=ROOT, capture_output=True, text=True)
+    r = synth(bare, tmp_path / "bare-traj")
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"error: {bare}: the tokenizer has no chat template (tokenizer_config.json's chat_template or "
         "chat_template.jinja); every step is a chat turn rendered through it"], r.stderr[-2000:]
-    assert not (tmp_path / "traj").exists()
+    assert not (tmp_path / "bare-traj").exists()
 
-FOURTH_KB = '''    KB("speech", "Speech Retriever", "spr", "speech: what people said", {"id": str, "title": str, "text": str}, "text"),
+FOURTH_KB = '''    KB("speech", "Speech Retriever", "spr", "speech: what people said",
+       {"id": str, "title": str, "speaker": str, "text": str}, "text"),
 '''
 
 CHECK = '''
@@ -209,8 +248,9 @@ def test_a_fourth_kb_added_to_the_table_reaches_the_prompt_parser_retrieval_and_
     code = fork_code(tmp_path)
     data = tmp_path / "data"
     shutil.copytree(tiny_world, data, ignore=shutil.ignore_patterns("index"))
-    docs = [dict(id="speech-1", title="Opening of the Selstoa bridge", text="Ulla Brenmark said: the river is ours."),
-            dict(id="speech-2", title="A toast", text="Ivo Lund said: to the harvest.")]
+    docs = [dict(id="speech-1", title="Opening of the Selstoa bridge", speaker="Ulla Brenmark",
+                 text="Ulla Brenmark said: the river is ours."),
+            dict(id="speech-2", title="A toast", speaker="Ivo Lund", text="Ivo Lund said: to the harvest.")]
     (data / "kb" / "speech.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     step = dict(sub_question="What did Ulla say at the opening?", kb="speech", doc_id="speech-1",
                 answer="the river is ours")
@@ -220,6 +260,15 @@ def test_a_fourth_kb_added_to_the_table_reaches_the_prompt_parser_retrieval_and_
     r = subprocess.run([sys.executable, "-c", CHECK, str(data), str(ROOT / prepare.DEFAULT_MODEL)], cwd=code,
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    # an importer's corpus for it keeps the KB's own fields (the speaker), and a row without one is refused by line
+    r = subprocess.run([sys.executable, "importers.py", "--out", str(tmp_path / "imported"), "--corpus",
+                        f"speech={data / 'kb' / 'speech.jsonl'}"], cwd=code, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [json.loads(line) for line in open(tmp_path / "imported" / "kb" / "speech.jsonl")] == docs
+    (tmp_path / "bad.jsonl").write_text(json.dumps(dict(docs[0], speaker=None)) + "\n")
+    r = subprocess.run([sys.executable, "importers.py", "--out", str(tmp_path / "bad"), "--corpus",
+                        f"speech={tmp_path / 'bad.jsonl'}"], cwd=code, capture_output=True, text=True)
+    assert r.returncode == 1 and f"{tmp_path / 'bad.jsonl'}:1: field 'speaker' should be str" in r.stderr, r.stderr
 
 def speech_questions(world, n=24):
     """Documents of the fourth KB (what the world's people said) and one 1-hop question about each."""
@@ -227,7 +276,7 @@ def speech_questions(world, n=24):
     docs, qs = [], []
     for i, name in enumerate(people):
         said = f"the {['river', 'harvest', 'bridge', 'mountain'][i % 4]} is {['ours', 'late', 'wide', 'old'][i // 4 % 4]}"
-        docs.append(dict(id=f"speech-{i}", title=f"Speech by {name}", text=f"{name} said: {said}."))
+        docs.append(dict(id=f"speech-{i}", title=f"Speech by {name}", speaker=name, text=f"{name} said: {said}."))
         sub = f"What did {name} say in the speech?"
         qs.append(dict(id=f"sp{i}", question=sub, answers=[said], type="1hop",
                        steps=[dict(sub_question=sub, kb="speech", doc_id=f"speech-{i}", answer=said)]))
@@ -249,12 +298,7 @@ def test_a_fourth_kb_runs_through_the_whole_main_job(tiny_model_dir, tmp_path):
     for split, part in (("train", qs[:16]), ("dev", qs[16:20]), ("test", qs[20:])):  # scored first: EVAL_N
         path = world / "questions" / f"{split}.jsonl"
         path.write_text("".join(json.dumps(q) + "\n" for q in part) + path.read_text())
-    out = tmp_path / "demo"
-    cmd = ["make", "-s", "-o", ".venv/.stamp", "-o", f"{tiny_model_dir}/config.json", "demo", f"PY={sys.executable}",
-           f"MODEL={tiny_model_dir}", f"DATA={world}", f"OUT={out}", "SFT_STEPS=2", "CONT_STEPS=1", "GRPO_STEPS=1",
-           "GRPO_QUESTIONS=2", "EVAL_N=6"]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=code, env=dict(os.environ, WANDB_MODE="disabled"))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out, text = make_demo(tmp_path, tiny_model_dir, world, code)
     assert "speech" in json.loads((world / "index" / "meta.json").read_text())["kbs"]
     golden = [json.loads(line) for line in open(world / "traj-top1" / "train.jsonl")]
     spoken = [x for x in golden if x["qid"].startswith("sp")]
@@ -263,6 +307,14 @@ def test_a_fourth_kb_runs_through_the_whole_main_job(tiny_model_dir, tmp_path):
     res = json.loads((out / "results" / "results.json").read_text())
     for arm in ("sft", "sft-cont", "stepgrpo"):
         m = res[f"{arm}/routed"]
-        assert "speech" in m["retrievals_by_kb"] and "speech" in m["confusion"], (arm, m)
+        assert "speech" in m["retrievals_by_kb"] and "speech" in m["confusion"]["rows"], (arm, m)
         assert json.loads((out / arm / "final" / "transcript.json").read_text())["kbs"][-1] == "speech"
-    assert "speech/q" in r.stdout  # the report's table has the KB's column
+    assert "speech/q" in text  # the report's table has the KB's column
+    # the baselines that search every KB search it too (evaluate.py's single_rag: each KB once a question)
+    r = subprocess.run([sys.executable, "evaluate.py", "--model", str(out / "sft" / "final"), "--data", str(world),
+                        "--split", "test", "--n_questions", "2", "--methods", "single_rag", "--name", "sft", "--out", str(tmp_path / "rag")],
+                       cwd=code, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="disabled"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rag = json.loads((tmp_path / "rag" / "results.json").read_text())
+    assert {kb: v > 0 for kb, v in rag["sft/single_rag"]["retrievals_by_kb"].items()} == dict.fromkeys(
+        ["text", "table", "image", "speech"], True), rag

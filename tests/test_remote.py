@@ -68,6 +68,20 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
         saved = [json.loads(line) for line in open(tmp_path / "remote" / "trajectories-routed.jsonl")]
         assert [(x["spans"], x["steps"], x["final_answer"]) for x in saved] == [(x["spans"], x["steps"], x["final_answer"])
                                                                             for x in a]
+        # the judge (judge.py) through the same server: every rating one of the scale's or None, a second call
+        # answered from the cache; evaluate.py --judge writes the judge metric and its agreement with EM
+        import judge
+        j = judge.Judge.load(tiny_model_dir, url, cache=tmp_path / "judge.jsonl")
+        items = [(x["question"], " or ".join(x["answers"]), x["final_answer"] or "none") for x in a[:3]]
+        scores = j.accuracy(items)
+        assert j.asked == 6 and all(s in (None, 0.0, 0.25, 0.5, 0.75, 1.0) for s in scores), scores
+        assert j.accuracy(items) == scores and j.asked == 6
+        assert len((tmp_path / "judge.jsonl").read_text().splitlines()) == 6
+        r = evaluate(*common, "--n_questions", "4", "--judge", tiny_model_dir, "--judge_url", url, "--out", tmp_path / "judged")
+        assert r.returncode == 0, r.stderr[-3000:]
+        row = next(iter(json.loads((tmp_path / "judged" / "results.json").read_text()).values()))
+        assert 0 <= row["judge"] <= 100 and 0 <= row["judge_em_agree"] <= 100, row
+        assert "## LLM judge" in (tmp_path / "judged" / "table.md").read_text()
         # what a served model cannot do: swap in other weights
         r = evaluate(*common, "--backend", "openai", "--base_url", url, "--model", tiny_model_dir, tiny_model_dir,
                      "--out", tmp_path / "x", tmp_path / "y")
@@ -75,6 +89,8 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
     finally:
         server.terminate()
         server.wait(timeout=60)
-    # a server that is gone: a one-line error naming it, after the retries
+    # a server that is gone: a one-line error naming it, after the retries (the policy's server, and a judge's)
     r = evaluate(*common, "--backend", "openai", "--base_url", url, "--out", tmp_path / "gone")
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith(f"error: the server {url} did not answer")
+    with pytest.raises(SystemExit, match=f"error: the server {url} did not answer /models after 3 tries"):
+        judge.Judge.load(tiny_model_dir, url)

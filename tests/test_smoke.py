@@ -6,13 +6,13 @@ its checkpoints: the SFT checkpoint as a teacher sampling through the loop with 
 --teacher), sampled evaluation (--protocol released), an evaluation's resume, and a format mismatch refused in one
 line. In `make test` only (slow: the main job's command, ~4 min here); `make test-fast` leaves it out."""
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import make_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,17 +21,6 @@ def cli(script, *args):
     r = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, f"{script}: {r.stderr[-3000:]}"
     return r.stdout
-
-
-def make_demo(tmp_path, model, data):
-    """`make demo` on the tiny world: the set-up's files taken as built (-o), this Python, tiny budgets."""
-    out = tmp_path / "demo"
-    cmd = ["make", "-s", "-o", ".venv/.stamp", "-o", f"{model}/config.json", "demo", f"PY={sys.executable}",
-           f"MODEL={model}", f"DATA={data}", f"OUT={out}", "SFT_STEPS=2", "CONT_STEPS=1", "GRPO_STEPS=1",
-           "GRPO_QUESTIONS=2", "EVAL_N=6"]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, WANDB_MODE="disabled"))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return out, r.stdout
 
 
 @pytest.mark.slow

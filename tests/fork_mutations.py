@@ -1,0 +1,103 @@
+"""
+The mutations tests/test_fork.py says it catches, each applied to a copy of the checkout's tracked files, then the
+fork test that should catch it run there: a mutation its test passes is MISSED, and the exit status is 1.
+
+    .venv/bin/python tests/fork_mutations.py         # all of them, one after another (~25 min on 2 cores)
+    .venv/bin/python tests/fork_mutations.py 5 13    # some, by number
+
+Each mutation is a real edit a fork could make by mistake (or an earlier version of this code had), as one exact
+string replaced in one file; the list is the one in test_fork.py's docstring, in its order.
+"""
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE1 = "test_a_new_step_reward_moves_the_advantages_as_it_says"
+KB_CHECK = "test_a_fourth_kb_added_to_the_table_reaches_the_prompt_parser_retrieval_and_reward"
+KB_JOB = "test_a_fourth_kb_runs_through_the_whole_main_job"
+
+# (what it breaks, file, the exact string, its replacement, the test that must fail)
+MUTATIONS = [
+    ("split credit's KB part hard-wired to R1-Router's 0.5 [KB right]", "steprewards.py",
+     "kb_part.append(kb_credit(p, target, w, encode, r))", "kb_part.append(0.5 * float(ok_kb))", RECIPE1),
+    ("split credit's wording half zeroed", "grpo.py",
+     "a_rest = norm([r - k for r, k in zip(rewards, kb_part)], std=std) * scale",
+     "a_rest = norm([r - k for r, k in zip(rewards, kb_part)], std=std) * scale * 0", RECIPE1),
+    ("on-policy default credit the outcome alone", "stepgrpo.py",
+     'ap.add_argument("--reward", default="step"', 'ap.add_argument("--reward", default="outcome"', RECIPE1),
+    ("on-policy steps rebuilt without their sub-question", "steprewards.py",
+     'sub_question=pairs[0][0] if took else "None",', 'sub_question="",', RECIPE1),
+    ("make converts any MODEL folder", "Makefile",
+     '@test "$(MODEL)" = "$(DEFAULT_MODEL)" || {', '@true || {',
+     "test_a_model_folder_given_to_make_is_used_as_given"),
+    ("the data stage without its model (stale reuse)", "Makefile",
+     "$(DATA)/traj-top1/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL_STAMP)",
+     "$(DATA)/traj-top1/train.jsonl: synth.py $(DATA)/index/meta.json $(MODEL)/config.json",
+     "test_make_demo_with_another_model_after_one_remakes_the_data_and_retrains"),
+    ("synth.py ignores --model", "synth.py",
+     "tok = AutoTokenizer.from_pretrained(args.model)", "tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)",
+     "test_synth_writes_the_given_models_tokens_and_refuses_one_without_a_chat_template"),
+    ("no chat template: a traceback, not one line", "transcript.py",
+     "if not tok.chat_template:", "if False:",
+     "test_synth_writes_the_given_models_tokens_and_refuses_one_without_a_chat_template"),
+    ("world generation picks a KB without relations", "corpus.py",
+     "kb = rng.choice(value_kbs())", "kb = rng.choice(KBS)", KB_JOB),
+    ("the prompt names the first three KBs", "rollout.py",
+     "RETRIEVERS = [kb.retriever for kb in KB_TABLE]", "RETRIEVERS = [kb.retriever for kb in KB_TABLE[:3]]", KB_CHECK),
+    ("the released prompts name the three", "rollout.py",
+     "    new = [kb for kb in KB_TABLE if kb.name not in", "    new = [] and [kb for kb in KB_TABLE if kb.name not in",
+     KB_CHECK),
+    ("the parser reads the three retriever names", "reward.py",
+     "KB_TO_RET = {kb.name: kb.retriever for kb in KB_TABLE}", "KB_TO_RET = {kb.name: kb.retriever for kb in KB_TABLE[:3]}",
+     KB_CHECK),
+    ("the indexes skip a fourth KB", "retrievers.py",
+     "meta = dict(methods=list(methods), kbs={})\n    for kb in KBS:",
+     "meta = dict(methods=list(methods), kbs={})\n    for kb in KBS[:3]:", KB_CHECK),
+    ("the checkpoint's format does not record the KBs", "transcript.py",
+     '"kbs": list(KBS)}', '"kbs": ["text", "table", "image"]}', KB_CHECK),
+    ("importers drop a KB's own fields", "importers.py",
+     "for f, typ in KB_OF[kb].fields.items() if f not in doc}", "for f, typ in KB_OF[kb].fields.items() if False}",
+     KB_CHECK),
+    ("metrics count the three KBs", "metrics.py",
+     'from dataio import KBS  # ("text", "table", "image")', 'KBS = ("text", "table", "image")', KB_JOB),
+    ("the report's table has the three KBs' columns", "report.py",
+     'from dataio import KBS  # ("text", "table", "image")', 'KBS = ("text", "table", "image")', KB_JOB),
+    ("evaluate.py's every-KB baselines search the three", "evaluate.py",
+     'kbs = () if method == "no_retrieval" else KBS', 'kbs = () if method == "no_retrieval" else KBS[:3]', KB_JOB),
+]
+
+def checkout_copy(dest):
+    """The tracked files (as they are in the working tree), the venv and the model folder linked."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for f in filter(None, files.split("\0")):
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        (dest / f).write_bytes((ROOT / f).read_bytes())
+    (dest / ".venv").symlink_to(ROOT / ".venv")
+    (dest / "models").symlink_to(ROOT / "models")
+
+def run(i):
+    what, path, old, new, test = MUTATIONS[i - 1]
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp)
+        checkout_copy(copy)
+        src = (copy / path).read_text()
+        assert src.count(old) == 1, f"mutation {i}: {path} holds its string {src.count(old)} times, not once"
+        (copy / path).write_text(src.replace(old, new))
+        r = subprocess.run([str(copy / ".venv/bin/python"), "-m", "pytest", "-q", "-x", "-n", "0", "-p",
+                            "no:cacheprovider", f"tests/test_fork.py::{test}"], cwd=copy, capture_output=True, text=True)
+    caught = r.returncode == 1  # a test failed (2-5: an error of the run itself, not a catch)
+    print(f"{i:2d}. {'caught' if caught else 'MISSED'}  {what}  ({path}; {test}, rc {r.returncode})", flush=True)
+    if r.returncode not in (0, 1):
+        print(r.stdout[-1500:] + r.stderr[-1500:])
+    return caught
+
+if __name__ == "__main__":
+    doc = (ROOT / "tests" / "test_fork.py").read_text()
+    listed = [m[0] for m in MUTATIONS if m[0] not in doc]
+    assert not listed, f"test_fork.py's docstring does not list: {listed}"
+    picks = [int(a) for a in sys.argv[1:]] or range(1, len(MUTATIONS) + 1)
+    missed = [i for i in picks if not run(i)]
+    print(f"{len(picks) - len(missed)} of {len(picks)} caught" + (f"; missed: {missed}" if missed else ""))
+    sys.exit(1 if missed else 0)
