@@ -357,10 +357,11 @@ def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(wide_model_dir):
     assert logits(trainutil.gpu_budget(0, 0, 0, 0.5, 1, N, V)) == trainutil.LOSS_COPIES * N * V * 4
 
 def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_dir, monkeypatch):
-    # the loss's N: --micro_batch rows of n packed completions (teacher_prefix) or of whole trajectories (onpolicy)
-    assert stepgrpo.update_tokens(stepgrpo.get_args([])) == 2 * 8 * 64
-    assert stepgrpo.update_tokens(stepgrpo.get_args(["--rollout", "onpolicy"])) == 2 * (3 * 64 + 48)
-    assert stepgrpo.update_tokens(stepgrpo.get_args(["--max_pairs", "2", "-n", "4"])) == 2 * 4 * 2 * 64
+    # the loss's N: --micro_batch rows of n packed completions (teacher_prefix) or of whole trajectories (onpolicy), at
+    # the step budgets evaluation gives (rollout.Settings: 96 new tokens a route, 96 an answer)
+    assert stepgrpo.update_tokens(stepgrpo.get_args([])) == 2 * 8 * 96
+    assert stepgrpo.update_tokens(stepgrpo.get_args(["--rollout", "onpolicy"])) == 2 * (3 * 96 + 96)
+    assert stepgrpo.update_tokens(stepgrpo.get_args(["--max_pairs", "2", "-n", "4"])) == 2 * 4 * 2 * 96
     calls = []
     monkeypatch.setattr(trainutil, "check_gpu_budget", lambda *a: calls.append(a) or sys.exit("checked"))
     own = trainutil.init_group(1)
@@ -372,9 +373,9 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
     finally:
         if own:
             torch.distributed.destroy_process_group()
-    assert calls[0][2:] == (engines.VLLMEngine.GPU_FRACTION, 1, 3 * 8 * 64, None)
+    assert calls[0][2:] == (engines.VLLMEngine.GPU_FRACTION, 1, 3 * 8 * 96, None)
     crit, crit_opt = calls[1][5]  # PPO: the critic, whose shards and Adam state the budget counts beside the policy's
-    assert calls[1][4] == 3 * (3 * 64 + 48) and crit.get_output_embeddings().out_features == 1
+    assert calls[1][4] == 3 * (3 * 96 + 96) and crit.get_output_embeddings().out_features == 1
     assert isinstance(crit_opt, torch.optim.AdamW)
     # the budget adds gradients and Adam state for the critic's trainable bytes beside the policy's
     seen = []
