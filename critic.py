@@ -10,7 +10,9 @@ with: the value loss's gradients never reach the policy, the two learn at their 
 1e-5), and the critic can warm up alone (--critic_warmup). The price is a second model's shards, gradients and Adam
 state (docs/gpu.md).
 """
+import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -92,6 +94,14 @@ def record(sums):
     flat = var(r, r2) <= 1e-9 * max(1.0, r2 / n_tok)  # constant returns, up to the sums' rounding: nothing to explain
     return dict(value_loss=loss, vf_clipfrac=clipped / n_tok,
                 explained_var=None if flat else 1 - var(e, e2) / var(r, r2))
+
+def check_resumed(out, step, args):
+    """A run resumed at `step`, past its warm-up: the gate's verdict again, from the warm-up's last record in
+    out/log.jsonl (the checkpoint the gate stopped at holds the warmed-up critic, and a resume must not pass it)."""
+    if args.adv_estimator != "gae" or not 0 < args.critic_warmup <= step:
+        return
+    recs = [json.loads(line) for line in open(Path(out) / "log.jsonl")] if (Path(out) / "log.jsonl").is_file() else []
+    check_warmup(next((r for r in recs if r["step"] == args.critic_warmup), {}), args.critic_warmup, args)
 
 def check_warmup(rec, step, args):
     """After the last of --critic_warmup steps (rec: its log record, the same on every rank): the policy starts only

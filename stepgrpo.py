@@ -544,6 +544,7 @@ def main(argv=None):
         print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
     per_epoch = len(questions) // args.batch_questions
     log = trainutil.Log(out, rank, step, resuming, args.wandb_mode, vars(args))
+    critic.check_resumed(out, step, args)  # a resume past the warm-up meets its gate again
     print0(f"Step-GRPO ({args.rollout}, reward {args.reward}): world {world} ({trainutil.device_kind(device)}: {args.dtype}), "
            f"{sum(p.numel() for p in params) / 1e6:.2f}M trained weights{' (LoRA)' if lora else ''}, {len(questions)} "
            f"questions, {args.batch_questions} x {args.group_size} per step, {args.train_steps} steps")

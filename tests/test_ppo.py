@@ -172,6 +172,9 @@ def test_a_critic_warmup_holds_the_policy_and_a_critic_that_explains_nothing_sto
     a, b = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "step_1" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a) and records(out)[-1]["value_loss"] is not None
     assert not (out / "final").exists()
+    with pytest.raises(SystemExit) as e:  # a resume from the checkpoint the gate stopped at is stopped again
+        stepgrpo.main(ppo_args(tiny_model_dir, tiny_index, out, "--train_steps", 2, "--critic_warmup", 1, "--resume", "auto"))
+    assert str(e.value.code) == msg and not (out / "step_2").exists()
 
 def test_the_policy_starts_after_the_warmup_only_above_the_explained_variance_bar():
     args = Namespace(adv_estimator="gae", critic_warmup=3)
