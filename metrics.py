@@ -198,7 +198,8 @@ def metrics(trajs):
                               sum with f1_recall to 100, so they say which ceiling a gain can come from
       judge, judge_em_agree   with evaluate.py --judge: the mean LLM-judge score of the final answers (judge.py:
                               ragas' AnswerAccuracy, 0 / 0.5 / 1 a question, a format failure 0), and the % of
-                              questions where the judge (score >= 0.5) and EM agree; absent without a judge
+                              questions where the judge (score >= 0.5) and EM agree, both over the judge_n
+                              questions the judge rated (no rating parsed: left out); absent without a judge
       confusion               routing confusion matrix (below), counts
       by_type                 the metrics above (without confusion) per question type
     """
@@ -229,7 +230,7 @@ def metrics(trajs):
     m["lost"] = {k: lost[k] for k in FAILURES if k in lost}
     judged = [(x["judge"], a["em"]) for x, a in zip(trajs, answers) if x.get("judge") is not None]
     if judged:
-        m["judge"] = 100 * mean(j for j, _ in judged)
+        m["judge"], m["judge_n"] = 100 * mean(j for j, _ in judged), len(judged)
         m["judge_em_agree"] = 100 * mean((j >= 0.5) == (em == 1) for j, em in judged)
     m["policy_tokens"] = mean(x.get("n_policy_tokens", 0) for x in trajs)
     for k in ("generate", "retrieve"):

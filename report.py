@@ -59,8 +59,9 @@ def markdown(results, title):
                       for m, s in results.items()])
     lost = _table(["method", *FAILURES],  # only rows with "lost": --combine may read older results.json
                   [[m, *(_fmt(s["lost"].get(k, 0.0)) for k in FAILURES)] for m, s in results.items() if "lost" in s])
-    judged = _table(["method", "LLM judge", "EM", "judge = EM %"],  # evaluate.py --judge's rows only
-                    [[m, _fmt(s["judge"]), _fmt(s["em"]), _fmt(s["judge_em_agree"])] for m, s in results.items()
+    judged = _table(["method", "LLM judge", "EM", "judge = EM %", "rated"],  # evaluate.py --judge's rows only
+                    [[m, _fmt(s["judge"]), _fmt(s["em"]), _fmt(s["judge_em_agree"]), f"{s['judge_n']} of {s['n']}"]
+                     for m, s in results.items()
                      if s.get("judge") is not None])
     judge = ["## LLM judge (ragas' AnswerAccuracy of the final answer; its agreement with EM)", "", *judged, ""] \
         if len(judged) > 2 else []

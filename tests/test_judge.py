@@ -80,7 +80,8 @@ def test_the_judge_metric_and_its_agreement_with_em():
                     final_answer=answer, format_ok=True, judge=score)
     trajs = [traj("Selstoa", 1.0), traj("in Selstoa", 1.0), traj("Oslo", 0.0), traj("Oslo", 0.5)]
     m = metrics.metrics(trajs)
-    assert m["judge"] == pytest.approx(62.5)  # (1 + 1 + 0 + 0.5) / 4
+    assert m["judge"] == pytest.approx(62.5) and m["judge_n"] == 4  # (1 + 1 + 0 + 0.5) / 4
     assert m["judge_em_agree"] == pytest.approx(50.0)  # agree: Selstoa (both 1), Oslo 0.0 (both 0)
     assert "judge" not in metrics.metrics([dict(t, judge=None) for t in trajs])  # no judge: no column
+    assert metrics.metrics(trajs[:2] + [dict(trajs[2], judge=None)])["judge_n"] == 2  # no rating parsed: left out
     json.dumps(m, allow_nan=False)
