@@ -63,13 +63,18 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
         # evaluate.py through the server writes those trajectories
         common = ["--model", tiny_model_dir, "--data", tiny_index, "--split", "test", "--methods", "routed",
                   "--retriever", "bm25", "--max_active", "1"]
-        r = evaluate(*common, "--backend", "openai", "--base_url", url, "--out", tmp_path / "remote")
+        # (judged by the same server: evaluate.py --judge writes the judge metric and its agreement with EM)
+        r = evaluate(*common, "--backend", "openai", "--base_url", url, "--judge", tiny_model_dir, "--judge_url", url,
+                     "--out", tmp_path / "remote")
         assert r.returncode == 0, r.stderr[-3000:]
+        row = next(iter(json.loads((tmp_path / "remote" / "results.json").read_text()).values()))
+        assert 0 < row["judge_n"] <= row["n"] and 0 <= row["judge_em_agree"] <= 100, row  # a format failure: 0, rated
+        assert "## LLM judge" in (tmp_path / "remote" / "table.md").read_text()
         saved = [json.loads(line) for line in open(tmp_path / "remote" / "trajectories-routed.jsonl")]
         assert [(x["spans"], x["steps"], x["final_answer"]) for x in saved] == [(x["spans"], x["steps"], x["final_answer"])
                                                                             for x in a]
         # the judge (judge.py) through the same server: every rating one of the scale's or None, a second call
-        # answered from the cache; evaluate.py --judge writes the judge metric and its agreement with EM
+        # answered from the cache
         import judge
         j = judge.Judge.load(tiny_model_dir, url, cache=tmp_path / "judge.jsonl")
         items = [(x["question"], " or ".join(x["answers"]), x["final_answer"] or "none") for x in a[:3]]
@@ -77,11 +82,8 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
         assert j.asked == 6 and all(s in (None, 0.0, 0.25, 0.5, 0.75, 1.0) for s in scores), scores
         assert j.accuracy(items) == scores and j.asked == 6
         assert len((tmp_path / "judge.jsonl").read_text().splitlines()) == 6
-        r = evaluate(*common, "--n_questions", "4", "--judge", tiny_model_dir, "--judge_url", url, "--out", tmp_path / "judged")
-        assert r.returncode == 0, r.stderr[-3000:]
-        row = next(iter(json.loads((tmp_path / "judged" / "results.json").read_text()).values()))
-        assert 0 <= row["judge"] <= 100 and 0 <= row["judge_em_agree"] <= 100, row
-        assert "## LLM judge" in (tmp_path / "judged" / "table.md").read_text()
+        # the judge (judge.py) through the same server: every rating one of the scale's or None, a second call
+        # answered from the cache
         # what a served model cannot do: swap in other weights
         r = evaluate(*common, "--backend", "openai", "--base_url", url, "--model", tiny_model_dir, tiny_model_dir,
                      "--out", tmp_path / "x", tmp_path / "y")
