@@ -273,6 +273,9 @@ RELATIONS = {
     "flag_stripes": ("country", None, "image", "How many stripes does the flag of {s} have?", None),
     "flag_emblem": ("country", None, "image", "What symbol is in the centre of the flag of {s}?", None),
 }
+# the KBs a question's last hop can ask: those with a value relation (a new row of dataio.KB_TABLE has none here,
+# its documents and questions come from elsewhere)
+VALUE_KBS = [k for k in KBS if any(v[2] == k and v[1] is None for v in RELATIONS.values())]
 
 def _template_re(tpl):
     """A sub-question template as a regex: {s} any name, {year} a number, {month} a month's name."""
@@ -377,14 +380,9 @@ def follow(w, rels, etype, e, phrase, rng, reworded=False):
         etype, e = otype, obj
     return question, answers, steps
 
-def value_kbs():
-    """The KBs a question's last hop can ask: those with a value relation (a new row of dataio.KB_TABLE has none
-    here, its documents and questions come from elsewhere)."""
-    return [k for k in KBS if any(v[2] == k and v[1] is None for v in RELATIONS.values())]
-
 def chain_question(w, hops, rng, reworded=False):
     """A question of `hops` relations: pick the last (value) relation, then walk backwards to a start entity."""
-    kb = rng.choice(value_kbs())  # choose the KB of the final hop first, so the KBs are equally represented
+    kb = rng.choice(VALUE_KBS)  # choose the KB of the final hop first, so the KBs are equally represented
     rels = [rng.choice([r for r, v in RELATIONS.items() if v[2] == kb and v[1] is None])]
     while len(rels) < hops:  # prepend an entity-valued relation whose object is the next hop's subject
         options = [r for r, v in RELATIONS.items() if v[1] == RELATIONS[rels[0]][0]]
@@ -410,7 +408,7 @@ def visual_question(w, kind, e, rng):
     """A question about the picture of entity `e`: step 1 asks the image KB who is shown, then 1 or 2 hops from there
     as in chain_question (entity-valued relations, then a value relation)."""
     etype, sub_question, phrase = VISUAL[kind]
-    kb, hops = rng.choice(value_kbs()), rng.choice([1, 2])  # the KB of the final hop first, as in chain_question
+    kb, hops = rng.choice(VALUE_KBS), rng.choice([1, 2])  # the KB of the final hop first, as in chain_question
     values = [r for r, v in RELATIONS.items() if v[2] == kb and v[1] is None]
     if hops == 1:  # not the shown entity's own image attributes: the picture itself answers those
         options = [[r] for r in values if RELATIONS[r][0] == etype and kb != "image"]

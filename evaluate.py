@@ -293,10 +293,9 @@ def judge_answers(judge, trajs, out):
     judge.use_cache(out / "judge.jsonl")
     asked = [x for x in trajs if x["format_ok"] and x["final_answer"]]
     scores = judge.accuracy([(x["question"], " or ".join(x["answers"]), x["final_answer"]) for x in asked])
+    judged = {id(x): s for x, s in zip(asked, scores)}
     for x in trajs:
-        x["judge"] = 0.0
-    for x, s in zip(asked, scores):
-        x["judge"] = s
+        x["judge"] = judged.get(id(x), 0.0)
 
 def run_methods(args, engine, ret, qs, settings, shots, model, name, out, judge=None):
     """Each of args.methods on qs -> {row name: score}; a method's trajectories and its method-<method>.json go to

@@ -43,7 +43,7 @@ MUTATIONS = [
      "if not tok.chat_template:", "if False:",
      "test_synth_writes_the_given_models_tokens_and_refuses_one_without_a_chat_template"),
     ("world generation picks a KB without relations", "corpus.py",
-     "kb = rng.choice(value_kbs())", "kb = rng.choice(KBS)", KB_JOB),
+     "kb = rng.choice(VALUE_KBS)", "kb = rng.choice(KBS)", KB_JOB),
     ("the prompt names the first three KBs", "rollout.py",
      "RETRIEVERS = [kb.retriever for kb in KB_TABLE]", "RETRIEVERS = [kb.retriever for kb in KB_TABLE[:3]]", KB_CHECK),
     ("the released prompts name the three", "rollout.py",
