@@ -28,7 +28,7 @@ def load(args, device, world, lora):
     """The critic from --model (a resume loads its trained state afterwards) and its AdamW, verl's critic optimizer:
     betas (0.9, 0.999), weight decay 0.01, the gradient norm clipped at 1 (update)."""
     critic = trainutil.load_sharded(args.model, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
-                                    lora=lora, value_head=True)
+                                    lora=lora, value_head=True, offload=args.offload)
     params = [p for p in critic.parameters() if p.requires_grad]
     return critic, torch.optim.AdamW(params, lr=args.critic_lr, betas=(0.9, 0.999), weight_decay=0.01)
 

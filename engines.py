@@ -76,6 +76,7 @@ class Batched:
 class VLLMEngine:
     """vLLM, in-process (no engine subprocess: fast to start, and weights can be swapped in place)."""
     GPU_FRACTION = 0.5  # of each GPU, for the engine's weights and KV cache (the trainer's shards and Adam get the rest)
+    OFFLOAD_FRACTION = 0.85  # with the trainer's shards in host memory (--offload): its buffers and CUDA context stay
 
     def __init__(self, model, max_model_len=MAX_LEN, dtype="auto", seed=0, gpu_memory_utilization=GPU_FRACTION, max_images=16,
                  max_pixels=None, device=None):

@@ -437,6 +437,7 @@ class StepLoop:
                 for (x, j, st), docs in zip(group, hits):
                     x.setdefault("_hits", []).append((j, st["sub_question"], kb, docs))
                     st["retrieved"] += [d["id"] for d in docs]
+                    x["evidence"] += [d["contents"] for d in docs]
         for x in batch:
             hits = sorted(x.pop("_hits"), key=lambda h: h[0])  # in the order asked (stable: KB order within a lookup)
             self.chat.after_search(x, [h[1:] for h in hits])
@@ -525,7 +526,8 @@ def trajectory(q, k, chat, s):
     trajectory dict, its transcript started."""
     x = dict(qid=q["id"], sample=k, question=q["question"], image=q.get("image"), answers=q.get("answers", []),
              type=q.get("type", ""), gold_steps=reward.group_steps(q.get("steps", []), s.max_pairs), steps=[],
-             final_answer=None, format_ok=True, error="", overflow=False, phase="route")
+             final_answer=None, format_ok=True, error="", overflow=False, phase="route",
+             evidence=[])  # every retrieved document's contents, in the order seen (a judge reads them: judge.py)
     return dict(x, tr=chat.start(x))
 
 def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None, vis=None):

@@ -4,7 +4,7 @@ sft.py: supervised fine-tuning on golden step trajectories (synth.py), FSDP2, CP
     python sft.py --model models/SmolLM2-135M-Instruct --data data/mini/traj --out out/sft
     torchrun --standalone --nproc_per_node 2 sft.py --model models/SmolLM2-135M-Instruct --data data/mini/traj --out out/sft
     python sft.py ... --out out/sft --resume            # continue from <out>/latest: same data order, same LR schedule
-    python sft.py ... --train_steps 5 --eval_every 0 --save_every 0 --wandb_mode disabled      # a quick smoke run
+    WANDB_MODE=disabled python sft.py ... --train_steps 5 --eval_every 0 --save_every 0   # a quick smoke run, no wandb
     python sft.py ... --lora_r 16                               # LoRA adapters on the frozen base (peft)
     python sft.py ... --lora_r 16 --quant nf4                   # QLoRA: the base quantised (bitsandbytes)
 
@@ -62,6 +62,9 @@ def get_args(argv=None):
                     help="the cosine ends at this step and the LR stays at lr * min_lr_ratio after it (0: the last step)")
     ap.add_argument("--grad_clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
     ap.add_argument("--activation_checkpointing", action="store_true")
+    ap.add_argument("--offload", action="store_true",
+                    help="FSDP2 CPU offload: the trainer's shards, gradients and Adam state in host memory, each layer "
+                         "on the GPU only for its compute (a model past the GPUs' memory; slower)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="compute dtype (FSDP2 mixed precision; master weights, grads and optimizer stay fp32); "
                          "auto: bf16 on CUDA and AVX512-BF16 CPUs, else fp32")
@@ -81,7 +84,6 @@ def get_args(argv=None):
     ap.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
                     help="continue from <out>/latest; auto: if there is one, else start (a restarted job)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--wandb_mode", default=os.environ.get("WANDB_MODE", "offline"), choices=["online", "offline", "disabled"])
     return ap.parse_args(argv)
 
 #### data: validated rows, right-padded micro-batches, the masked loss
@@ -239,7 +241,7 @@ def main(argv=None):
     vis = vision.VisionIO.load(weights, transcript.data_meta(args.data).get("max_pixels"))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
-                                   lora=lora)
+                                   lora=lora, offload=args.offload)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     if args.optim == "adamw":
         opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -254,7 +256,7 @@ def main(argv=None):
     n_params, n_train = (sum(p.numel() for p in ps) for ps in (model.parameters(), params))
     print0(f"{n_params / 1e6:.1f}M parameters ({n_train / 1e6:.2f}M trained), world {world} ({trainutil.device_kind(device)}: {args.dtype}), {len(train)} train rows, "
            f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world}, {steps_per_epoch} steps/epoch, {total} steps")
-    record = trainutil.Log(out, rank, step, resuming, args.wandb_mode, vars(args))
+    record = trainutil.Log(out, rank, step, resuming, vars(args))
     bar = trainutil.progress(rank, total, step, "sft")
     peak = trainutil.PeakMemory(device)
 

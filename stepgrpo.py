@@ -13,10 +13,12 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py ... --rollout onpolicy                    # step scoring over whole sampled trajectories
     python stepgrpo.py ... --rollout onpolicy --reward outcome   # plain GRPO on the outcome (Search-R1, ReSearch)
     python stepgrpo.py ... --rollout onpolicy --w_hit 0.5        # + a retrieval (tool) reward (Agentic RAG-R1)
+    python stepgrpo.py ... --rollout onpolicy --w_rag 2.0 --judge models/Qwen2.5-72B-Instruct \
+        --judge_url http://judge-host:8000/v1                    # + Agentic RAG-R1's judged RAG reward (judge.py)
     python stepgrpo.py ... --rollout branch --branch_steps 2     # groups at the policy's own states, no gold prefix
     python stepgrpo.py ... --lora_r 16 --lr 5e-5                 # LoRA (also from an SFT-LoRA run's final checkpoint)
     python stepgrpo.py ... --lora_r 16 --lr 5e-5 --quant nf4     # QLoRA: nf4 base (bitsandbytes)
-    python stepgrpo.py --model out/sft-k2/final ... --max_pairs 2  # multi-query steps (SFT on synth.py --max_pairs 2)
+    python stepgrpo.py --model out/sft-k2/final ...   # multi-query steps (synth.py --max_pairs 2): the checkpoint's format
 
 PPO with a critic (critic.py; Search-R1's and RAG-R1's RL): --rollout onpolicy --adv_estimator gae, the outcome
 alone (--reward outcome) or each step's reward too on its last token (Step-PPO); -n 1 will do.
@@ -42,6 +44,7 @@ import critic
 import dataio
 import engines
 import evaluate
+import judge as judges
 import rollout
 import steprewards
 import trainutil
@@ -94,14 +97,17 @@ def get_args(argv=None):
                          "penalty = DAPO's soft overlong punishment on its reward (grpo.overlong)")
     ap.add_argument("--w_hit", type=float, default=0.0,
                     help="onpolicy: reward of a search that retrieves the gold document (Agentic RAG-R1's tool reward)")
+    ap.add_argument("--w_rag", type=float, nargs="+", default=[0.0], metavar="W",
+                    help="onpolicy, branch: the judged RAG reward on the outcome (steprewards.judge_rag): W x the "
+                         "judge's relevance of the evidence to the question (Agentic RAG-R1: 2.0) [and W2 x the "
+                         "answer's groundedness in it]; needs --judge")
+    ap.add_argument("--judge", default=None, metavar="MODEL",
+                    help="--w_rag's judge (judge.py, cached in <out>/judge-<rank>.jsonl): a model folder run "
+                         "in-process beside the policy's engine, or its tokenizer with --judge_url (on a GPU, serve it)")
+    ap.add_argument("--judge_url", default=None, help="--judge's OpenAI-compatible server, e.g. http://host:8000/v1")
     ap.add_argument("--batch_questions", type=int, default=16, help="questions per step, over all ranks")
     ap.add_argument("-n", "--group_size", type=int, default=8, help="samples per golden-prefix step or per question")
     ap.add_argument("--max_steps", type=int, default=3, help="routing steps per trajectory (R1-Router: 3)")
-    ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel "
-                    "queries; the route reward matches them to the step's gold steps)")
-    ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
-    ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
-                    help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--topk", type=int, default=3, help="evidence documents per sub-question")
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
     ap.add_argument("--max_model_len", type=int, default=engines.MAX_LEN,
@@ -136,6 +142,9 @@ def get_args(argv=None):
                     help="score the first N dev questions at the start and at every checkpoint; <out>/best links the "
                          "checkpoint with the best mean of F1-Recall and routing accuracy (0: off)")
     ap.add_argument("--activation_checkpointing", action="store_true")
+    ap.add_argument("--offload", action="store_true",
+                    help="FSDP2 CPU offload: the trainer's shards, gradients and Adam state in host memory, each layer "
+                         "on the GPU only for its compute (a model past the GPUs' memory; slower)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="compute dtype (master weights, grads and optimizer stay fp32); auto: bf16 where native")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -158,8 +167,11 @@ def get_args(argv=None):
     ap.add_argument("--kl_in_reward", type=float, default=0.0,
                     help="gae: a per-token KL penalty -beta (logp_old - logp_ref) in the reward (Search-R1: 0.001)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--wandb_mode", default=os.environ.get("WANDB_MODE", "offline"), choices=["online", "offline", "disabled"])
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # the transcript format (--structure, --max_pairs, --max_rets of synth.py, sft.py and evaluate.py) is the
+    # policy's own, from its checkpoint: it has no other to run in
+    args.__dict__.update(transcript.trained_format(args.model))
+    return args
 
 def check_args(args, world):
     """One-line errors for flag combinations that cannot work, before anything is loaded. --quant int8 sets
@@ -175,6 +187,14 @@ def check_args(args, world):
         sys.exit(f"error: --prefixes is a teacher_prefix flag (--rollout {args.rollout} writes its own steps)")
     if args.rollout == "teacher_prefix" and args.reward == "outcome":
         sys.exit("error: --reward outcome needs --rollout onpolicy or branch (a teacher_prefix group holds one step, no outcome)")
+    if len(args.w_rag) > 2 or min(args.w_rag) < 0 or (any(args.w_rag) and not args.judge) or \
+            (args.judge_url and not args.judge):
+        sys.exit(f"error: --w_rag {' '.join(map(str, args.w_rag))}: one or two weights >= 0 (relevance, groundedness), "
+                 "and --judge MODEL to rate them (--judge_url needs --judge too)")
+    if any(args.w_rag) and args.rollout == "teacher_prefix":
+        sys.exit("error: --w_rag judges a whole trajectory's evidence and answer: it needs --rollout onpolicy or branch")
+    if any(args.w_rag) and world > 1 and not args.judge_url:  # two in-process vLLM engines a rank under torchrun
+        sys.exit("error: --judge in-process runs in a single process; under torchrun serve it and pass --judge_url")
     if args.branch_steps < 1:
         sys.exit(f"error: --branch_steps {args.branch_steps}: it must be at least 1")
     if args.batch_questions % world:
@@ -199,8 +219,8 @@ def check_ppo(args):
     if args.rollout != "onpolicy":
         sys.exit("error: --adv_estimator gae needs --rollout onpolicy: PPO's returns run over whole trajectories")
     if args.structure != "transcript":
-        sys.exit("error: --adv_estimator gae needs --structure transcript: a released trajectory's chats are valued "
-                 "apart, so GAE cannot run across them")
+        sys.exit(f"error: --adv_estimator gae needs a --structure transcript policy ({args.model}'s is released): a "
+                 "released trajectory's chats are valued apart, so GAE cannot run across them")
     if args.dynamic_sampling:
         sys.exit("error: --dynamic_sampling drops groups whose advantages are all 0: PPO (--adv_estimator gae) has no groups")
     if args.critic_warmup < 0 or args.kl_in_reward < 0:
@@ -224,7 +244,7 @@ def settings(args, **kw):
                             max_rets=args.max_rets, **kw)
 
 STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "format_ok", "overflow", "retrievals",
-         "tokens", "reask", "cut", "refilled", "informative")  # logged means
+         "tokens", "reask", "cut", "refilled", "informative", "rag")  # logged means
 
 def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens.
@@ -236,6 +256,8 @@ def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     stats["retrieve_s"] = sum(x["timings"]["retrieve"] for x in trajs)
     stats["rollout_tokens"] = sum(len(x["ids"]) for x in trajs)  # each transcript once (the engine caches its prefix)
     stats["rollout_generated"] = sum(x["n_policy_tokens"] for x in trajs)
+    if w.judge:
+        steprewards.judge_rag(w, trajs, stats)
     for g in range(len(qs)):
         group = trajs[g * args.group_size:(g + 1) * args.group_size]
         scored = [overlong_spans(engine.tok, x, *steprewards.span_rewards(x, encode, w), args, stats) for x in group]
@@ -344,6 +366,8 @@ def branch_batch(engine, retriever, qs, args, encode, w, seed):
     stats.update(retrieve_s=sum(x["timings"]["retrieve"] for x in trajs + ys),  # a branch's tokens from its span on
                  rollout_tokens=sum(len(x["ids"]) for x in trajs) + sum(y["new_tokens"] for y in ys),
                  rollout_generated=sum(x["n_policy_tokens"] for x in trajs) + sum(y["generated"] for y in ys))
+    if w.judge:
+        steprewards.judge_rag(w, ys, stats)  # each branch's outcome
     rows, mrope = [], getattr(getattr(engine, "vis", None), "mrope", False)
     for group in (ys[k:k + n] for k in range(0, len(ys), n)):
         rs, cls = steprewards.score_branches(group, encode, w, args.reward, stats)
@@ -414,7 +438,7 @@ def train_step(model, ref, opt, engine, retriever, mine, args, encode, w, pad_id
     (main: at every checkpoint, so a saved policy is known to be the one its engine samples from). crit: PPO's
     (critic, its optimizer): GAE's advantages, then the critic's update (its numbers in sums["critic"]); warmup: the
     critic alone learns (--critic_warmup)."""
-    device = next(model.parameters()).device
+    device = trainutil.compute_device(model)
     check = check or "sync" not in peak.gib  # gib: the phases run so far
     t = time.perf_counter()
     with peak("rollout"):
@@ -476,9 +500,9 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     collective all ranks would have to run in lockstep while their rollouts end at different times."""
     tree = args.rollout != "onpolicy"  # packed groups (teacher_prefix, branch): 4D attention masks (SDPA, not flash-attn)
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
-                                   tree_mask=tree, lora=lora)
+                                   tree_mask=tree, lora=lora, offload=args.offload)
     ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=args.dtype == "bf16",
-                                 tree_mask=tree) if (args.kl_coef > 0 or args.kl_in_reward > 0) and not lora else None  # LoRA: adapters off
+                                 tree_mask=tree, offload=args.offload) if (args.kl_coef > 0 or args.kl_in_reward > 0) and not lora else None  # LoRA: adapters off
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     crit = critic.load(args, device, world, lora) if args.adv_estimator == "gae" else None
@@ -490,10 +514,11 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
         engine = engines.HFEngine(weights, seed=args.seed + rank, max_model_len=args.max_model_len,
                                   max_pixels=args.max_pixels, device=device)
     else:
-        trainutil.check_gpu_budget(model, opt, engines.VLLMEngine.GPU_FRACTION, world, update_tokens(args), crit)
+        share = engines.VLLMEngine.OFFLOAD_FRACTION if args.offload else engines.VLLMEngine.GPU_FRACTION
+        trainutil.check_gpu_budget(model, opt, share, world, update_tokens(args), crit)
         engine = engines.VLLMEngine(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
-                                    max_images=settings(args).max_images, seed=args.seed + rank,
-                                    device=device)  # each rank owns one engine
+                                    max_images=settings(args).max_images, seed=args.seed + rank, device=device,
+                                    gpu_memory_utilization=share)  # each rank owns one engine
     if lora:  # the engine holds the base: give it the policy (resumed adapters; a quantised base as the trainer sees it)
         engine.sync_weights(trainutil.policy_params(model))
     return model, ref, opt, crit, step, dev_hist, engine
@@ -529,6 +554,11 @@ def main(argv=None):
         print0(f"--prefixes {args.prefixes}: {len(questions)} of its {len(store)} trajectories' questions are in --split")
     check_questions(questions, args)
     own_group = trainutil.init_group(world, device=device)
+    try:  # a server is asked now; a cache file with a bad line stops here
+        judge = judges.Judge.load(args.judge, args.judge_url, cache=out / f"judge-{rank}.jsonl", seed=args.seed,
+                                  max_model_len=args.max_model_len) if any(args.w_rag) else None
+    except dataio.DataError as e:
+        sys.exit(f"error: {e}")
     encoder = retrievers.Encoder(device=device)  # all-MiniLM-L6-v2, for the sub-question cosine
     vis = vision.VisionIO.load(weights, args.max_pixels)
     files = vis.proc if vis else tok  # saved beside the weights: a VL model's processor (with the cap), else the tokenizer
@@ -539,11 +569,11 @@ def main(argv=None):
     model, ref, opt, crit, step, dev_hist, engine = setup_policy(args, start, weights, resuming, lora, rank, world,
                                                                 device, print0)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    w = steprewards.Weights.of(args, questions)
+    w = steprewards.Weights.of(args, questions, judge)
     if w.route_scale:
         print0("--balance_kb route advantage factors: " + ", ".join(f"{c} {v:.2f}" for c, v in sorted(w.route_scale.items())))
     per_epoch = len(questions) // args.batch_questions
-    log = trainutil.Log(out, rank, step, resuming, args.wandb_mode, vars(args))
+    log = trainutil.Log(out, rank, step, resuming, vars(args))
     critic.check_resumed(out, step, args)  # a resume past the warm-up meets its gate again
     print0(f"Step-GRPO ({args.rollout}, reward {args.reward}): world {world} ({trainutil.device_kind(device)}: {args.dtype}), "
            f"{sum(p.numel() for p in params) / 1e6:.2f}M trained weights{' (LoRA)' if lora else ''}, {len(questions)} "

@@ -11,6 +11,7 @@ formulas it uses).
     branch_reward  a branch: its branched step's span_rewards entry plus its continuation's outcome (--rollout branch)
     score_branches a group of branches at one of the policy's own prefixes, and what it adds to the logged means
     kb_balance     the class-balancing factor on route advantages (--balance_kb)
+    judge_rag      the judged RAG term on each on-policy trajectory's outcome (--w_rag, Agentic RAG-R1)
 
 A step's target is the prefix trajectory's own step (R1-Router: the teacher's sub-question, KB and intermediate
 answer; golden prefixes: the gold's) or, on-policy and in branches, the gold decomposition's step of the same index;
@@ -29,12 +30,16 @@ class Weights:
     format: float = 0.2
     hit: float = 0.0
     route_scale: dict | None = None  # --balance_kb: gold route -> factor on route advantages (kb_balance)
+    rag: tuple = (0.0, 0.0)  # --w_rag: the judged relevance's and groundedness's weights on the outcome (judge_rag)
+    judge: object = None     # their judge.Judge (None: no judged term)
 
     @classmethod
-    def of(cls, args, questions):
-        """stepgrpo.py's weights: --w_format, --w_hit, and with --balance_kb the factors of the training questions."""
+    def of(cls, args, questions, judge=None):
+        """stepgrpo.py's weights: --w_format, --w_hit, --w_rag with its judge, and with --balance_kb the factors of
+        the training questions."""
         return cls(args.w_format, args.w_hit,
-                   kb_balance(questions, args.max_steps, args.max_pairs) if args.balance_kb else None)
+                   kb_balance(questions, args.max_steps, args.max_pairs) if args.balance_kb else None,
+                   (list(args.w_rag) + [0.0])[:2], judge)
 
 def step_reward(kind, step, target, w, encode, retrieved=None):
     """The reward of one policy step; 0 for a step that does not parse (step.ok False).
@@ -91,7 +96,7 @@ def kb_balance(questions, max_steps, max_pairs=1):
 def span_rewards(x, encode, w):
     """onpolicy: the step_reward of every policy span of trajectory x (in x["spans"] order) against the gold
     decomposition's step there (past the gold steps the gold is the stop), and its outcome R = f1_recall(final,
-    golds), 0 if any step failed to parse. A span that fails to parse ends its trajectory and gets 0. A trajectory
+    golds) + x["rag"] (judge_rag's judged term, with --w_rag), 0 if any step failed to parse. A span that fails to parse ends its trajectory and gets 0. A trajectory
     whose next step did not fit the context (overflow) keeps the rewards of the spans it wrote and has no final
     answer (R = 0)."""
     gold, pred, out = reward.by_step(x["gold_steps"]), reward.by_step(x["steps"]), []
@@ -112,7 +117,23 @@ def span_rewards(x, encode, w):
             answer = pred[t][0]["answer"] if sp["kind"] == "answer" else x["final_answer"]
             out.append(step_reward(sp["kind"], reward.Answer(ok=True, answer=answer or ""),
                                    g if sp["kind"] == "answer" else [], w, encode))
-    return out, (reward.f1_recall(x["final_answer"] or "", x["answers"]) if x["format_ok"] else 0.0)
+    return out, (reward.f1_recall(x["final_answer"] or "", x["answers"]) + x.get("rag", 0.0) if x["format_ok"] else 0.0)
+
+def judge_rag(w, trajs, stats):
+    """--w_rag: Agentic RAG-R1's judged RAG reward, x["rag"] of each finished trajectory x, added to its outcome
+    (span_rewards): w.rag[0] x ContextRelevance(question, x's evidence) + w.rag[1] x ResponseGroundedness(final
+    answer, x's evidence), judge.py's ragas prompts rated by w.judge (cached). Agentic RAG-R1's rag_reward is the
+    first alone, weight 2.0, beside its judged correctness (3.0) and format; the second is the answer's faithfulness
+    to the evidence. A rating the judge did not give counts 0; a trajectory that failed to parse gets 0, as its
+    outcome. Appends each trajectory's term to stats["rag"]."""
+    done = [x for x in trajs if x["format_ok"] and x["final_answer"] is not None]
+    rel = w.judge.relevance([(x["question"], x["evidence"]) for x in done]) if w.rag[0] else [0.0] * len(done)
+    grd = w.judge.groundedness([(x["final_answer"], x["evidence"]) for x in done]) if w.rag[1] else [0.0] * len(done)
+    for x in trajs:
+        x["rag"] = 0.0
+    for x, a, b in zip(done, rel, grd):
+        x["rag"] = w.rag[0] * (a or 0.0) + w.rag[1] * (b or 0.0)
+    stats["rag"] += [x["rag"] for x in trajs]
 
 def log_trajectory(stats, x, r, outcome):
     """Append on-policy trajectory x's logged numbers to stats (lists by name): its route and answer rewards r (in

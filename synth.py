@@ -200,8 +200,8 @@ def to_r1router(x, system_route=rollout.SYSTEM_PROMPT, system_answer=baselines.D
 
 #### main
 
-def slim(x):
-    return {k: v for k, v in x.items() if k != "logprobs"}  # SFT needs ids + mask; sampling logprobs are RL's business
+def slim(x):  # SFT needs ids + mask (the evidence is in the ids); sampling logprobs are RL's business
+    return {k: v for k, v in x.items() if k not in ("logprobs", "evidence")}
 
 def write_trajectories(out, split, trajs, tok, fmt, max_pixels=None):
     """<out>/<split>.jsonl, and <out>/meta.json naming the tokenizer of their ids (sft.py refuses another's), their

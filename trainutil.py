@@ -190,7 +190,7 @@ def attention(device, bf16, tree_mask=False):
     return "flash_attention_2"
 
 def load_sharded(path, device, world, activation_checkpointing=False, train=True, bf16=True, tree_mask=False, lora=None,
-                 value_head=False):
+                 value_head=False, offload=False):
     """fp32 master weights; each block (blocks(): decoder layers, vision-encoder layers) is one FSDP unit, the root
     holds the rest (embeddings, final norm, lm_head; a VL model's patch embedding and connector).
     Only rank 0 reads the checkpoint into host memory (one full fp32 copy, 28 GiB at 7B, not one per rank); every rank
@@ -202,10 +202,16 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     lora: a Lora, adapters on the frozen base (the same sharding; only the adapters get gradients and Adam state).
     value_head: PPO's critic, the model with its LM head swapped for a scalar head (to_critic; trained with LoRA too).
     With a quantised base every rank reads the checkpoint and quantises it itself (bitsandbytes quantises on load),
-    and keeps the quantised weights whole (4.5 GiB at 7B in nf4); the rest is sharded as above."""
+    and keeps the quantised weights whole (4.5 GiB at 7B in nf4); the rest is sharded as above.
+    offload (--offload): FSDP2's CPUOffloadPolicy, the shards, their gradients and so the optimizer step in host
+    memory (pinned on CUDA), each unit copied to `device` for its forward and backward only (the buffers stay on
+    `device`); loaded as verl's fsdp2_load_full_state_dict: broadcast on `device` (NCCL needs it), then moved."""
+    if offload and lora and lora.quant != "none":
+        sys.exit("error: --offload moves FSDP2's shards to host memory, and a quantised base (--quant) is kept whole "
+                 "on each GPU, not sharded: use one or the other")
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoConfig, BitsAndBytesConfig
     auto, attn = auto_model(path), attention(device, bf16, tree_mask)
     quant = lora.quant if lora else "none"
@@ -235,11 +241,13 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
         model.get_output_embeddings().requires_grad_(True)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     mesh, whole = init_device_mesh(device.type, (world,)), {p for p in model.parameters() if is_quantized(p)}
+    kw = dict(mesh=mesh, mp_policy=mp, ignored_params=whole,
+              offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy())
     for block in blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=whole)
+        fully_shard(block, **kw)
     # the root (embeddings, final norm, head) stays gathered after a forward until a backward reshards it; a frozen
     # model (the KL reference) never runs one, so its root reshards after every forward (+2.2 GB a GPU at 7B)
-    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=whole, reshard_after_forward=True if not train else None)
+    fully_shard(model, **kw, reshard_after_forward=True if not train else None)
     if quant == "none":
         model.to_empty(device=device)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -249,6 +257,10 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
             dist.broadcast(b, src=0)
         if dist.get_rank() == 0:
             model.generation_config = generation_config
+    if offload:  # the shards to host memory (FSDP2's _apply re-pads them and pins them), the buffers back
+        model.to("cpu")
+        for b in model.buffers():
+            b.data = b.data.to(device)
     model.train(train)
     if not train:
         model.requires_grad_(False)
@@ -280,7 +292,7 @@ LOSS_COPIES = 5  # fp32 [N, V] tensors alive at once in grpo.token_logprobs' for
                  # log_softmax, and the entropy's exp, masked_fill and their product (a backward holds 3; measured
                  # by tests/test_gpu_path.py)
 
-def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab):
+def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab, offload=False):
     """{phase: {part: bytes}} of one rank's GPU of `total` bytes in Step-GRPO beside an in-process vLLM engine.
     rollout: the engine's share (gpu_memory_utilization: its weights, KV cache and CUDA graphs, whose pool vLLM 0.32
     estimates into the share: model_budget_error) beside what the trainer keeps: what is `allocated` at start-up (the
@@ -289,22 +301,24 @@ def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, voca
     gradients and the loss's LOSS_COPIES fp32 [tokens, vocab] logits (tokens: a micro-batch's policy tokens); the
     layers' activations and FSDP2's gathered bf16 units are not counted. Both: the CUDA context and NCCL's buffers, in
     use before the engine starts, so outside its share (vLLM counts what it allocates after its start-up snapshot:
-    vllm/v1/worker/gpu_worker.py, init_device)."""
+    vllm/v1/worker/gpu_worker.py, init_device). offload (--offload): the shards, gradients and Adam state are in host
+    memory, `allocated` is what stays on the GPU (the buffers), and neither Adam nor the gradients count."""
     outside = {"CUDA context": CUDA_CONTEXT, "NCCL buffers": NCCL_BUFFERS if world > 1 else 0}
-    kept = {"policy shards and reference": allocated, "Adam state": 2 * trainable}
+    kept = {"policy shards and reference": allocated, "Adam state": 0 if offload else 2 * trainable}
     return {"rollout": {f"vLLM engine ({engine_fraction:.0%})": engine_fraction * total, **kept, **outside},
-            "update": {**kept, "gradients": trainable,
+            "update": {**kept, "gradients": 0 if offload else trainable,
                        f"fp32 logits ({LOSS_COPIES} x {tokens} tokens x {vocab})": LOSS_COPIES * 4 * tokens * vocab,
                        **outside}}
 
-def gpu_budget_error(total, allocated, trainable, engine_fraction, world, tokens, vocab, device=0):
+def gpu_budget_error(total, allocated, trainable, engine_fraction, world, tokens, vocab, device=0, offload=False):
     """The one-line error naming a phase of gpu_budget that does not fit and its parts, else None."""
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
-    for phase, parts in gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab).items():
+    for phase, parts in gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab, offload).items():
         if sum(parts.values()) > total:
             return (f"error: GPU {device} ({gib(total)}) cannot hold the {phase} phase ({gib(sum(parts.values()))}: " +
                     ", ".join(f"{k} {gib(v)}" for k, v in parts.items() if v) + "); use more GPUs (the shards shrink "
-                    "with the world size)" + (" or a smaller --micro_batch" if phase == "update" else ""))
+                    "with the world size)" + ("" if offload else ", --offload") +
+                    (" or a smaller --micro_batch" if phase == "update" else ""))
     return None
 
 def optimizer_bytes(opt):
@@ -319,33 +333,45 @@ def model_budget_error(model, opt, total, allocated, engine_fraction, world, tok
     `allocated`, since the budget adds it: the same verdict fresh and resumed. Adam is kept for the trainable weights
     alone (LoRA: the adapters). The budget counts vLLM's CUDA graphs inside its share, where vLLM 0.32 puts them by
     default (vllm/envs.py: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1; gpu_worker.py takes the estimate
-    out of the KV cache's room); with the variable 0 their pool would come on top, of a size known only once captured."""
+    out of the KV cache's room); with the variable 0 their pool would come on top, of a size known only once captured.
+    A model loaded with --offload (its shards on the CPU, computing on the GPU) keeps its Adam state and gradients in
+    host memory: the budget leaves them out."""
     if not int(os.environ.get("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "1")):
         return ("error: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 puts vLLM's CUDA graphs outside its share of the GPU, "
                 "where the trainer's memory is: unset it")
     pairs = [(model, opt)] + ([crit] if crit else [])  # PPO: the critic's gradients and Adam state beside the policy's
     trainable = sum(p.to_local().numel() * p.element_size() for m, _ in pairs for p in m.parameters() if p.requires_grad)
     vocab = model.get_output_embeddings().weight.shape[0]
-    return gpu_budget_error(total, allocated - sum(optimizer_bytes(o) for _, o in pairs), trainable, engine_fraction,
-                            world, tokens, vocab, device)
+    offload = next(model.parameters()).device != compute_device(model)
+    resumed = 0 if offload else sum(optimizer_bytes(o) for _, o in pairs)  # offload: the loaded Adam state is on the host
+    return gpu_budget_error(total, allocated - resumed, trainable, engine_fraction, world, tokens, vocab, device, offload)
 
 def check_gpu_budget(model, opt, engine_fraction, world, tokens, crit=None):
     """At start-up, before the engine exists: exit with model_budget_error's line if this rank's GPU is too small.
     Only for a policy on a GPU (--device cpu on a GPU host: nothing to check). crit: PPO's (critic, optimizer), whose
     shards are in memory already and whose Adam state comes on top."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     if device.type == "cuda":
         error = model_budget_error(model, opt, torch.cuda.mem_get_info(device)[1], torch.cuda.memory_allocated(device),
                                    engine_fraction, world, tokens, device.index, crit)
         if error:
             sys.exit(error)
 
+def compute_device(model):
+    """The device a sharded `model` computes on: its parameters', or with --offload (its shards in host memory) its
+    device mesh's, this process's GPU."""
+    p = next(model.parameters())
+    kind = getattr(getattr(p, "device_mesh", None), "device_type", p.device.type)
+    if kind == p.device.type:
+        return p.device
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
 def clip_grad_norm(model, max_norm):
     """Global grad norm, then scale the grads to at most max_norm (0: no clipping). The grads are FSDP2 shards
     (DTensors): each element lives on exactly one rank. Sums in float64: torch's fp32 clip_grad_norm_ was off by
     ~3e-5 relative here, and by a different amount per world size, which alone breaks 1-vs-2-rank equality."""
     local = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
-    sq = torch.stack([g.double().pow(2).sum() for g in local]).sum()
+    sq = torch.stack([g.double().pow(2).sum() for g in local]).sum().to(compute_device(model))  # offload: NCCL's GPU
     dist.all_reduce(sq)
     norm = sq.sqrt().item()
     if max_norm > 0 and norm > max_norm:
@@ -513,7 +539,7 @@ def trainer_state(model, opt, crit=None):
 
 def device_rng(model):
     """This rank's CUDA generator state (on its own device), or None for a model on the CPU."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 def restore_device_rng(saved, rank, device):
@@ -548,7 +574,7 @@ def load_trainer_state(model, opt, ckpt, args, print0, crit=None):
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    restore_device_rng(state["rng"]["cuda"], dist.get_rank(), next(model.parameters()).device)
+    restore_device_rng(state["rng"]["cuda"], dist.get_rank(), compute_device(model))
     changed = {k: (v, getattr(args, k)) for k, v in state["args"].items() if k != "resume" and getattr(args, k, v) != v}
     print0(f"resuming from {ckpt} at step {state['step']}" + (f"; changed args (old, new): {changed}" if changed else ""))
     return state
@@ -559,7 +585,8 @@ def policy_params(model):
     for it (a collective: every rank must iterate, in the same order). A LoRA layer gives W + (alpha / r) B A, its
     base W dequantised first when quantised (what the trainer's forward computes with); the adapters themselves and
     the "base_model.model." / ".base_layer" parts of peft's names do not appear."""
-    full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+    dev = compute_device(model)  # offload: each shard copied there to be gathered (NCCL's tensors are on the GPU)
+    full = lambda p: (p.to(dev).full_tensor() if hasattr(p, "full_tensor") else p).detach()
     modules = dict(model.named_modules())
     if any(is_quantized(p) for p in model.parameters()):  # peft and bitsandbytes imported only then (~2 s a process)
         from peft.utils.integrations import dequantize_module_weight
@@ -650,9 +677,10 @@ def link_step(out, step, name):
     os.replace(tmp, link)
 
 class Log:
-    """log.jsonl + wandb (offline unless told otherwise), on rank 0 only; on resume keeps records up to `step`."""
-    def __init__(self, out, rank, step, resume, mode, config, project="r1router-nano"):
-        self.f, self.run = None, None
+    """log.jsonl + wandb, on rank 0 only; on resume keeps records up to `step`. wandb's mode is its own WANDB_MODE
+    environment variable (online | offline | disabled), offline when unset."""
+    def __init__(self, out, rank, step, resume, config, project="r1router-nano"):
+        self.f, self.run, mode = None, None, os.environ.get("WANDB_MODE", "offline")
         if rank != 0:
             return
         out = Path(out)

@@ -23,7 +23,8 @@ def tokenizer_meta(tok):
     return dict(tokenizer=str(tok.name_or_path), vocab_sha256=hashlib.sha256(vocab.encode()).hexdigest()[:16])
 
 FORMAT = "transcript.json"  # in a checkpoint (sft.py, stepgrpo.py): the format_meta its policy was trained on
-FORMAT_FLAGS = ("structure", "max_pairs", "max_rets")
+FORMAT_DEFAULTS = dict(structure="transcript", max_pairs=1, max_rets=1)  # R1-Router's: one growing chat, one
+FORMAT_FLAGS = tuple(FORMAT_DEFAULTS)                                    # sub-question to one retriever a step
 
 def format_meta(args):
     """The flags that shape a trajectory's text. synth.py writes them into META, sft.py and stepgrpo.py into each
@@ -31,6 +32,14 @@ def format_meta(args):
     one chat per step for a router trained on a growing one, multi-query steps for a single-query one) scores and trains
     without an error, on prompts it has never seen. With them the KBs (dataio.KBS): the prompt names each one."""
     return {**{k: getattr(args, k) for k in FORMAT_FLAGS}, "kbs": list(KBS)}
+
+def trained_format(model):
+    """{flag: value} of the transcript format the policy in folder `model` was trained on (its FORMAT), FORMAT_DEFAULTS
+    for what it does not record (a prompt-only model): stepgrpo.py trains a policy in its own format, the only one
+    check_format lets it run."""
+    path = Path(model) / FORMAT
+    theirs = json.loads(path.read_text()) if path.is_file() else {}
+    return {k: theirs.get(k, v) for k, v in FORMAT_DEFAULTS.items()}
 
 def check_tokenizer(data, tok, print0):
     """Trajectories are token ids: refuse those synth.py wrote with another tokenizer (<data>/meta.json), which would

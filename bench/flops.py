@@ -13,6 +13,7 @@ this process (gloo, one rank), each figure from their log.jsonl.
 """
 import argparse
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -59,8 +60,9 @@ def records(folder):
     return [json.loads(line) for line in open(Path(folder) / "log.jsonl") if '"step"' in line]
 
 def run_script(main, argv):
-    """A training script's main() in this process (gloo, world 1), its process group closed after."""
+    """A training script's main() in this process (gloo, world 1, no wandb), its process group closed after."""
     import torch.distributed as dist
+    os.environ["WANDB_MODE"] = "disabled"
     main([str(a) for a in argv])
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -69,7 +71,7 @@ def sft_stage(cfg, args, work):
     """(FLOP/s, note) of SFT steps after the first: sft.py's own train step, from its log."""
     import sft
     run_script(sft.main, ["--model", args.model, "--data", Path(args.data) / "traj", "--out", work / "sft", "--train_steps",
-                          args.steps + 1, "--eval_every", 0, "--save_every", 0, "--wandb_mode", "disabled"])
+                          args.steps + 1, "--eval_every", 0, "--save_every", 0])
     recs = records(work / "sft")[1:]  # the first step warms up
     rows = sft.get_args([]).batch_size * sft.get_args([]).grad_accum
     flops = sum(3 * forward_flops(cfg, r["tokens"], r["loss_tokens"], r["tokens"] / rows / 2) for r in recs)
@@ -80,8 +82,7 @@ def grpo_stage(cfg, args, work):
     """(FLOP/s, note) of Step-GRPO updates after the first, from stepgrpo.py's log (this rank's rows and tokens)."""
     import stepgrpo
     run_script(stepgrpo.main, ["--model", args.model, "--data", args.data, "--out", work / "grpo", "--train_steps",
-                               args.steps + 1, "--batch_questions", 4, "--eval_questions", 0, "--save_every", 0,
-                               "--wandb_mode", "disabled"])
+                               args.steps + 1, "--batch_questions", 4, "--eval_questions", 0, "--save_every", 0])
     recs = records(work / "grpo")[1:]
     if not all(r["update_tokens"] for r in recs):
         raise SystemExit(f"error: {args.model}: a Step-GRPO step had no row with a gradient (every group unanimous): "

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, the CPU engine's KV cache: the tiny policy needs little
+os.environ["WANDB_MODE"] = "disabled"  # its short training runs log to log.jsonl only
 
 import numpy as np
 import torch
@@ -224,7 +225,7 @@ def checks(c):
     import sft
     import stepgrpo
     run = lambda main, argv: main([str(a) for a in argv])
-    common = ["--dtype", c.dtype, "--device", c.device, "--wandb_mode", "disabled"]
+    common = ["--dtype", c.dtype, "--device", c.device]
     tune = lambda model, data, out, steps, *extra: run(sft.main, [
         "--model", model, "--data", data, "--out", out, "--train_steps", steps, "--batch_size", 2, "--grad_accum", 1,
         "--max_len", 1024, "--eval_every", 0, "--save_every", 1, "--keep", 0, "--warmup_steps", 0, "--lr", 1e-3, *common, *extra])

@@ -50,7 +50,7 @@ if test -f data/real/index/meta.json; then  # real tables: where the growing tra
   bench $OUT/sft/final transcript $OUT/bench-wtq-transcript.txt --data data/real --split wtq
   bench $S/sft/final released $OUT/bench-wtq-released.txt --data data/real --split wtq
 fi
-test -f $S/grpo/final/config.json || $PY stepgrpo.py --model $S/sft/final --data $DATA $GRPO --structure released --out $S/grpo
+test -f $S/grpo/final/config.json || $PY stepgrpo.py --model $S/sft/final --data $DATA $GRPO --out $S/grpo
 score $S/grpo/final recipe-released-structure $S/eval-grpo --structure released
 $PY evaluate.py --paired $OUT/eval-recipe/trajectories-routed.jsonl $S/eval-grpo/trajectories-routed.jsonl
 score $OUT/sft/final sft $OUT/eval-sft

@@ -46,7 +46,7 @@ def test_trajectories_of_another_tokenizer_are_refused(tiny_model_dir, tmp_path,
         transcript.check_tokenizer(theirs, tok, print)
     # sft.py exits with one line naming both, before any training (one row: else "fewer than one global batch")
     msg = one_line_exit(sft.main, ["--model", str(tiny_model_dir), "--data", str(theirs), "--out", str(tmp_path / "o"),
-                                   "--eval_every", "0", "--wandb_mode", "disabled"])
+                                   "--eval_every", "0"])
     assert "models/another" in msg and str(tiny_model_dir) in msg
     # a folder without meta.json (hand-written, older synth.py) passes with one warning line
     bare.mkdir()
@@ -361,7 +361,9 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
     # the step budgets evaluation gives (rollout.Settings: 96 new tokens a route, 96 an answer)
     assert stepgrpo.update_tokens(stepgrpo.get_args([])) == 2 * 8 * 96
     assert stepgrpo.update_tokens(stepgrpo.get_args(["--rollout", "onpolicy"])) == 2 * (3 * 96 + 96)
-    assert stepgrpo.update_tokens(stepgrpo.get_args(["--max_pairs", "2", "-n", "4"])) == 2 * 4 * 2 * 96
+    two = stepgrpo.get_args(["-n", "4"])
+    two.max_pairs = 2  # a multi-query policy's (its transcript.json)
+    assert stepgrpo.update_tokens(two) == 2 * 4 * 2 * 96
     calls = []
     monkeypatch.setattr(trainutil, "check_gpu_budget", lambda *a: calls.append(a) or sys.exit("checked"))
     own = trainutil.init_group(1)

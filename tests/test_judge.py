@@ -85,3 +85,27 @@ def test_the_judge_metric_and_its_agreement_with_em():
     assert "judge" not in metrics.metrics([dict(t, judge=None) for t in trajs])  # no judge: no column
     assert metrics.metrics(trajs[:2] + [dict(trajs[2], judge=None)])["judge_n"] == 2  # no rating parsed: left out
     json.dumps(m, allow_nan=False)
+
+
+def test_the_judged_rag_reward_adds_its_weighted_ratings_to_the_outcome(tok):
+    # --w_rag 2.0 1.0: 2 x ContextRelevance(question, evidence) + 1 x ResponseGroundedness(final answer, evidence) on
+    # the outcome of each trajectory that parsed (steprewards.judge_rag, span_rewards)
+    import steprewards
+    eng = Replies(tok, lambda p: "2" if "Relevance score" in p else "1")  # relevance 2/2, groundedness 1/2
+    w = steprewards.Weights(rag=(2.0, 1.0), judge=judge.Judge(eng, "scripted"))
+    ev = ["Ulla Brenmark was born in Selstoa."]
+    mk = lambda answer, ok=True, evidence=ev: dict(question="Where was Ulla born?", answers=["Selstoa"], final_answer=answer,
+                                                   format_ok=ok, evidence=evidence, steps=[], gold_steps=[],
+                                                   spans=[dict(kind="final", step=0)])
+    xs = [mk("Selstoa, Uldoria"), mk("Selstoa"), mk(None, ok=False), mk("Oslo", evidence=[])]
+    stats = {"rag": []}
+    steprewards.judge_rag(w, xs, stats)
+    # the first asked twice for each metric; the second is in its evidence verbatim (grounded, 1, unasked); the
+    # failed one and its 0 ask nothing; no evidence: relevance 0 and groundedness 0, unasked
+    assert [x["rag"] for x in xs] == [2 * 1.0 + 0.5, 2 * 1.0 + 1.0, 0.0, 0.0] and stats["rag"] == [x["rag"] for x in xs]
+    assert len(eng.prompts) == 2 + 2  # one relevance for the first two (the same inputs), groundedness of the first
+    assert steprewards.span_rewards(xs[0], None, w)[1] == pytest.approx(1.0 + 2.5)  # F1-Recall 1 + its judged term
+    assert steprewards.span_rewards(xs[2], None, w)[1] == 0.0
+    eng.prompts.clear()
+    steprewards.judge_rag(steprewards.Weights(rag=(2.0, 0.0), judge=w.judge), xs, {"rag": []})  # Agentic RAG-R1's
+    assert [x["rag"] for x in xs] == [2.0, 2.0, 0.0, 0.0] and not eng.prompts  # relevance alone, from the cache

@@ -23,7 +23,7 @@ import stepgrpo
 import trainutil
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--max_len", "512", "--batch_size", "2", "--wandb_mode", "disabled", "--warmup_steps", "0", "--dtype", "fp32",
+FAST = ["--max_len", "512", "--batch_size", "2", "--warmup_steps", "0", "--dtype", "fp32",
         "--lora_r", "4", "--lora_dropout", "0", "--eval_every", "0"]
 ADAPTERS = "adapter/adapter_model.safetensors"
 
@@ -202,7 +202,7 @@ def grpo(model, data, out, *extra, nproc=1):
     # the start), then the KL to the base with adapters off is > 0
     args = ["--model", str(model), "--data", str(data), "--out", str(out), "--batch_questions", "2", "-n", "2",
             "--retriever", "bm25", "--eval_questions", "0", "--lr", "1e-2", "--kl_coef", "0.1", "--entropy_coef", "0.5",
-            "--wandb_mode", "disabled", "--save_every", "1", "--dtype", "fp32", "--lora_r", "4", *extra]
+            "--save_every", "1", "--dtype", "fp32", "--lora_r", "4", *extra]
     if nproc == 1:  # in this process: no start-up to pay
         stepgrpo.main(args)
     else:

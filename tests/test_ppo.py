@@ -123,7 +123,7 @@ def test_a_critic_learns_a_fixed_batch(tiny_model_dir):
 def ppo_args(model, data, out, *extra):
     return ["--model", str(model), "--data", str(data), "--out", str(out), "--rollout", "onpolicy", "--adv_estimator",
             "gae", "--batch_questions", "2", "-n", "1", "--retriever", "bm25", "--eval_questions", "0", "--lr", "1e-2",
-            "--critic_lr", "1e-2", "--kl_in_reward", "1.0", "--entropy_coef", "0.1", "--wandb_mode", "disabled",
+            "--critic_lr", "1e-2", "--kl_in_reward", "1.0", "--entropy_coef", "0.1",
             "--save_every", "1", "--dtype", "fp32", "--critic_warmup", "0", *map(str, extra)]
 
 def records(out):
@@ -235,7 +235,9 @@ def test_two_ranks_train_the_critic_as_one_process(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_a_killed_rank_restarts_a_ppo_job(tmp_path, tiny_model_dir, tiny_index):
     # kill -9 one worker of a 2-rank PPO job after its first checkpoint: torchrun restarts both ranks, --resume auto
-    # picks up the checkpoint, critic included, and the job ends with an uninterrupted run's weights
+    # picks up the checkpoint, critic included, and the job ends with an uninterrupted run's weights. The killed job
+    # runs with --offload (FSDP2's CPUOffloadPolicy for the policy and the critic: their shards, gradients and Adam
+    # steps in host memory, here the same memory), so the same weights also say offloading changes no update
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     plain = tmp_path / "plain"
     r = subprocess.run(launch + [str(ROOT / "stepgrpo.py")] + ppo_args(tiny_model_dir, tiny_index, plain, "--train_steps", 2),
@@ -243,7 +245,7 @@ def test_a_killed_rank_restarts_a_ppo_job(tmp_path, tiny_model_dir, tiny_index):
     assert r.returncode == 0, r.stderr[-3000:]
     killed = tmp_path / "killed"
     cmd = launch[:-2] + ["--nproc_per_node", "2", "--max-restarts", "1", str(ROOT / "stepgrpo.py")] + \
-        ppo_args(tiny_model_dir, tiny_index, killed, "--train_steps", 2, "--resume", "auto")
+        ppo_args(tiny_model_dir, tiny_index, killed, "--train_steps", 2, "--resume", "auto", "--offload")
     text = kill_a_rank(cmd, killed, tmp_path / "job.log", ROOT)
     assert "exitcode: -9" in text and "resuming from" in text
     a, b = load_file(plain / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
@@ -252,10 +254,13 @@ def test_a_killed_rank_restarts_a_ppo_job(tmp_path, tiny_model_dir, tiny_index):
     assert all(torch.equal(ca[k], cb[k]) for k in ca)
 
 def test_ppo_flags_that_cannot_work_exit_with_one_line(tmp_path):
+    released = tmp_path / "released"  # a policy trained on R1-Router's released structure (its transcript.json)
+    released.mkdir()
+    (released / "transcript.json").write_text(json.dumps(dict(structure="released", max_pairs=1, max_rets=1)))
     for extra, words in ((["--critic_warmup", "-1"], "--critic_warmup -1"),
                          (["--dynamic_sampling"], "PPO (--adv_estimator gae) has no groups"),
                          (["--rollout", "teacher_prefix"], "needs --rollout onpolicy"),
-                         (["--structure", "released"], "needs --structure transcript"),
+                         (["--model", str(released)], "needs a --structure transcript policy"),
                          (["--adv_estimator", "grpo", "-n", "1"], "at least 2 samples")):
         args = stepgrpo.get_args(["--data", str(tmp_path), "--rollout", "onpolicy", "--adv_estimator", "gae", *extra])
         with pytest.raises(SystemExit) as e:

@@ -82,8 +82,23 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
         assert j.asked == 6 and all(s in (None, 0.0, 0.25, 0.5, 0.75, 1.0) for s in scores), scores
         assert j.accuracy(items) == scores and j.asked == 6
         assert len((tmp_path / "judge.jsonl").read_text().splitlines()) == 6
-        # the judge (judge.py) through the same server: every rating one of the scale's or None, a second call
-        # answered from the cache
+        # the judged RAG reward (stepgrpo.py --w_rag) through the same server: the term on the outcome, each prompt
+        # cached by rank; a rerun of the same step asks the judge nothing (its cache lines stay as they are)
+        import stepgrpo
+        grpo = ["--model", tiny_model_dir, "--data", tiny_index, "--retriever", "bm25", "--rollout", "onpolicy",
+                "--batch_questions", "2", "-n", "2", "--train_steps", "1", "--eval_questions", "0", "--dtype", "fp32",
+                "--backend", "hf", "--w_rag", "2.0", "1.0", "--judge", tiny_model_dir, "--judge_url", url]
+        for out in ("grpo", "again"):
+            if out == "again":
+                (tmp_path / "again").mkdir()
+                (tmp_path / "again" / "judge-0.jsonl").write_text((tmp_path / "grpo" / "judge-0.jsonl").read_text())
+            stepgrpo.main([*map(str, grpo), "--out", str(tmp_path / out)])
+        rec = [json.loads(line) for line in open(tmp_path / "grpo" / "log.jsonl")][-1]
+        asked = (tmp_path / "grpo" / "judge-0.jsonl").read_text().splitlines()
+        assert 0 <= rec["rag"] <= 3.0 and len(asked) > 0, rec  # 2 questions x 2: relevance and groundedness, 2 prompts each
+        assert (tmp_path / "again" / "judge-0.jsonl").read_text().splitlines() == asked
+        again = [json.loads(line) for line in open(tmp_path / "again" / "log.jsonl")][-1]
+        assert [rec[k] for k in ("rag", "outcome", "route_r", "loss")] == [again[k] for k in ("rag", "outcome", "route_r", "loss")]
         # what a served model cannot do: swap in other weights
         r = evaluate(*common, "--backend", "openai", "--base_url", url, "--model", tiny_model_dir, tiny_model_dir,
                      "--out", tmp_path / "x", tmp_path / "y")
@@ -95,4 +110,4 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
     r = evaluate(*common, "--backend", "openai", "--base_url", url, "--out", tmp_path / "gone")
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith(f"error: the server {url} did not answer")
     with pytest.raises(SystemExit, match=f"error: the server {url} did not answer /models after 3 tries"):
-        judge.Judge.load(tiny_model_dir, url)
+        judge.Judge.load(tiny_model_dir, url)  # stepgrpo.py --judge_url's start too

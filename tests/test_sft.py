@@ -25,7 +25,7 @@ import trainutil
 
 ROOT = Path(__file__).resolve().parents[1]
 # fp32: the by-hand and 1-vs-2-rank comparisons are tight; test_bf16_step and the resume test run bf16
-FAST = ["--max_len", "512", "--batch_size", "2", "--wandb_mode", "disabled", "--warmup_steps", "0", "--dtype", "fp32"]
+FAST = ["--max_len", "512", "--batch_size", "2", "--warmup_steps", "0", "--dtype", "fp32"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -191,7 +191,8 @@ def test_resume_continues_exactly(tiny_model, traj_dir, tmp_path):
     """AdamW + warm-up + cosine, 6 steps straight vs a copy of the same run's step-3 checkpoint resumed with --resume
     (what a crash right after step 3 leaves): mid-epoch (4 steps of 8 of the 32 rows per epoch), so the rest of
     epoch 0 and the new permutation of epoch 1 are both crossed. Data order, LR, optimizer moments and log continue
-    exactly (bitwise)."""
+    exactly (bitwise). The resumed half runs with --offload (FSDP2's CPUOffloadPolicy: shards, gradients and the Adam
+    step in host memory): the same checkpoint loads into it and it makes the same updates."""
     args = ["--model", str(tiny_model), "--data", str(traj_dir), "--grad_accum", "4", "--train_steps", "6",
             "--save_every", "3", "--eval_every", "0", "--activation_checkpointing", *FAST, "--warmup_steps", "2", "--dtype", "bf16"]
     a, b = tmp_path / "a", tmp_path / "b"
@@ -200,7 +201,7 @@ def test_resume_continues_exactly(tiny_model, traj_dir, tmp_path):
     shutil.copytree(a / "step_3", b / "step_3")
     shutil.copy(a / "log.jsonl", b / "log.jsonl")  # holds steps 1-6: resuming drops 4-6 and writes them again
     (b / "latest").write_text("step_3\n")
-    sft.main([*args, "--out", str(b), "--resume"])
+    sft.main([*args, "--out", str(b), "--resume", "--offload"])
     assert max_diff(a / "step_6", b / "step_6") == 0.0
     assert max_diff(a / "step_6", a / "step_3") > 1e-5
     la, lb = read_log(a), read_log(b)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from argparse import Namespace
@@ -356,7 +357,7 @@ def common(model, data, out):
     # the KL term (once the policy has moved away from the reference) are what change the weights here
     return ["--model", str(model), "--data", str(data), "--out", str(out), "--batch_questions", "2", "-n", "2",
             "--retriever", "bm25", "--eval_questions", "0", "--lr", "1e-2", "--entropy_coef", "0.1",
-            "--kl_coef", "0.1", "--wandb_mode", "disabled", "--save_every", "1"]
+            "--kl_coef", "0.1", "--save_every", "1"]
 
 def records(out):
     return [json.loads(l) for l in open(Path(out) / "log.jsonl")]
@@ -395,8 +396,11 @@ def test_two_ranks_sync_the_engine_after_every_update(tmp_path, tiny_model_dir, 
         out = request.getfixturevalue("two_ranks")
     else:
         out = tmp_path / "run"
-        run(common(tiny_model_dir, tiny_index, out) + ["--rollout", mode, "--structure", structure, "--train_steps", "2",
-                                                       "--dtype", "fp32", "--backend", engine], nproc=2,
+        policy = tmp_path / "policy"  # the tiny model, marked as trained on `structure` (stepgrpo.py takes its format)
+        shutil.copytree(tiny_model_dir, policy)
+        (policy / "transcript.json").write_text(json.dumps(dict(structure=structure, max_pairs=1, max_rets=1)))
+        run(common(policy, tiny_index, out) + ["--rollout", mode, "--train_steps", "2",
+                                               "--dtype", "fp32", "--backend", engine], nproc=2,
             env=hidden_vllm(tmp_path) if engine == "hf" else None)
     recs = records(out)
     assert [r["step"] for r in recs] == [1, 2]
@@ -614,26 +618,36 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
     assert st["reask"] == asked and 0 < sum(asked) < len(asked)
 
 def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
-    for extra, flag in ((["--reward", "outcome"], "--reward"), (["-n", "1"], "-n"), (["--max_pairs", "0"], "--max_pairs"),
-                        (["--structure", "released", "--max_pairs", "2"], "--max_pairs"), (["--max_rets", "4"], "--max_rets"),
+    for extra, flag in ((["--reward", "outcome"], "--reward"), (["-n", "1"], "-n"),
                         (["--rollout", "branch", "--branch_steps", "0"], "--branch_steps"),
                         (["--rollout", "branch", "--prefixes", str(tmp_path)], "--prefixes"),
-                        (["--rollout", "branch", "--adv_estimator", "gae"], "--adv_estimator")):
+                        (["--rollout", "branch", "--adv_estimator", "gae"], "--adv_estimator"),
+                        (["--rollout", "onpolicy", "--w_rag", "2"], "--judge"),  # the judged reward needs its judge
+                        (["--rollout", "onpolicy", "--w_rag", "2", "1", "1", "--judge", "j"], "--w_rag"),
+                        (["--w_rag", "2", "--judge", "j"], "--rollout onpolicy or branch"),
+                        (["--rollout", "onpolicy", "--judge_url", "http://x"], "--judge_url needs --judge")):
         with pytest.raises(SystemExit) as e:
             stepgrpo.check_args(stepgrpo.get_args(["--data", str(tmp_path), *extra]), 1)
         msg = str(e.value.code)  # what the command prints: one line, not a traceback
         assert msg.startswith("error: ") and "\n" not in msg and flag in msg, msg
-    # branch takes the outcome alone and the released structure
-    stepgrpo.check_args(stepgrpo.get_args(["--data", str(tmp_path), "--rollout", "branch", "--reward", "outcome",
-                                           "--structure", "released", "--branch_steps", "1"]), 1)
-    # the real command line: a policy trained on one chat a step, given growing transcripts (the default)
+    # the transcript format is the policy's own (its transcript.json): a released-structure policy trains released,
+    # and branch takes it with the outcome alone
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "transcript.json").write_text(json.dumps(dict(structure="released", max_pairs=1)))
+    args = stepgrpo.get_args(["--model", str(tmp_path / "sft"), "--data", str(tmp_path), "--rollout", "branch",
+                              "--reward", "outcome", "--branch_steps", "1"])
+    assert (args.structure, args.max_pairs, args.max_rets) == ("released", 1, 1)
+    stepgrpo.check_args(args, 1)
+    assert stepgrpo.get_args(["--model", str(tmp_path)]).structure == "transcript"  # none recorded: R1-Router's
+    with pytest.raises(SystemExit, match="under torchrun serve it and pass --judge_url"):  # two vLLM engines a rank
+        stepgrpo.check_args(stepgrpo.get_args(["--rollout", "onpolicy", "--w_rag", "2", "--judge", "j"]), 2)
+    # the real command line: a policy trained on other KBs than the prompt names
+    (tmp_path / "sft" / "transcript.json").write_text(json.dumps(dict(structure="transcript", kbs=["text", "table"])))
     r = subprocess.run([sys.executable, "stepgrpo.py", "--model", str(tmp_path / "sft"), "--data", str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and r.stderr.strip() == (f"error: {tmp_path / 'sft'} was trained on another transcript "
-                                                      "format: --structure transcript (trained: released); pass the "
-                                                      "trained values"), r.stderr
+                                                      "format: the KBs text table image of dataio.KB_TABLE (trained: "
+                                                      "text table); pass the trained values"), r.stderr
 
 def test_questions_step_grpo_cannot_use_exit_with_one_line(tmp_path, tiny_model_dir, tiny_index):
     import shutil

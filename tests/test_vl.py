@@ -147,7 +147,7 @@ def test_sync_into_a_vl_engine_and_image_tokens_never_sampled(ret, visual, vis, 
 
 #### training: 2-rank SFT equals one process, exact resume, Step-GRPO syncing a VL engine
 
-FAST = ["--max_len", "1024", "--batch_size", "2", "--wandb_mode", "disabled", "--warmup_steps", "0", "--dtype", "fp32",
+FAST = ["--max_len", "1024", "--batch_size", "2", "--warmup_steps", "0", "--dtype", "fp32",
         "--eval_every", "2"]
 
 @pytest.fixture(scope="module")

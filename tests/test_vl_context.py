@@ -95,8 +95,7 @@ def test_sft_and_the_hf_engine_take_the_cap(tiny_vl, tiny_index, tmp_path, proce
     synth.write_trajectories(tmp_path / "traj", "train", trajs, vis.tok, transcript.format_meta(rollout.Settings()), 401408)
     processor_kwargs.clear()
     sft.main([str(a) for a in ["--model", tiny_vl, "--data", tmp_path / "traj", "--out", tmp_path / "sft", "--train_steps",
-                               1, "--grad_accum", 1, "--eval_every", 0, "--save_every", 0, "--dtype", "fp32",
-                               "--wandb_mode", "disabled"]])
+                               1, "--grad_accum", 1, "--eval_every", 0, "--save_every", 0, "--dtype", "fp32"]])
     assert {"max_pixels": 401408} in processor_kwargs
     processor_kwargs.clear()
     engines.HFEngine(tmp_path / "sft" / "final", max_pixels=401408)

@@ -126,8 +126,7 @@ def test_sft_on_two_ranks_with_and_without_pictures_equals_one_process(tiny_vl, 
     # failed at step 0. The same global batch on one process (2 micro-batches, one with the dummy) gives the same
     # weights and dev loss: the dummy adds nothing
     flags = ["--model", tiny_vl, "--data", mixed_traj, "--batch_size", "1", "--dtype", "fp32", "--optim", "sgd",
-             "--lr", "0.5", "--warmup_steps", "0", "--train_steps", "2", "--eval_every", "1", "--save_every", "1",
-             "--wandb_mode", "disabled"]
+             "--lr", "0.5", "--warmup_steps", "0", "--train_steps", "2", "--eval_every", "1", "--save_every", "1"]
     run(torchrun("sft.py", *flags, "--grad_accum", "1", "--out", tmp_path / "two"))
     run([sys.executable, "sft.py", *flags, "--grad_accum", "2", "--out", tmp_path / "one"])
     for step in (1, 2):
@@ -150,7 +149,7 @@ def test_step_grpo_on_two_ranks_with_and_without_pictures_syncs_and_resumes(tiny
     (data / "questions" / "mixed.jsonl").write_text(f"{visual}\n{text}\n")
     flags = ["--model", tiny_vl, "--data", data, "--split", "mixed", "--batch_questions", "2", "-n", "2", "--retriever",
              "bm25", "--kl_coef", "0.1", "--entropy_coef", "0.1", "--lr", "1e-2", "--eval_questions", "0",
-             "--train_steps", "2", "--save_every", "1", "--dtype", "fp32", "--wandb_mode", "disabled"]  # every sync checked
+             "--train_steps", "2", "--save_every", "1", "--dtype", "fp32"]  # every sync checked
     out = tmp_path / "grpo"
     run(torchrun("stepgrpo.py", *flags, "--out", out))
     recs = records(out)
