@@ -7,6 +7,7 @@ sft.py: supervised fine-tuning on golden step trajectories (synth.py), FSDP2, CP
     WANDB_MODE=disabled python sft.py ... --train_steps 5 --eval_every 0 --save_every 0   # a quick smoke run, no wandb
     python sft.py ... --lora_r 16                               # LoRA adapters on the frozen base (peft)
     python sft.py ... --lora_r 16 --quant nf4                   # QLoRA: the base quantised (bitsandbytes)
+    python sft.py ... --offload                                 # FSDP2 CPU offload: shards and Adam in host memory
 
 Data: <data>/train.jsonl and <data>/dev.jsonl, one trajectory a row with `ids` (a whole chat transcript, tokenised
 with the model's tokenizer: <data>/meta.json, from synth.py, names it, and another is refused) and `mask` (1 where

@@ -18,6 +18,7 @@ for the outcome; an FSDP2 policy, and a vLLM engine on every rank synced after e
     python stepgrpo.py ... --rollout branch --branch_steps 2     # groups at the policy's own states, no gold prefix
     python stepgrpo.py ... --lora_r 16 --lr 5e-5                 # LoRA (also from an SFT-LoRA run's final checkpoint)
     python stepgrpo.py ... --lora_r 16 --lr 5e-5 --quant nf4     # QLoRA: nf4 base (bitsandbytes)
+    python stepgrpo.py ... --lora_r 16 --lr 5e-5 --offload       # FSDP2 CPU offload: past the GPUs' memory (docs/gpu.md)
     python stepgrpo.py --model out/sft-k2/final ...   # multi-query steps (synth.py --max_pairs 2): the checkpoint's format
 
 PPO with a critic (critic.py; Search-R1's and RAG-R1's RL): --rollout onpolicy --adv_estimator gae, the outcome

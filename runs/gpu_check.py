@@ -12,6 +12,7 @@ scripts' main() in this process:
     grpo-hf    Step-GRPO 2 steps, --backend hf, the engine checked against the trainer after every sync
     grpo-vllm  the same with the vLLM engine (skipped where vllm does not import)
     onpolicy   Step-GRPO 1 step over the policy's own trajectories (--rollout onpolicy, --backend hf)
+    offload    PPO 1 step with --offload: policy and critic shards, gradients and Adam in host memory (--backend hf)
     lora       Step-GRPO 1 step with LoRA adapters (the merged weights synced and checked)
     qlora      the same on an nf4 base (skipped where bitsandbytes does not import)
     visual     the VL policy: SFT 2 steps on visual questions, then Step-GRPO 1 step (--backend hf), both with
@@ -285,6 +286,8 @@ def checks(c):
             ("grpo-hf", step_grpo(sft_final, "hf", "grpo-hf", 2), None),
             ("grpo-vllm", step_grpo(sft_final, "vllm", "grpo-vllm", 2) if has("vllm") else None, "vllm is not installed"),
             ("onpolicy", step_grpo(sft_final, "hf", "onpolicy", 1, "--rollout", "onpolicy"), None),
+            ("offload", step_grpo(sft_final, "hf", "offload", 1, "--rollout", "onpolicy", "--adv_estimator", "gae", "-n", 1,
+                                  "--critic_warmup", 0, "--offload"), None),
             ("lora", step_grpo(sft_final, "hf", "lora", 1, "--lora_r", 4), None),
             ("qlora", step_grpo(sft_final, "hf", "qlora", 1, "--lora_r", 4, "--quant", "nf4")
              if has("bitsandbytes") else None, "bitsandbytes is not installed"),

@@ -29,9 +29,9 @@ def test_dry_mode_runs_every_check_on_the_cpu(tmp_path, tok_dir):
     results = {line.split()[0]: line.split()[1] for line in table[2:-1]}
     vllm, bnb = ("pass" if importlib.util.find_spec(m) else "skip" for m in ("vllm", "bitsandbytes"))
     assert results == {"cuda": "skip", "budget": "skip", "sft": "pass", "resume": "pass", "grpo-hf": "pass", "grpo-vllm": vllm,
-                       "onpolicy": "pass", "lora": "pass", "qlora": bnb, "visual": "pass"}
+                       "onpolicy": "pass", "offload": "pass", "lora": "pass", "qlora": bnb, "visual": "pass"}
     skips = (vllm, bnb).count("skip")
-    assert table[-1] == f"{8 - skips} passed, 0 failed, {2 + skips} skipped"
+    assert table[-1] == f"{9 - skips} passed, 0 failed, {2 + skips} skipped"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_without_cuda_it_asks_for_the_dry_mode(tmp_path):
