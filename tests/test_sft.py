@@ -364,6 +364,17 @@ def test_gpu_budget_of_a_7b_run():
     assert error.startswith("error: GPU 1 (80.0 GiB) cannot hold the rollout phase (84.0 GiB: vLLM engine (50%) 40.0 GiB")
     assert "Adam state 28.3 GiB, CUDA context 0.5 GiB, NCCL buffers 1.0 GiB)" in error
 
+def test_gpu_budget_of_a_32b_lora_run_with_and_without_offload():
+    """docs/gpu.md's 32B LoRA estimate on 2 x 80 GiB: the frozen base's fp32 shards (61.3 GiB a GPU) beside the
+    engine's half do not fit, and the line points to --offload; offloaded, the GPU holds the engine's 85% (the
+    shards, Adam and the gradients in host memory) and the update's logits, and the check passes."""
+    gib, P, lora, V = 2**30, 32.76e9, 134.2e6, 152064  # Qwen2.5-32B; LoRA r 16 on every linear layer
+    error = trainutil.gpu_budget_error(80 * gib, 4 * (P + lora) / 2, 4 * lora / 2, 0.5, 2, 1536, V)
+    assert error.startswith("error: GPU 0 (80.0 GiB) cannot hold the rollout phase (103.3 GiB") and "--offload" in error
+    assert trainutil.gpu_budget_error(80 * gib, 0, 4 * lora / 2, 0.85, 2, 1536, V, offload=True) is None
+    update = trainutil.gpu_budget(80 * gib, 0, 4 * lora / 2, 0.85, 2, 1536, V, offload=True)["update"]
+    assert update["Adam state"] == update["gradients"] == 0 and round(sum(update.values()) / gib, 1) == 5.9
+
 def test_a_released_structure_trajectory_gives_one_row_a_chat(tiny_index, tok, tmp_path):
     # synth.py --structure released writes each trajectory with its chats' boundaries: sft trains on each chat alone
     ret = retrievers.Retriever(tiny_index, "bm25")
