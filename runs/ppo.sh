@@ -28,6 +28,7 @@ rl_arm step-ppo $ppo --reward step
 # outcome PPO's critic has not passed the gate at this budget (docs/LOG.md, 2026-12-03 and 2026-12-04): the arm stops
 # after its warm-up with the gate's line, and the table goes on without it
 rl_arm ppo $ppo --reward outcome || echo "runs/ppo.sh: the ppo arm stopped at the critic's gate ($OUT/ppo/log.jsonl)"
-ARMS="stepgrpo grpo step-ppo $(test -e $OUT/ppo/final && echo ppo)"
+ARMS="stepgrpo grpo step-ppo"
+if test -e $OUT/ppo/final; then ARMS+=" ppo"; fi  # (not `$(test ... && echo)`: under set -e its status ends the script)
 score_arms $START $OUT "$ARMS" "$ARMS"
 echo "runs/ppo.sh: $(( ($(date +%s) - start) / 60 )) min"
