@@ -111,7 +111,7 @@ def step_events(x, kind, hits=None):
     if kind == "search":
         docs = [dict(sub_question=q, kb=kb, id=d["id"], title=d.get("title", ""), text=d.get("contents", ""),
                      **({"image": data_url(d["path"])} if d.get("path") else {})) for q, kb, ds in hits for d in ds]
-        x.setdefault("evidence", {})[t] = docs
+        x.setdefault("step_evidence", {})[t] = docs
         return [dict(type="evidence", step=t, evidence=docs)]
     if kind == "answer":
         return [dict(type="answer", step=t, answer=x["steps"][-1]["answer"])]
@@ -122,7 +122,7 @@ def step_events(x, kind, hits=None):
 
 def steps_of(x):
     """The response's `steps`: per routing step its sub-questions and KBs, the evidence's ids and titles, the answer."""
-    ev = x.get("evidence", {})
+    ev = x.get("step_evidence", {})
     return [dict(step=g[0]["step"], sub_questions=[dict(sub_question=st["sub_question"], kb=st["kb"]) for st in g],
                  evidence=[dict(kb=d["kb"], id=d["id"], title=d["title"]) for d in ev.get(g[0]["step"], [])],
                  answer=g[0]["answer"]) for g in reward.by_step(x["steps"])]

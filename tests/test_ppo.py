@@ -95,7 +95,7 @@ def test_a_critic_learns_a_fixed_batch(tiny_model_dir):
     try:
         args = Namespace(model=str(tiny_model_dir), activation_checkpointing=False, dtype="fp32", critic_lr=1e-3,
                          gamma=1.0, lam=1.0, vf_clip=10.0, kl_in_reward=0.0, adv_estimator="gae", kl_coef=0.0,
-                         entropy_coef=0.0, micro_batch=6)
+                         entropy_coef=0.0, micro_batch=6, offload=False)
         crit, opt = critic.load(args, torch.device("cpu"), 1, None)
         assert [n for n, p in crit.named_parameters() if p.requires_grad and "lm_head" in n] == \
             ["lm_head.weight", "lm_head.bias"] and crit.get_output_embeddings().out_features == 1
@@ -198,7 +198,7 @@ from test_ppo import critic_rows
 rank, world, device, _ = trainutil.env_rank()
 trainutil.init_group(world)
 args = Namespace(model=sys.argv[2], activation_checkpointing=False, dtype="fp32", critic_lr=1e-3, gamma=0.9, lam=0.8,
-                 vf_clip=0.5, kl_in_reward=0.0, adv_estimator="gae", kl_coef=0.0, entropy_coef=0.0, micro_batch=2)
+                 vf_clip=0.5, kl_in_reward=0.0, adv_estimator="gae", kl_coef=0.0, entropy_coef=0.0, micro_batch=2, offload=False)
 crit, opt = critic.load(args, device, world, None)
 rows = critic_rows(8)[rank::world]
 micro, denom, _ = learner.micro_batches(rows, args, 0, device)
