@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 MODEL := $(DEFAULT_MODEL)
 
-.PHONY: help setup demo baselines test test-fast test-gpu bench bench-serve bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo rl-compare lora multiquery real real-eval clean
+.PHONY: help setup demo baselines test test-fast test-gpu bench bench-serve bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo rl-compare actions lora multiquery real real-eval clean
 help:
 	@echo "make demo        set up, then the main job: golden data -> SFT -> SFT-continued, Step-GRPO -> a results table"
 	@echo "make test        set up, then the whole suite (test-fast: without the slow end-to-end runs)"
@@ -22,6 +22,7 @@ help:
 	@echo "make vs-sft      the claims: Step-GRPO against SFT-continued at the SFT's plateau (also: teacher, heldout, reworded)"
 	@echo "make ppo         PPO, Step-PPO, outcome GRPO and Step-GRPO from the main job's SFT"
 	@echo "make rl-compare  golden-prefix against branched Step-GRPO, DAPO's three, outcome GRPO, SFT-continued"
+	@echo "make actions     a router with and without Agentic RAG-R1's backtrack and summary actions, on dev"
 	@echo "make released    R1-Router's released reward, protocol and step structure against the recipe"
 	@echo "make visual      the VL policy on text + visual questions (also: lora, multiquery, real, real-eval)"
 	@echo "make bench       retrieval, rollouts, weight sync, FLOP/s (also: bench-serve, bench-memory, bench-index, bench-trl)"
@@ -222,6 +223,10 @@ ppo: $(OUT)/sft/final/config.json
 # equal generated rollout tokens, one seed, each dev-picked, on the first 200 test questions (runs/rl_compare.sh)
 rl-compare: $(OUT)/sft/final/config.json
 	PY=$(PY) bash runs/rl_compare.sh
+
+# A router with and without the actions (backtrack, summary): golden data with them, SFT, both on dev
+actions: $(OUT)/sft/final/config.json
+	PY=$(PY) bash runs/actions.sh
 
 # Full fine-tuning against LoRA and QLoRA: speed, memory, checkpoint size, sync; quality at equal wall-clock time
 lora: $(OUT)/sft/final/config.json $(DATA)/traj/train.jsonl

@@ -183,8 +183,9 @@ def route_probe(engine, retriever, questions, settings, n=8, seed=0):
                            images=[im for _, im, *_ in points for _ in range(n)], keys=[k for *_, k in points for _ in range(n)])
     counts, spread = [[0] * len(PRED_LABELS) for _ in GOLD_LABELS], [Counter() for _ in points]
     for k, (ids, _) in enumerate(outs):
-        r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True), settings.max_pairs, settings.max_rets)
-        pred = (STOP if r.stop else r.kb) if r.ok else MISSING
+        r = reward.parse_route(engine.tok.decode(ids, skip_special_tokens=True), settings.max_pairs, settings.max_rets,
+                               settings.actions)
+        pred = (STOP if r.stop else r.kb) if r.ok and not r.action else MISSING
         counts[GOLD_LABELS.index(points[k // n][2])][PRED_LABELS.index(pred)] += 1
         spread[k // n][pred] += 1
     entropy = [-sum(c / n * math.log2(c / n) for c in sp.values()) for sp in spread]  # bits, per prefix
@@ -214,6 +215,7 @@ def get_args(argv=None):
     ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
     ap.add_argument("--topk", type=int, default=3)
+    ap.add_argument("--actions", action="store_true", help="a routing step may backtrack or summarise (a policy trained on them)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--protocol", default="strict", choices=["strict", "fallback", "released"],
                     help="strict: one try a step, a malformed step is a format failure; fallback: one try, then a "
@@ -279,7 +281,7 @@ def settings_of(args):
     import rollout
     settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
                                 max_active=args.max_active, structure=args.structure, max_pairs=args.max_pairs,
-                                max_rets=args.max_rets)
+                                max_rets=args.max_rets, actions=args.actions)
     if args.protocol != "strict":
         settings = replace(settings, fallback=True)
     if args.protocol == "released":

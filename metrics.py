@@ -172,8 +172,10 @@ def metrics(trajs):
       format_fail             % of trajectories with format_ok False
       overflow                % of trajectories cut off because their next step did not fit the engine's context
                               (every span they wrote parsed; no final answer, so the answer metrics are 0)
-      retrievals              retrieval calls per question, len(steps) (one per sub-question and KB); retrievals_by_kb:
-                              the same split by KB
+      retrievals              retrieval calls per question, len(steps) (one per sub-question and KB) and those of the
+                              steps a backtrack popped; retrievals_by_kb: the steps' split by KB
+      backtracks, summaries   actions per question (a policy with actions, rollout.StepLoop.act); absent without them;
+                              routing is scored on the steps that stayed
       steps                   routing steps that searched, per question (= retrievals with one lookup a step; fewer with
                               multi-query steps, --max_pairs: what the policy waits for in sequence)
       reask                   % of questions with a retrieval step whose sub-question repeats an earlier step's
@@ -219,7 +221,11 @@ def metrics(trajs):
     m["routing_macro0"], m["route_info0"] = balanced_accuracy(first), route_information(first)
     m["route_exact"] = 100 * mean(r == 1 for r in racc)
     m["gold_hit"] = 100 * mean(hits) if hits else None
-    m["retrievals"] = mean(len(x["steps"]) for x in trajs)
+    m["retrievals"] = mean(len(x["steps"]) + sum(len(a.get("popped", [])) for a in x.get("actions", [])) for x in trajs)
+    if any(x.get("actions") for x in trajs):
+        for kind in reward.ACTIONS:
+            m[{"backtrack": "backtracks", "summary": "summaries"}[kind]] = mean(
+                sum(a["kind"] == kind for a in x.get("actions", [])) for x in trajs)
     m["steps"] = mean(len(reward.by_step(x["steps"])) for x in trajs)
     m["retrievals_by_kb"] = {kb: by_kb[kb] / n for kb in KBS}
     m["reask"] = 100 * mean(any(reward.re_asks(s["sub_question"], x["steps"][:i]) for i, s in enumerate(x["steps"]))

@@ -65,6 +65,11 @@ def markdown(results, title):
                      if s.get("judge") is not None])
     judge = ["## LLM judge (ragas' AnswerAccuracy of the final answer; its agreement with EM)", "", *judged, ""] \
         if len(judged) > 2 else []
+    acted = _table(["method", "backtracks/q", "summaries/q", "retrievals/q"],  # a policy with --actions only
+                   [[m, _fmt(s["backtracks"], 2), _fmt(s["summaries"], 2), _fmt(s["retrievals"], 2)]
+                    for m, s in results.items() if "backtracks" in s])
+    actions = ["## Actions (backtrack, summary: Agentic RAG-R1's; routing is scored on the steps that stayed)", "",
+               *acted, ""] if len(acted) > 2 else []
     types = type_order({ty for s in results.values() for ty in s["by_type"]})
     by_type = lambda k, digits: _table(["method", *types], [[m, *(_fmt(s["by_type"][ty].get(k), digits)
                                                                   if ty in s["by_type"] else "-" for ty in types)]
@@ -72,7 +77,7 @@ def markdown(results, title):
     return "\n".join([f"# {title}", "", "All rates in %; answer metrics count a format failure as 0; answer words: "
                       "the mean length of the final answer in words (a format failure's: 0).", "", *main, "",
                       "## Routing", "", *routing, "",
-                      *judge, "## Where F1-Recall is lost (points, the first failure of each question)", "", *lost, "",
+                      *judge, *actions, "## Where F1-Recall is lost (points, the first failure of each question)", "", *lost, "",
                       "## F1-Recall by question type", "", *by_type("f1_recall", 1), "",
                       "## Answer words by question type", "", *by_type("answer_words", 2), ""])
 

@@ -8,6 +8,15 @@ The step format (R1-Router), one model turn per step:
 
 R is a KB's retriever name (dataio.KB_TABLE: "Text Retriever", "Table Retriever", "Text Image Retriever") or "None".
 
+Actions (Agentic RAG-R1's Backtrack and Summary on its memory stack), off by default: with actions on, a routing
+step may instead be
+
+    backtrack     <think>T</think>\n<backtrack>why</backtrack>    the last routing step and its evidence leave the context
+    summary       <think>T</think>\n<summary>S</summary>          the steps so far are replaced by S in the context
+
+(parse_route's Route.action; rollout.StepLoop carries them out). Without actions these tags are plain text, as in
+R1-Router's format.
+
 Multi-query steps (RAG-R1's parallel queries, R1-Router's multi-retriever mode), off by default: with
 max_pairs K > 1 a routing step may hold up to K sub-question / retriever pairs, retrieved in parallel,
 
@@ -87,7 +96,9 @@ _CANONICAL_RET = {name.lower(): name for name in [*KB_TO_RET.values(), STOP_RET]
 
 ROUTE_TAGS = ("think", "sub-question", "ret")
 ANSWER_TAGS = ("think", "answer")
-_TAG = re.compile(r"<(/?)(think|sub-question|ret|answer)>", re.IGNORECASE)
+ACTIONS = ("backtrack", "summary")  # a routing step's other moves (actions on): the tag is the action's name
+STEP_TAGS = ("think", "sub-question", "ret", "answer")
+_TAG = re.compile(r"<(/?)(think|sub-question|ret|answer|backtrack|summary)>", re.IGNORECASE)
 
 # -----------------------------------------------------------------------------
 # step format
@@ -102,6 +113,8 @@ class Route:
     stop: bool = False
     error: str = ""
     pairs: list = field(default_factory=list)  # [(sub_question, (kb, ...))] all pairs; sub_question, kb: the first
+    action: str = ""  # "backtrack" | "summary" (actions on), with its text in note; "" for a route or the stop
+    note: str = ""
 
 
 @dataclass
@@ -112,13 +125,13 @@ class Answer:
     error: str = ""
 
 
-def _tag_values(text, tags, repeat=1):
+def _tag_values(text, tags, repeat=1, known=STEP_TAGS):
     """Stripped contents of `tags` (which must appear once each, in order; the group tags[1:] up to `repeat` times),
-    or an error."""
+    or an error. Tags outside `known` are plain text."""
     if not isinstance(text, str):
         return None, f"expected a str, got {type(text).__name__}"
-    found = [(m.group(1) == "/", m.group(2).lower(), m) for m in _TAG.finditer(text)]
-    for name in ("think", "sub-question", "ret", "answer"):
+    found = [(m.group(1) == "/", m.group(2).lower(), m) for m in _TAG.finditer(text) if m.group(2).lower() in known]
+    for name in known:
         n_open = sum(1 for close, tag, _ in found if tag == name and not close)
         n_close = sum(1 for close, tag, _ in found if tag == name and close)
         if name not in tags:
@@ -160,8 +173,19 @@ def _retrievers(raw, max_rets):
     return tuple(RET_TO_KB.get(r) for r in rets), ""
 
 
-def parse_route(text: str, max_pairs: int = 1, max_rets: int = 1) -> Route:
-    values, error = _tag_values(text, ROUTE_TAGS, max_pairs)
+def parse_route(text: str, max_pairs: int = 1, max_rets: int = 1, actions: bool = False) -> Route:
+    """A routing step; with actions, a backtrack or a summary instead (the first action tag found decides which:
+    <think> then that tag alone, with non-empty contents)."""
+    if actions and isinstance(text, str):
+        kind = next((m.group(2).lower() for m in _TAG.finditer(text) if m.group(2).lower() in ACTIONS), None)
+        if kind:
+            values, error = _tag_values(text, ("think", kind), known=STEP_TAGS + ACTIONS)
+            if error:
+                return Route(ok=False, error=error)
+            if not values[1]:
+                return Route(ok=False, error=f"empty <{kind}>")
+            return Route(ok=True, think=values[0], action=kind, note=values[1])
+    values, error = _tag_values(text, ROUTE_TAGS, max_pairs, known=STEP_TAGS + ACTIONS * actions)
     if error:
         return Route(ok=False, error=error)
     think, pairs = values[0], []
@@ -212,6 +236,11 @@ def format_route(think: str, pairs) -> str:
 
 def format_answer(think: str, answer: str) -> str:
     return f"<think>{think}</think>\n<answer>{answer}</answer>"
+
+
+def format_action(think: str, kind: str, note: str) -> str:
+    """Render an action step: kind "backtrack" or "summary"."""
+    return f"<think>{think}</think>\n<{kind}>{note}</{kind}>"
 
 # -----------------------------------------------------------------------------
 # HotpotQA metrics (official hotpot_evaluate_v1.py)

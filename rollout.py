@@ -11,7 +11,10 @@ For a batch of questions x n samples, every trajectory runs its own step loop:
             as a user turn, grouped by sub-question when the step asked several
     answer  the policy writes <think>..</think><answer>..</answer> (the intermediate answer, covering all lookups)
 ... at most --max_steps times (3, as the paper); after <ret>None</ret> (or the last step) the policy writes the final
-<think>..</think><answer>..</answer>. A step that does not parse ends its trajectory with a format failure (or,
+<think>..</think><answer>..</answer>. With Settings actions (--actions: Agentic RAG-R1's memory stack), a routing step
+may instead backtrack (<backtrack>why</backtrack>: the last routing step, its evidence and its answer leave the
+context, and its step is asked again) or summarise (<summary>S</summary>: every step so far leaves the context, S
+stays), at most max_actions times; either starts a new chat of what stays, the action's own turn closing it. A step that does not parse ends its trajectory with a format failure (or,
 with Settings route_tries / answer_tries / fallback, R1-Router's released evaluation: tries again, then stops or takes
 the raw text).
 The loop is event-driven (StepLoop): on vLLM a trajectory's next request enters the running batch as soon as its
@@ -37,6 +40,7 @@ import os
 import random
 import sys
 import time
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -61,6 +65,10 @@ SYSTEM_PROMPT = (
     "Use at most {max_steps} sub-questions."
 )
 LAST_STEP_NOTE = "No more sub-questions are allowed; give the final answer."
+ACTIONS_NOTE = (" If the last step's evidence does not answer its sub-question, write <think>reasoning</think><backtrack>"
+                "why</backtrack> instead of the next sub-question: that step leaves the context. To keep a long context "
+                "short, write <think>reasoning</think><summary>the facts found so far</summary>: it replaces the steps "
+                "so far. At most {max_actions} of these.")
 
 def with_new_kbs(prompt):
     """A released prompt names the three KBs: a KB added as a row of dataio.KB_TABLE joins its retriever list and
@@ -149,24 +157,41 @@ class GoldPolicy(Batched):
     string (a final answer may follow a route: max_steps reached)."""
     THINK = "The next fact to look up."  # the routing <think> names no KB: the choice is made at <ret>, after the sub-question
 
-    def __init__(self, tok, questions, vis=None, max_pairs=1):
-        self.tok, self.vis, self.max_pairs = tok, vis, max_pairs
+    def __init__(self, tok, questions, vis=None, max_pairs=1, actions=False):
+        self.tok, self.vis, self.max_pairs, self.actions = tok, vis, max_pairs, actions
         self.by_id = {q["id"]: q for q in questions}
 
     def plan(self, q):
         """The routing steps written for q, grouped by step (reward.by_step): the gold decomposition."""
         return reward.by_step(reward.group_steps(q["steps"], self.max_pairs))
 
+    def script(self, q):
+        """q's policy turns in order, [(phase, text)]: each gold step's route and intermediate answer, the stop, the
+        final answer. With actions, where they help: a quarter of the questions (by a hash of the id) first ask their
+        first sub-question of a wrong KB, answer that the evidence does not say, and backtrack; a question with a
+        third hop summarises the first two steps' evidence before it."""
+        gold, turns = self.plan(q), []
+        for t, g in enumerate(gold):
+            if self.actions and t == 0 and zlib.crc32(q["id"].encode()) % 4 == 0:
+                wrong = KBS[(KBS.index(g[0]["kb"]) + 1) % len(KBS)]
+                turns += [("route", reward.format_route(self.THINK, [(g[0]["sub_question"], wrong)])),
+                          ("answer", reward.format_answer("The evidence does not say.", "not found")),
+                          ("route", reward.format_action(f"The {reward.KB_TO_RET[wrong]} did not have it.", "backtrack",
+                                                         f"No answer to: {g[0]['sub_question']}"))]
+            if self.actions and t == 2:
+                facts = " ".join(f"{st['sub_question']} {st['answer']}." for h in gold[:2] for st in h)
+                turns.append(("route", reward.format_action("The facts so far.", "summary", facts)))
+            turns += [("route", reward.format_route(self.THINK, reward.pairs_of(g))),
+                      ("answer", reward.format_answer("From the evidence.", reward.group_answer(g)))]
+        return turns + [("route", reward.format_route("I can answer now.", [])),
+                        ("answer", reward.format_answer("Combining the answers.", q["answers"][0]))]
+
     def step_text(self, q, turn, phase):
-        """The planned step's text at policy turn `turn` (0: the first route) of question q, phase route or answer."""
-        gold = self.plan(q)
-        if phase == "route":
-            if turn // 2 < len(gold):
-                return reward.format_route(self.THINK, reward.pairs_of(gold[turn // 2]))
-            return reward.format_route("I can answer now.", [])
-        if turn % 2 and turn // 2 < len(gold):  # after a route that looked something up: its intermediate answer
-            return reward.format_answer("From the evidence.", reward.group_answer(gold[turn // 2]))
-        return reward.format_answer("Combining the answers.", q["answers"][0])  # after the stop, or at max_steps
+        """The scripted step's text at policy turn `turn` (0: the first) of question q, phase route or answer: an answer
+        asked where the script routes is the final answer (the loop asks for it at max_steps)."""
+        turns = self.script(q)
+        kind, text = turns[turn] if turn < len(turns) else turns[-2]
+        return turns[-1][1] if phase == "answer" and kind == "route" else text
 
     def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
                  keys=None):
@@ -196,6 +221,15 @@ class TranscriptSteps:
 
     def start(self, x):
         return start_transcript(self.fmt, x["question"], self.shots, x["image"], self.vis)
+
+    def restart(self, x, keep, turn):
+        """An action (backtrack, summary): the chat is closed and a new one holds its tokens up to the absolute
+        position `keep`, then the action's turn `turn` (ids) as context, then the next assistant turn."""
+        tr = x["tr"]
+        a = tr.starts[-1]
+        tr.add_context(self.fmt.ids(self.fmt.end_assistant))
+        tr.new_chat(tr.ids[a:keep], images_in(tr.images, a, keep))
+        tr.add_context(turn + self.fmt.ids(next_turn(self.fmt)))
 
     def close(self, x, ids, images=()):
         """Template tokens after a turn; a turn the policy ended itself (a multi-query route stops at its end-of-turn
@@ -300,6 +334,8 @@ class Settings:
     max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
     max_pairs: int = 1          # sub-question / retriever pairs a routing step may hold (RAG-R1's parallel queries)
     max_rets: int = 1           # retrievers a pair may name (R1-Router's multi-retriever mode)
+    actions: bool = False       # a routing step may backtrack or summarise (Agentic RAG-R1's memory stack)
+    max_actions: int = 2        # of them a trajectory
 
     @property
     def max_images(self):
@@ -315,13 +351,16 @@ def check_multi_query(args):
         sys.exit(f"error: --max_rets {args.max_rets}: there are {len(KBS)} retrievers")
     if args.structure == "released" and (args.max_pairs > 1 or args.max_rets > 1):
         sys.exit("error: --max_pairs / --max_rets > 1 (multi-query steps) work with --structure transcript only")
+    if args.structure == "released" and args.actions:
+        sys.exit("error: --actions (backtrack, summary) work with --structure transcript only")
 
 def route_stop(tok, s):
     """(stop strings, max new tokens) of a routing step: R1-Router's step ends at </ret>; a multi-query step, which
     may write up to max_pairs pairs, ends when the policy ends its turn (the end-of-turn token)."""
+    acts = [f"</{a}>" for a in reward.ACTIONS] if s.actions else []
     if s.max_pairs == 1:
-        return ["</ret>"], s.route_tokens
-    return [tok.eos_token], s.route_tokens * s.max_pairs
+        return ["</ret>", *acts], s.route_tokens
+    return [tok.eos_token, *acts], s.route_tokens * s.max_pairs
 
 def fits(engine, ids, max_tokens):
     """Whether a prompt plus max_tokens new tokens fits the engine's context (engines without max_len: always)."""
@@ -359,7 +398,8 @@ class StepLoop:
     def on_route(self, x, ids, lps):
         step = self.n_steps(x)
         x["tr"].add_policy(ids, lps, "route", step)
-        r = reward.parse_route(self.engine.tok.decode(ids, skip_special_tokens=True), self.s.max_pairs, self.s.max_rets)
+        r = reward.parse_route(self.engine.tok.decode(ids, skip_special_tokens=True), self.s.max_pairs, self.s.max_rets,
+                               self.s.actions)
         if not r.ok:
             if self.retry(x, self.s.route_tries):
                 return
@@ -368,16 +408,50 @@ class StepLoop:
             x["error"] += f"step {step + 1} route: {r.error} (stopped after {self.s.route_tries} tries); "
             r = reward.Route(ok=True, stop=True)  # out of tries: stop routing
         x["tries"] = 0
+        if r.action:
+            return self.act(x, r, step)
         if r.stop:
             self.chat.after_stop(x)
             x["phase"] = "final"
             return
+        x["frames"].append(dict(step=step, span=len(x["tr"].spans) - 1, start=x["tr"].spans[-1]["start"]))
         gold = reward.by_step(x["gold_steps"])
         gold = gold[step] if step < len(gold) else []
         for j, (q, kbs) in enumerate(r.pairs):  # one lookup per (sub-question, KB); oracle: the gold step's KB
             for kb in (gold[j]["kb"],) if self.s.route_mode == "oracle" and j < len(gold) else kbs:
                 x["steps"].append(dict(sub_question=q, kb=kb, retrieved=[], answer=None, step=step))
         x["phase"] = "search"
+
+    def act(self, x, r, step):
+        """A backtrack pops the last routing step in the context (its lookups move to the action's `popped`, its
+        spans are marked popped, and its step is asked again); a summary drops every step in the context (the
+        action's `facts`: the steps it should hold). Either restarts the chat (TranscriptSteps.restart). Too many
+        actions, or one with no step in the context to act on, is a format failure."""
+        tr, frames = x["tr"], x["frames"]
+        sp = tr.spans[-1]
+        sp["kind"] = r.action
+        if len(x["actions"]) >= self.s.max_actions:
+            return self.fail(x, f"step {step + 1} {r.action}: more than {self.s.max_actions} actions")
+        if not frames:
+            return self.fail(x, f"step {step + 1} {r.action}: no step in the context to act on")
+        act = dict(kind=r.action, step=step, span=len(tr.spans) - 1, note=r.note)
+        if r.action == "backtrack":
+            f = frames.pop()
+            act["popped"] = [st for st in x["steps"] if st["step"] == f["step"]]
+            x["steps"] = [st for st in x["steps"] if st["step"] != f["step"]]
+            act["popped_spans"] = list(range(f["span"], len(tr.spans) - 1))
+            for other in tr.spans[f["span"]:-1]:
+                other["popped"] = True
+            keep = f["start"]
+        else:
+            act["facts"] = [dict(st) for st in x["steps"]]
+            frames.clear()
+            keep = tr.starts[-1] + x["head"]
+        x["actions"].append(act)
+        a = tr.starts[-1]
+        self.chat.restart(x, keep, tr.ids[sp["start"]:sp["end"]])
+        for f in frames:  # the steps that stay are at the head of the new chat
+            f["start"] += tr.starts[-1] - a
 
     def answer_or_retry(self, x, ids, where):
         """The parsed answer, or None after a retry or a format failure; out of tries with Settings.fallback, the
@@ -493,6 +567,8 @@ class StepLoop:
             x.pop("phase")
             x.pop("tries", None)
             x.pop("image_sent", None)
+            x.pop("frames", None)
+            x.pop("head", None)
             x.update(ids=tr.ids, mask=tr.mask, logprobs=tr.logprobs, spans=tr.spans, segments=tr.segments(), images=tr.images,
                      n_policy_tokens=sum(tr.mask),
                      timings=dict(generate=t_gen / len(trajs), retrieve=t_ret / len(trajs)))  # amortised over the batch
@@ -506,8 +582,8 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
     tqdm bar, advanced as trajectories finish."""
     if s.structure == "released" and shots:
         raise ValueError("few-shot examples are built for the transcript structure only")
-    if s.structure == "released" and (s.max_pairs > 1 or s.max_rets > 1):
-        raise ValueError("multi-query steps (max_pairs / max_rets > 1) are built for the transcript structure only")
+    if s.structure == "released" and (s.max_pairs > 1 or s.max_rets > 1 or s.actions):
+        raise ValueError("multi-query steps (max_pairs / max_rets > 1) and actions are built for the transcript structure only")
     chat = step_chat(engine, s, system_prompt, shots)
     trajs = [trajectory(q, k, chat, s) for q in questions for k in range(n)]
     if seed is not None:  # engines sample with torch's default generator (see VLLMEngine.generate)
@@ -518,8 +594,8 @@ def step_chat(engine, s, system_prompt=SYSTEM_PROMPT, shots=None):
     """The step structure's chat builder for engine's policy (a VL policy sees the question image and image evidence
     as pixels)."""
     vis = getattr(engine, "vis", None)
-    return ReleasedSteps(engine.tok, vis) if s.structure == "released" else \
-        TranscriptSteps(engine.tok, system_prompt.format(max_steps=s.max_steps), shots, vis)
+    prompt = system_prompt.format(max_steps=s.max_steps) + ACTIONS_NOTE.format(max_actions=s.max_actions) * s.actions
+    return ReleasedSteps(engine.tok, vis) if s.structure == "released" else TranscriptSteps(engine.tok, prompt, shots, vis)
 
 def trajectory(q, k, chat, s):
     """Sample k of question q (a dataio.load_questions row; answers and steps may be empty) as the step loop's
@@ -527,20 +603,23 @@ def trajectory(q, k, chat, s):
     x = dict(qid=q["id"], sample=k, question=q["question"], image=q.get("image"), answers=q.get("answers", []),
              type=q.get("type", ""), gold_steps=reward.group_steps(q.get("steps", []), s.max_pairs), steps=[],
              final_answer=None, format_ok=True, error="", overflow=False, phase="route",
-             evidence=[])  # every retrieved document's contents, in the order seen (a judge reads them: judge.py)
-    return dict(x, tr=chat.start(x))
+             evidence=[],  # every retrieved document's contents, in the order seen (a judge reads them: judge.py)
+             actions=[], frames=[])  # the actions taken (StepLoop.act); the routing steps in the context
+    tr = chat.start(x)
+    return dict(x, tr=tr, head=len(tr.ids))  # head: the system prompt and the question, which every chat starts with
 
 def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None, vis=None):
     """The gold trajectory of each question (GoldPolicy through the real loop and retrieval, whatever its lengths),
     and span_prefixes of them. Step-GRPO's teacher_prefix groups and evaluate.py's route probe start from these."""
-    golds = rollout(GoldPolicy(tok, questions, vis, s.max_pairs), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
+    golds = rollout(GoldPolicy(tok, questions, vis, s.max_pairs, s.actions), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
                                                                                         route_mode="model"), seed)
     return golds, span_prefixes(golds)
 
 def span_prefixes(trajs):
-    """Every point where the policy writes a span of trajectories `trajs` (gold or a teacher's): [(trajectory, span,
-    prompt ids up to that span, the images in them)]."""
-    return [(x, sp, *span_prefix(x, sp)) for x in trajs for sp in x["spans"]]
+    """Every point where the policy writes a route or an answer in trajectories `trajs` (gold or a teacher's), but for
+    what a backtrack popped: [(trajectory, span, prompt ids up to that span, the images in them)]."""
+    return [(x, sp, *span_prefix(x, sp)) for x in trajs for sp in x["spans"]
+            if sp["kind"] in ("route", "answer", "final") and not sp.get("popped")]  # no actions, nothing backtracked
 
 def span_prefix(x, sp):
     """(prompt ids before span sp of finished trajectory x, the images in them): its chat's tokens up to the span
@@ -679,6 +758,7 @@ if __name__ == "__main__":
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
+    ap.add_argument("--actions", action="store_true", help="a routing step may backtrack or summarise (a policy trained on them)")
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
@@ -698,7 +778,7 @@ if __name__ == "__main__":
     if not (Path(args.model) / "config.json").exists():
         sys.exit(f"error: {args.model}: not a model folder (run `python prepare.py` for the default)")
     s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=args.structure,
-                 max_pairs=args.max_pairs, max_rets=args.max_rets)
+                 max_pairs=args.max_pairs, max_rets=args.max_rets, actions=args.actions)
     engine = make_engine(args.backend, args.model, seed=args.seed, max_images=s.max_images, base_url=args.base_url,
                          api_key=args.api_key)
     t = time.perf_counter()

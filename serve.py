@@ -98,10 +98,14 @@ class Router:
 
 def step_events(x, kind, hits=None):
     """What trajectory x's last step shows (StepLoop's events): route (the step's sub-questions and KBs, or the stop),
-    evidence, answer (the intermediate one), final (the answer), error (a step that does not parse, an overflow)."""
+    evidence, answer (the intermediate one), backtrack (the step popped) and summary (a policy with actions), final
+    (the answer), error (a step that does not parse, an overflow)."""
     t = x["steps"][-1]["step"] if x["steps"] else 0
     if x["phase"] == "done" and x["final_answer"] is None:
         return [dict(type="error", error=x["error"] or "no answer")]
+    if kind == "route" and x["actions"] and x["actions"][-1]["span"] == len(x["tr"].spans) - 1:  # just acted
+        a = x["actions"][-1]  # a backtrack names the step it popped
+        return [dict(type=a["kind"], step=a["popped"][0]["step"] if a["kind"] == "backtrack" else t, note=a["note"])]
     if kind == "route":
         if x["phase"] == "final":
             return [dict(type="stop", step=len(reward.by_step(x["steps"])))]
@@ -274,7 +278,7 @@ def load(args):
                  "default), or pass --model <folder>")
     fmt = json.loads((Path(args.model) / transcript.FORMAT).read_text()) if (Path(args.model) / transcript.FORMAT).is_file() else {}
     s = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
-                         **{k: fmt[k] for k in ("structure", "max_pairs", "max_rets") if k in fmt})
+                         **{k: fmt[k] for k in transcript.FORMAT_FLAGS if k in fmt})
     try:
         ret = retrievers.make_retriever(args.retriever, args.data)
         known = [q for sp in ("train", "dev", "test") if (Path(args.data) / "questions" / f"{sp}.jsonl").is_file()
@@ -314,6 +318,8 @@ def line(ev):
         return f"  answer: {ev['answer']}"
     if ev["type"] == "stop":
         return f"step {ev['step'] + 1}: no more sub-questions"
+    if ev["type"] in ("backtrack", "summary"):
+        return f"{ev['type']} (step {ev['step'] + 1}): {ev['note']}"
     if ev["type"] == "final":
         return f"answer: {ev['answer']}"
     return f"error: {ev['error']}"

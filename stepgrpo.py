@@ -169,7 +169,7 @@ def get_args(argv=None):
                     help="gae: a per-token KL penalty -beta (logp_old - logp_ref) in the reward (Search-R1: 0.001)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    # the transcript format (--structure, --max_pairs, --max_rets of synth.py, sft.py and evaluate.py) is the
+    # the transcript format (--structure, --max_pairs, --max_rets, --actions of synth.py and evaluate.py) is the
     # policy's own, from its checkpoint: it has no other to run in
     args.__dict__.update(transcript.trained_format(args.model))
     return args
@@ -222,6 +222,9 @@ def check_ppo(args):
     if args.structure != "transcript":
         sys.exit(f"error: --adv_estimator gae needs a --structure transcript policy ({args.model}'s is released): a "
                  "released trajectory's chats are valued apart, so GAE cannot run across them")
+    if args.actions:
+        sys.exit(f"error: --adv_estimator gae needs one chat a trajectory ({args.model} was trained with actions, which "
+                 "restart the chat): GAE cannot run across chats valued apart")
     if args.dynamic_sampling:
         sys.exit("error: --dynamic_sampling drops groups whose advantages are all 0: PPO (--adv_estimator gae) has no groups")
     if args.critic_warmup < 0 or args.kl_in_reward < 0:
@@ -242,10 +245,10 @@ def check_questions(questions, args):
 
 def settings(args, **kw):
     return rollout.Settings(max_steps=args.max_steps, topk=args.topk, structure=args.structure, max_pairs=args.max_pairs,
-                            max_rets=args.max_rets, **kw)
+                            max_rets=args.max_rets, actions=args.actions, **kw)
 
 STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "format_ok", "overflow", "retrievals",
-         "tokens", "reask", "cut", "refilled", "informative", "rag")  # logged means
+         "tokens", "reask", "cut", "refilled", "informative", "rag", "actions")  # logged means
 
 def onpolicy_batch(engine, retriever, qs, args, encode, w, seed):
     """n whole trajectories per question form a group; span j of sample i gets A_ij (group_advantages) on its tokens.

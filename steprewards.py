@@ -52,9 +52,21 @@ def step_reward(kind, step, target, w, encode, retrieved=None):
                 the gold is one answer of more than 5 words)
       "final"   step: reward.Answer; target: the question's gold answers ([]: the format term alone, on-policy,
                 where the outcome scores the final answer). w.format + reward.answer_reward(answer, target)
+      "backtrack"  step: the routing step it popped, as a reward.Route; target: the gold steps of that step ([]: the
+                gold stops there). w.format + [the popped step's KBs are not the target's]: popping a wrong route
+                earns 1, popping a right one nothing
+      "summary" step: reward.Answer holding the summary; target: the steps it replaced (with their intermediate
+                answers). w.format + F1-Recall of their answers joined in the summary: the share of the facts found
+                so far that it keeps
     encode(list[str]) -> [n, d] embeddings (retrievers.Encoder.encode); w: Weights (format, hit)."""
     if not step.ok:
         return 0.0
+    if kind == "backtrack":
+        mine = sorted(kb for _, kbs in step.pairs for kb in kbs)
+        return w.format + float(mine != sorted(g["kb"] for g in target))
+    if kind == "summary":
+        facts = "; ".join(dict.fromkeys(g["answer"] for g in target if g.get("answer")))
+        return w.format + (reward.f1_recall(step.answer, [facts]) if facts else 0.0)
     if kind == "route":
         r = reward.score_route(step, target, encode, w.format)
         if retrieved is not None and target and not step.stop:
@@ -93,28 +105,40 @@ def kb_balance(questions, max_steps, max_pairs=1):
     n = Counter(gold_route(g, t) for g in golds for t in range(min(len(reward.by_step(g)) + 1, max_steps)))
     return {c: sum(n.values()) / (len(n) * k) for c, k in n.items()}
 
+def as_route(lookups):
+    """The lookups of one routing step ([]: the stop) as the reward.Route the parser read."""
+    pairs = reward.pairs_of(lookups)
+    return reward.Route(ok=True, stop=not pairs, pairs=pairs, sub_question=pairs[0][0] if pairs else "None",
+                        kb=pairs[0][1][0] if pairs else None)
+
 def span_rewards(x, encode, w):
     """onpolicy: the step_reward of every policy span of trajectory x (in x["spans"] order) against the gold
     decomposition's step there (past the gold steps the gold is the stop), and its outcome R = f1_recall(final,
-    golds) + x["rag"] (judge_rag's judged term, with --w_rag), 0 if any step failed to parse. A span that fails to parse ends its trajectory and gets 0. A trajectory
-    whose next step did not fit the context (overflow) keeps the rewards of the spans it wrote and has no final
-    answer (R = 0)."""
+    golds) + x["rag"] (judge_rag's judged term, with --w_rag), 0 if any step failed to parse. A span that fails to
+    parse ends its trajectory and gets 0. A trajectory whose next step did not fit the context (overflow) keeps the
+    rewards of the spans it wrote and has no final answer (R = 0). Actions (rollout.StepLoop.act): a backtrack is
+    scored on the step it popped against the gold step there, a summary on the steps it replaced; a popped route
+    and its answer are scored as they were written, on the lookups they made."""
     gold, pred, out = reward.by_step(x["gold_steps"]), reward.by_step(x["steps"]), []
+    acts = {a["span"]: a for a in x.get("actions", [])}
+    popped = {k: a["popped"] for a in acts.values() if a["kind"] == "backtrack" for k in a["popped_spans"]}
     for j, sp in enumerate(x["spans"]):
         if not x["format_ok"] and j == len(x["spans"]) - 1:  # the span that failed to parse
             out.append(0.0)
             continue
         t = sp["step"]
         g = gold[t] if t < len(gold) else []
-        took = t < len(pred)  # a route span past the searches was the stop
-        if sp["kind"] == "route":
-            pairs = reward.pairs_of(pred[t]) if took else []  # the step as reward.parse_route read it
-            step = reward.Route(ok=True, stop=not took, pairs=pairs, sub_question=pairs[0][0] if took else "None",
-                                kb=pairs[0][1][0] if took else None)
-            out.append(step_reward("route", step, g, w, encode,
-                                   {d for st in pred[t] for d in st["retrieved"]} if took else None))
+        mine = popped[j] if j in popped else pred[t] if t < len(pred) else []  # [] after a route span: the stop
+        if j in acts and acts[j]["kind"] == "backtrack":
+            gt = acts[j]["popped"][0]["step"]  # the popped step, against the gold's step there
+            out.append(step_reward("backtrack", as_route(acts[j]["popped"]), gold[gt] if gt < len(gold) else [], w, encode))
+        elif j in acts:
+            out.append(step_reward("summary", reward.Answer(ok=True, answer=acts[j]["note"]), acts[j]["facts"], w, encode))
+        elif sp["kind"] == "route":
+            out.append(step_reward("route", as_route(mine), g, w, encode,
+                                   {d for st in mine for d in st["retrieved"]} if mine else None))
         else:
-            answer = pred[t][0]["answer"] if sp["kind"] == "answer" else x["final_answer"]
+            answer = mine[0]["answer"] if sp["kind"] == "answer" else x["final_answer"]
             out.append(step_reward(sp["kind"], reward.Answer(ok=True, answer=answer or ""),
                                    g if sp["kind"] == "answer" else [], w, encode))
     return out, (reward.f1_recall(x["final_answer"] or "", x["answers"]) + x.get("rag", 0.0) if x["format_ok"] else 0.0)
@@ -142,7 +166,7 @@ def log_trajectory(stats, x, r, outcome):
     stats["answer_r"] += [v for sp, v in zip(x["spans"], r) if sp["kind"] == "answer"]
     stats["outcome"].append(outcome)
     failed_route = not x["format_ok"] and x["spans"][-1]["kind"] == "route"  # a format failure has >= 1 span
-    n_routes = sum(sp["kind"] == "route" for sp in x["spans"]) - failed_route
+    n_routes = sum(sp["kind"] == "route" and not sp.get("popped") for sp in x["spans"]) - failed_route
     stats["kb_acc"] += [float(route_kbs(x["steps"], t) == route_kbs(x["gold_steps"], t)) for t in range(n_routes)]
     stats["format_ok"].append(float(x["format_ok"]))
     stats["overflow"].append(float(x["overflow"]))
@@ -150,6 +174,7 @@ def log_trajectory(stats, x, r, outcome):
     stats["reask"] += [float(reward.re_asks(q, [e for e in x["steps"] if e["step"] < g[0]["step"]]))
                        for g in reward.by_step(x["steps"]) for q, _ in reward.pairs_of(g)]
     stats["tokens"].append(x["n_policy_tokens"])
+    stats["actions"].append(float(len(x.get("actions", []))))
 
 def score_group(kind, x, sp, texts, s, encode, w, stats):
     """The rewards of one group's completions `texts` of span sp of prefix trajectory x (step_reward against the
@@ -162,7 +187,7 @@ def score_group(kind, x, sp, texts, s, encode, w, stats):
     rs, choices, kb_part = [], [], []
     for text in texts:
         if kind == "route":
-            p = reward.parse_route(text, s.max_pairs, s.max_rets)
+            p = reward.parse_route(text, s.max_pairs, s.max_rets, s.actions)  # an action: the format term alone
             kbs = (("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))) if p.ok else None
             ok_kb = kbs == route_kbs(x["steps"], t)
             r = step_reward("route", p, target, w, encode)

@@ -14,6 +14,7 @@ KB, extra steps, re-asks, steps without a new supporting document, wrong interme
 
     python synth.py --data data/mini --out data/mini/traj                               # gold, train + dev splits
     python synth.py --data data/mini --out data/mini/traj_k2 --max_pairs 2              # comparisons as one multi-query step
+    python synth.py --data data/mini --out data/mini/traj-act --actions                 # with backtracks and summaries
     python synth.py --data data/mini --out data/mini/traj-teacher --teacher out/teacher/final -n 4 --splits train \
         --offset 48 --limit 1000                  # R1-Router's procedure: a teacher's samples, its final-answer filter
     python synth.py --r1router /path/to/data/r1router/stepgrpo_valid_119.jsonl --out data/r1router/traj
@@ -203,11 +204,19 @@ def to_r1router(x, system_route=rollout.SYSTEM_PROMPT, system_answer=baselines.D
 def slim(x):  # SFT needs ids + mask (the evidence is in the ids); sampling logprobs are RL's business
     return {k: v for k, v in x.items() if k not in ("logprobs", "evidence")}
 
+def unlearn_popped(x):
+    """What a backtrack popped (the gold policy's deliberate wrong route, a teacher's own) stays in its chat as context,
+    not as a target: SFT learns to backtrack from a wrong step, not to take it."""
+    for sp in x["spans"]:
+        if sp.get("popped"):
+            x["mask"][sp["start"]:sp["end"]] = [0] * (sp["end"] - sp["start"])
+    return x
+
 def write_trajectories(out, split, trajs, tok, fmt, max_pixels=None):
     """<out>/<split>.jsonl, and <out>/meta.json naming the tokenizer of their ids (sft.py refuses another's), their
     format (transcript.format_meta: sft.py passes it on to its checkpoints) and a VL policy's picture cap (sft.py
     builds its processor with it)."""
-    dataio.write_jsonl(Path(out) / f"{split}.jsonl", [slim(x) for x in trajs])
+    dataio.write_jsonl(Path(out) / f"{split}.jsonl", [slim(unlearn_popped(x)) for x in trajs])
     meta = dict(transcript.tokenizer_meta(tok), format=fmt, max_pixels=max_pixels)
     dataio.write_atomic(Path(out) / transcript.META, json.dumps(meta) + "\n")
 
@@ -241,6 +250,9 @@ if __name__ == "__main__":
                          "lookups) as one multi-query step (RAG-R1)")
     ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
     ap.add_argument("--topk", type=int, default=3)
+    ap.add_argument("--actions", action="store_true",
+                    help="a routing step may backtrack or summarise (Agentic RAG-R1's actions): the gold policy uses them "
+                         "where they help (rollout.GoldPolicy.script)")
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
                     help="transcript: one chat grows with every step; released: each step its own single-turn chat (R1-Router's released code)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N questions of each split (0 = all)")
@@ -265,7 +277,8 @@ if __name__ == "__main__":
         tok = AutoTokenizer.from_pretrained(args.model)
         vis = vision.VisionIO.load(args.model, args.max_pixels)  # a VL policy's transcripts hold the question image and retrieved pictures
         settings = rollout.Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
-                                    structure=args.structure, max_pairs=args.max_pairs, max_rets=args.max_rets)
+                                    structure=args.structure, max_pairs=args.max_pairs, max_rets=args.max_rets,
+                                    actions=args.actions)
         gold_settings = replace(settings, route_tokens=1024, answer_tokens=1024)
         if args.r1router:
             qs, ret = read_r1router(args.r1router)
@@ -283,7 +296,7 @@ if __name__ == "__main__":
             qs = dataio.load_questions(args.data, split)
             qs = qs[args.offset:args.offset + args.limit] if args.limit else qs[args.offset:]
             if engine is None:
-                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs), ret, qs,
+                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs, args.actions), ret, qs,
                                         s=gold_settings)
                 report = f"{sum(x['format_ok'] for x in trajs)} of {len(trajs)} well-formed"
                 errors = dict(kept=error_report(trajs))

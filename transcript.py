@@ -23,8 +23,9 @@ def tokenizer_meta(tok):
     return dict(tokenizer=str(tok.name_or_path), vocab_sha256=hashlib.sha256(vocab.encode()).hexdigest()[:16])
 
 FORMAT = "transcript.json"  # in a checkpoint (sft.py, stepgrpo.py): the format_meta its policy was trained on
-FORMAT_DEFAULTS = dict(structure="transcript", max_pairs=1, max_rets=1)  # R1-Router's: one growing chat, one
-FORMAT_FLAGS = tuple(FORMAT_DEFAULTS)                                    # sub-question to one retriever a step
+FORMAT_DEFAULTS = dict(structure="transcript", max_pairs=1, max_rets=1,  # R1-Router's: one growing chat, one
+                       actions=False)                                    # sub-question to one retriever a step, no actions
+FORMAT_FLAGS = tuple(FORMAT_DEFAULTS)
 
 def format_meta(args):
     """The flags that shape a trajectory's text. synth.py writes them into META, sft.py and stepgrpo.py into each
