@@ -46,6 +46,7 @@ import dataio
 import engines
 import evaluate
 import judge as judges
+import reward
 import rollout
 import steprewards
 import trainutil
@@ -297,9 +298,10 @@ def overlong_spans(tok, x, r, o, args, stats):
 
 def step_budget(tok, args, kind):
     """(new tokens, stop strings) of a step of `kind` while training (a route's: rollout.route_stop), the budgets
-    evaluation gives it (rollout.Settings), so a step is judged as it will be scored."""
+    evaluation gives it (rollout.Settings), so a step is judged as it will be scored. An action is written where a
+    route is, under a route's budget."""
     s = settings(args)
-    if kind == "route":
+    if kind in ("route", *reward.ACTIONS):
         stop, n = rollout.route_stop(tok, s)
         return n, stop
     return s.answer_tokens, ["</answer>"]

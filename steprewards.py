@@ -233,7 +233,7 @@ def score_branches(group, encode, w, mode, stats):
             earlier = [e for e in y["steps"] if e["step"] < t]
             stats["reask"] += [float(reward.re_asks(q, earlier))
                                for q, _ in reward.pairs_of([e for e in y["steps"] if e["step"] == t])]
-        if sp["kind"] != "final":
+        if sp["kind"] in ("route", "answer"):  # (a branched action: its reward is in the group's, not logged apart)
             stats[f"{sp['kind']}_r"].append(step_r)
         for k, v in (("outcome", outcome), ("format_ok", y["format_ok"]), ("overflow", y["overflow"]),
                      ("retrievals", len(y["steps"])), ("tokens", mine["end"] - mine["start"])):

@@ -257,3 +257,33 @@ def test_sft_on_trajectories_with_actions_on_two_ranks_equals_one_process(world,
         a, b = (load_file(tmp_path / run_ / f"step_{step}" / "model.safetensors") for run_ in ("one", "two"))
         assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
     assert json.loads((tmp_path / "one" / "final" / "transcript.json").read_text())["actions"] is True
+
+#### Step-GRPO's rows from trajectories with actions
+
+def test_step_grpo_builds_a_row_per_chat_and_scores_every_span_of_a_trajectory_with_actions(world, encoder, tmp_path):
+    # the gold policy as the engine (every sample the same): on-policy and branch batches of trajectories with actions
+    # give one row per chat that holds policy tokens, every span scored. On-policy, a popped route is normalised with
+    # the routes of its step (grpo.group_advantages' (kind, step)), its redo among them: below it, as it earned less
+    import stepgrpo
+    tok, qs, ret = world
+    picked = [q for q, x in zip(qs, run(rollout.GoldPolicy(tok, qs, actions=True), qs, ret)) if x["actions"]][:4]
+    w = steprewards.Weights()
+    for mode in ("onpolicy", "branch"):
+        args = stepgrpo.get_args(["--model", str(tmp_path), "--data", str(tmp_path), "--rollout", mode, "-n", "2",
+                                  "--topk", "2", "--branch_steps", "3"])
+        args.actions = True  # (read from the checkpoint: none here)
+        rows, stats = getattr(stepgrpo, f"{mode}_batch")(rollout.GoldPolicy(tok, picked, actions=True), ret, picked,
+                                                         args, encoder.encode, w, 0)
+        assert all(len(r["ids"]) == len(r["mask"]) == len(r["adv"]) for r in rows) and rows
+        if mode == "onpolicy":
+            trajs = run(rollout.GoldPolicy(tok, picked, actions=True), picked, ret)
+            assert len(rows) == 2 * sum(len(x["segments"]) for x in trajs)  # every chat holds a policy turn
+            assert stats["actions"] and min(stats["actions"]) >= 1.0
+            assert all(a == 0 for r in rows for a, m in zip(r["adv"], r["mask"]) if not m)
+            for x in trajs:  # a backtracked route's advantage (on its tokens) is below its redo's
+                a = x["actions"][0]
+                if a["kind"] == "backtrack":
+                    r, _ = steprewards.span_rewards(x, encoder.encode, w)
+                    assert r[a["popped_spans"][0]] < r[a["span"] + 1]
+        else:
+            assert len(rows) == 3 * len(picked)  # 3 branch points a trajectory: a group each, packed in one row

@@ -257,7 +257,11 @@ def test_ppo_flags_that_cannot_work_exit_with_one_line(tmp_path):
     released = tmp_path / "released"  # a policy trained on R1-Router's released structure (its transcript.json)
     released.mkdir()
     (released / "transcript.json").write_text(json.dumps(dict(structure="released", max_pairs=1, max_rets=1)))
+    acting = tmp_path / "acting"  # one trained with actions (backtrack, summary restart the chat)
+    acting.mkdir()
+    (acting / "transcript.json").write_text(json.dumps(dict(structure="transcript", max_pairs=1, max_rets=1, actions=True)))
     for extra, words in ((["--critic_warmup", "-1"], "--critic_warmup -1"),
+                         (["--model", str(acting)], "trained with actions, which restart the chat"),
                          (["--dynamic_sampling"], "PPO (--adv_estimator gae) has no groups"),
                          (["--rollout", "teacher_prefix"], "needs --rollout onpolicy"),
                          (["--model", str(released)], "needs a --structure transcript policy"),
