@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import branches
 import critic
 import dataio
 import engines
@@ -361,13 +362,13 @@ def teacher_prefix_batch(engine, retriever, qs, args, encode, w, seed, store=Non
 
 def branch_batch(engine, retriever, qs, args, encode, w, seed):
     """Groups at the policy's own states (no gold prefix): one trajectory a question, then at up to --branch_steps of
-    its spans (rollout.branch_points) the n completions of that step from its prefix, each continued to the end by
-    the policy (rollout.branch); A = norm(r) within a group, r = steprewards.branch_reward (times the --balance_kb
+    its spans (branches.branch_points) the n completions of that step from its prefix, each continued to the end by
+    the policy (branches.branch); A = norm(r) within a group, r = steprewards.branch_reward (times the --balance_kb
     factor of the gold route on routing steps), on the branched step's tokens alone (prefix, continuation: context)."""
     s, n = settings(args, temperature=TEMPERATURE), args.group_size
-    ret = rollout.Memo(retriever)  # a replayed step's search returns what the trajectory's did
+    ret = branches.Memo(retriever)  # a replayed step's search returns what the trajectory's did
     trajs = rollout.rollout(engine, ret, qs, n=1, s=s, seed=seed)
-    ys = rollout.branch(engine, ret, qs, trajs, rollout.branch_points(trajs, args.branch_steps, seed), n, s, seed + 1)
+    ys = branches.branch(engine, ret, qs, trajs, branches.branch_points(trajs, args.branch_steps, seed), n, s, seed + 1)
     stats = {k: [] for k in STATS}
     stats.update(retrieve_s=sum(x["timings"]["retrieve"] for x in trajs + ys),  # a branch's tokens from its span on
                  rollout_tokens=sum(len(x["ids"]) for x in trajs) + sum(y["new_tokens"] for y in ys),
@@ -378,7 +379,7 @@ def branch_batch(engine, retriever, qs, args, encode, w, seed):
     for group in (ys[k:k + n] for k in range(0, len(ys), n)):
         rs, cls = steprewards.score_branches(group, encode, w, args.reward, stats)
         scale = w.route_scale.get(cls, 1.0) if w.route_scale and cls else 1.0
-        prefix, images, completions = rollout.branch_group(group)
+        prefix, images, completions = branches.branch_group(group)
         kind = group[0]["spans"][group[0]["branch"]]["kind"]
         adds, keep = overlong_group(engine.tok, completions, *step_budget(engine.tok, args, kind), args.overlong, stats)
         rs = [r + add for r, add in zip(rs, adds)]

@@ -206,7 +206,7 @@ def score_group(kind, x, sp, texts, s, encode, w, stats):
     return rs, choices, kb_part, gold_route(x["steps"], t)
 
 def branch_reward(x, encode, w, mode="step"):
-    """--rollout branch: the reward of branch trajectory x (rollout.branch; span x["branch"] sampled anew, the rest of
+    """--rollout branch: the reward of branch trajectory x (branches.branch; span x["branch"] sampled anew, the rest of
     the trajectory continued by the policy): its outcome R plus, with mode "step", the branched span's step reward,
     both as span_rewards scores them (step t against the gold's step t, past the gold's steps the stop; a final
     answer's is the format term alone, R scores it). mode "outcome": R alone. Returns (reward, step reward, R)."""
@@ -215,7 +215,7 @@ def branch_reward(x, encode, w, mode="step"):
     return outcome + (step_r if mode == "step" else 0.0), step_r, outcome
 
 def score_branches(group, encode, w, mode, stats):
-    """The rewards of a group of branches at one prefix (rollout.branch: the same span sampled anew, each continued
+    """The rewards of a group of branches at one prefix (branches.branch: the same span sampled anew, each continued
     to the end; branch_reward), and the class of the gold route of a branched routing step (--balance_kb; None for
     an answer). Appends to stats the branched step's reward (route_r, answer_r: a final answer's is the outcome) and
     tokens, a routing step's KB accuracy, re-asks and the group's KB choice spread (kb_entropy, kb_mixed), and each

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from conftest import interrupted_copy, kill_a_rank
 
+import branches
 import dataio
 import prepare
 import reward
@@ -986,22 +987,21 @@ def branch_setup(tiny_index, structure="transcript", mix=False):
     policy = scripted_policy()(tok, qs)
     policy.mix = mix
     s = stepgrpo.settings(args, temperature=1.0)
-    memo = rollout.Memo(ret)
+    memo = branches.Memo(ret)
     trajs = rollout.rollout(policy, memo, qs, 1, s, seed=0)
-    picks = rollout.branch_points(trajs, args.branch_steps, 0)
-    return tok, qs, ret, args, policy, s, trajs, picks, rollout.branch(policy, memo, qs, trajs, picks, 2, s, 1)
+    picks = branches.branch_points(trajs, args.branch_steps, 0)
+    return tok, qs, ret, args, policy, s, trajs, picks, branches.branch(policy, memo, qs, trajs, picks, 2, s, 1)
 
 def test_branch_points_take_every_step_or_k_of_them_by_the_seed():
-    import rollout
     trajs = [dict(spans=[None] * n) for n in (0, 1, 2, 5, 7)]
-    picks = rollout.branch_points(trajs, 2, seed=3)
+    picks = branches.branch_points(trajs, 2, seed=3)
     by = lambda p: {j: [b for i, b in p if i == j] for j in range(len(trajs))}
     got = by(picks)
     assert got[0] == [] and got[1] == [0] and got[2] == [0, 1]  # at most k steps: all of them
     assert all(len(got[j]) == 2 and len(set(got[j])) == 2 and got[j] == sorted(got[j]) for j in (3, 4))
-    assert rollout.branch_points(trajs, 2, seed=3) == picks  # the seed alone decides
-    assert any(rollout.branch_points(trajs, 2, seed=s) != picks for s in range(4, 10))
-    assert rollout.branch_points(trajs, 7, seed=3) == [(j, b) for j, x in enumerate(trajs) for b in range(len(x["spans"]))]
+    assert branches.branch_points(trajs, 2, seed=3) == picks  # the seed alone decides
+    assert any(branches.branch_points(trajs, 2, seed=s) != picks for s in range(4, 10))
+    assert branches.branch_points(trajs, 7, seed=3) == [(j, b) for j, x in enumerate(trajs) for b in range(len(x["spans"]))]
 
 @pytest.mark.parametrize("structure", ["transcript", "released"])
 def test_branch_groups_share_their_prefix_token_for_token(tiny_index, encoder, structure):
@@ -1034,7 +1034,7 @@ def test_branch_groups_share_their_prefix_token_for_token(tiny_index, encoder, s
             Fickle.calls += 1
             return [d[::-1] if Fickle.calls % 2 else d for d in ret.search(queries, kb, k)]
     with pytest.raises(RuntimeError, match="the replay of its trajectory up to span"):
-        rollout.branch(policy, Fickle(), qs, trajs, picks, 2, s, 1)
+        branches.branch(policy, Fickle(), qs, trajs, picks, 2, s, 1)
 
 def test_branch_advantage_follows_the_outcome_of_the_continuation(tiny_index, encoder):
     # every branch writes the gold step (equal step rewards); the first branch of each group ends with the gold answer,
@@ -1064,13 +1064,12 @@ def test_branch_rows_train_the_branched_step_alone(tiny_index, encoder):
     # mask 1 exactly on each branch's branched step (its ids, its sampler logprobs as old), 0 on the shared prefix and
     # on each branch's repeated last prompt token; the continuation is not in the row; a VL (mrope) policy's group is a
     # row per completion with the same masks
-    import rollout
     tok, qs, ret, args, policy, s, trajs, picks, ys = branch_setup(tiny_index, mix=True)
     rows, st = stepgrpo.branch_batch(policy, ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
     assert sum(sum(r["mask"]) for r in rows) == sum(st["tokens"]) == sum(
         y["spans"][y["branch"]]["end"] - y["spans"][y["branch"]]["start"] for y in ys)
     for g, row in enumerate(rows):
-        prefix, images, group = rollout.branch_group(ys[2 * g:2 * g + 2])
+        prefix, images, group = branches.branch_group(ys[2 * g:2 * g + 2])
         assert len(row["ids"]) == len(prefix) - 1 + sum(1 + len(ids) for ids, _ in group)
         for k, (ids, lps) in enumerate(group):
             mine = [p for p, sg in enumerate(row["seg"]) if sg == k]
