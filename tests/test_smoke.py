@@ -68,7 +68,7 @@ def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_di
     # each checkpoint records the transcript format it was trained on; another one is refused in one line
     for ck in (sft, grpo):
         assert json.loads((ck / "transcript.json").read_text()) == dict(structure="transcript", max_pairs=1, max_rets=1,
-                                                                                   kbs=["text", "table", "image"])
+                                                                                   actions=False, kbs=["text", "table", "image"])
     r = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--model", str(sft), "--data", str(world),
                         "--max_pairs", "2", "--structure", "released", "--out", str(tmp_path / "x")],
                        capture_output=True, text=True, cwd=ROOT)
