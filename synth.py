@@ -207,7 +207,7 @@ def slim(x):  # SFT needs ids + mask (the evidence is in the ids); sampling logp
 def unlearn_popped(x):
     """What a backtrack popped (the gold policy's deliberate wrong route, a teacher's own) stays in its chat as context,
     not as a target: SFT learns to backtrack from a wrong step, not to take it."""
-    for sp in x["spans"]:
+    for sp in x.get("spans", []):  # (rows written by hand may hold ids and a mask alone)
         if sp.get("popped"):
             x["mask"][sp["start"]:sp["end"]] = [0] * (sp["end"] - sp["start"])
     return x
