@@ -19,6 +19,7 @@ import torch
 from vision import VisionIO
 
 MAX_LEN = 4096  # tokens of a request (prompt + new) that the engines take in training by default
+CPU_KV_TOKENS = 90_000  # the CPU engine's KV cache, in tokens: 100 trajectories x 800 tokens, with room (SmolLM2: 3.9 GiB)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines drown the scripts' own; set it to see them
 
 def truncate(tok, ids, logprobs, stop, eos):
@@ -42,6 +43,22 @@ def param_names(model):
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         return {n for n, _ in auto_model(config).from_config(config).named_parameters()}
+
+def kv_bytes_per_token(model, dtype):
+    """Bytes of KV cache a token takes in a model folder's decoder (keys and values of every layer), in `dtype`."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model).get_text_config()
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
+
+def exit_now():
+    """End a script's process here, without Python's teardown: with vLLM loaded it costs ~2.5 s of CPU a process (the
+    engine's shutdown and the interpreter each collect the whole heap, vLLM having unfrozen it), paid by every rank of
+    every run. The script's last call: what it wrote is closed by then, and stdio is flushed here."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 def check_sent(expected, sent):
     """Exit naming the parameters a weight sync left out. vLLM's reload only warns about a missing parameter, and
@@ -91,8 +108,7 @@ class VLLMEngine:
         # so a GPU run takes the code paths (sampling logprobs, prompt logprobs, reload_weights) that were tested
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         on_cpu = not torch.cuda.is_available()
-        if on_cpu:  # KV cache size in GiB; bind OMP threads to all cores (the default binds one: ~30% slower)
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # 100 trajectories x 800 tokens of SmolLM2 KV ~ 3.7 GiB
+        if on_cpu:  # bind OMP threads to all cores (the default binds one: ~30% slower)
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
             # enforce_eager still leaves one op of vLLM's sampler (the logprob ranks) under torch.compile: inductor
             # builds it in C++, ~20 s on a fresh machine and ~2 s each engine start after; eager computes the same
@@ -103,6 +119,9 @@ class VLLMEngine:
         # joins the trainer's process group; the uni executor would put every rank's engine on device 0
         backend = "external_launcher" if dist.is_initialized() and dist.get_world_size() > 1 else "uni"
         self.dtype = ("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype  # bf16 on CPU degrades SmolLM2
+        # the CPU's KV cache is allocated (and zeroed) whole at start: sized in tokens, not bytes, so a tiny model's
+        # engine starts without zeroing GiBs (VLLM_CPU_KVCACHE_SPACE, in GiB, still overrides it)
+        kv = dict(kv_cache_memory_bytes=CPU_KV_TOKENS * kv_bytes_per_token(model, self.dtype)) if on_cpu else {}
         self.vis = VisionIO.load(model, max_pixels)  # None: a text-only policy
         # a VL transcript holds the question image and up to max_steps x topk evidence pictures (vLLM sizes its
         # encoder cache for this many a prompt and refuses more): the caller's rollout.Settings.max_images
@@ -121,7 +140,7 @@ class VLLMEngine:
                        # sampled tokens' logprobs under the distribution they were drawn from (logits / temperature),
                        # as the trainer computes them; vLLM's default reports the untempered ones
                        logprobs_mode="processed_logprobs",
-                       block_size=32 if on_cpu else None, **mm)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
+                       block_size=32 if on_cpu else None, **kv, **mm)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(quiet_rotary)
         self.params = param_names(model)  # what every sync must send (check_sent)
         self.tok = self.llm.get_tokenizer()
@@ -353,7 +372,8 @@ class OpenAIEngine(Batched):
                 why = f"HTTP {e.code}"
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 why = str(getattr(e, "reason", e))
-            time.sleep(min(2 ** attempt, 10))
+            if attempt + 1 < self.tries:
+                time.sleep(min(2 ** attempt, 10))
         sys.exit(f"error: the server {self.url} did not answer {path} after {self.tries} tries ({why})")
 
     def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,

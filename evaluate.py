@@ -440,3 +440,4 @@ if __name__ == "__main__":
         combine(args.combine, args.out[0] if args.out else "out/eval/summary", f"{args.data} {' '.join(args.split)}")
     else:
         main(args)
+    engines.exit_now()

@@ -639,3 +639,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    engines.exit_now()

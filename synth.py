@@ -317,3 +317,4 @@ if __name__ == "__main__":
                   f"{sum(len(x['ids']) for x in trajs) / max(1, len(trajs)):.0f} per trajectory -> {args.out}/{split}.jsonl")
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
+    engines.exit_now()

@@ -40,7 +40,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, the CPU engine's KV cache: the tiny policy needs little
 os.environ["WANDB_MODE"] = "disabled"  # its short training runs log to log.jsonl only
 
 import numpy as np

@@ -8,7 +8,6 @@ import prepare
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["WANDB_MODE"] = "disabled"  # trainutil.Log's wandb, in this process and the scripts the tests start
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: plenty for the tiny test model, and 2-rank runs fit beside other jobs
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one thread a process and no core pinning, so N workers'
     # processes share the cores instead of each spinning OpenMP threads on all of them (and vLLM's binding every engine
     # to the same cores); the subprocesses the tests start inherit both

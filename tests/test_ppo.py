@@ -237,15 +237,18 @@ def test_a_killed_rank_restarts_a_ppo_job(tmp_path, tiny_model_dir, tiny_index):
     # kill -9 one worker of a 2-rank PPO job after its first checkpoint: torchrun restarts both ranks, --resume auto
     # picks up the checkpoint, critic included, and the job ends with an uninterrupted run's weights. The killed job
     # runs with --offload (FSDP2's CPUOffloadPolicy for the policy and the critic: their shards, gradients and Adam
-    # steps in host memory, here the same memory), so the same weights also say offloading changes no update
+    # steps in host memory, here the same memory), so the same weights also say offloading changes no update. Both
+    # jobs sample with the HF engine: a vLLM engine across a restart is the Step-GRPO killed-rank test's, and vLLM's
+    # start-up would be most of these six processes' time
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     plain = tmp_path / "plain"
-    r = subprocess.run(launch + [str(ROOT / "stepgrpo.py")] + ppo_args(tiny_model_dir, tiny_index, plain, "--train_steps", 2),
+    r = subprocess.run(launch + [str(ROOT / "stepgrpo.py")] +
+                       ppo_args(tiny_model_dir, tiny_index, plain, "--train_steps", 2, "--backend", "hf"),
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     killed = tmp_path / "killed"
     cmd = launch[:-2] + ["--nproc_per_node", "2", "--max-restarts", "1", str(ROOT / "stepgrpo.py")] + \
-        ppo_args(tiny_model_dir, tiny_index, killed, "--train_steps", 2, "--resume", "auto", "--offload")
+        ppo_args(tiny_model_dir, tiny_index, killed, "--train_steps", 2, "--backend", "hf", "--resume", "auto", "--offload")
     text = kill_a_rank(cmd, killed, tmp_path / "job.log", ROOT)
     assert "exitcode: -9" in text and "resuming from" in text
     a, b = load_file(plain / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")

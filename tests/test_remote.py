@@ -2,7 +2,6 @@
 in-process engine's trajectories, token for token, at temperature 0; what a served model cannot do is refused in one
 line."""
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,19 +19,33 @@ def free_port():
         return s.getsockname()[1]
 
 def evaluate(*args):
-    r = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT)
-    return r
+    """evaluate.py's command, in this process (an OpenAI engine needs no start-up: a process would be most of it)."""
+    import evaluate
+    evaluate.main(evaluate.get_args([*map(str, args)]))
 
 @pytest.mark.slow
 def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_model_dir, tiny_index, tmp_path):
     port, log = free_port(), open(tmp_path / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
                                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096", "--enforce-eager",
-                               "--seed", "0"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                              env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+                               "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20)],  # the tiny model's 128k tokens
+                              stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}/v1"
     try:
+        # one request in flight on both sides (max_active 1), so batching cannot change the arithmetic: the same
+        # trajectories, token for token, from the in-process engine (run while the server starts) and from the server
+        # (on 12 questions: the tiny random policy writes to every length limit, one request at a time)
+        import dataio
+        import engines
+        import retrievers
+        import rollout
+        qs, ret = dataio.load_questions(tiny_index, "test")[:12], retrievers.Retriever(tiny_index, "bm25")
+        s = rollout.Settings(temperature=0.0, max_active=1)
+        local = engines.VLLMEngine(tiny_model_dir, max_model_len=4096)
+        try:
+            a = rollout.rollout(local, ret, qs, s=s)
+        finally:
+            local.close()
         for _ in range(600):  # ~20 s on 2 cores
             assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
             try:
@@ -40,20 +53,7 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
                 break
             except OSError:
                 time.sleep(0.5)
-        # one request in flight on both sides (max_active 1), so batching cannot change the arithmetic: the same
-        # trajectories, token for token, from the in-process engine and from the server
-        import dataio
-        import engines
-        import retrievers
-        import rollout
-        qs, ret = dataio.load_questions(tiny_index, "test"), retrievers.Retriever(tiny_index, "bm25")
-        s = rollout.Settings(temperature=0.0, max_active=1)
-        served = engines.make_engine("openai", tiny_model_dir, base_url=url)
-        local = engines.VLLMEngine(tiny_model_dir, max_model_len=4096)
-        try:
-            a, b = (rollout.rollout(e, ret, qs, s=s) for e in (local, served))
-        finally:
-            local.close()
+        b = rollout.rollout(engines.make_engine("openai", tiny_model_dir, base_url=url), ret, qs, s=s)
         assert len(a) == len(b) == len(qs) and sum(sum(x["mask"]) for x in b) > 0
         for x, y in zip(a, b):
             for key in ("ids", "mask", "spans", "steps", "final_answer", "format_ok", "error"):
@@ -61,12 +61,11 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
             # the sampled tokens' logprobs, computed by another process's kernels: close, not bitwise (measured 5e-3)
             assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) < 2e-2
         # evaluate.py through the server writes those trajectories
-        common = ["--model", tiny_model_dir, "--data", tiny_index, "--split", "test", "--methods", "routed",
+        common = ["--model", tiny_model_dir, "--data", tiny_index, "--split", "test", "--n_questions", "12", "--methods", "routed",
                   "--retriever", "bm25", "--max_active", "1"]
         # (judged by the same server: evaluate.py --judge writes the judge metric and its agreement with EM)
-        r = evaluate(*common, "--backend", "openai", "--base_url", url, "--judge", tiny_model_dir, "--judge_url", url,
-                     "--out", tmp_path / "remote")
-        assert r.returncode == 0, r.stderr[-3000:]
+        evaluate(*common, "--backend", "openai", "--base_url", url, "--judge", tiny_model_dir, "--judge_url", url,
+                 "--out", tmp_path / "remote")
         row = next(iter(json.loads((tmp_path / "remote" / "results.json").read_text()).values()))
         assert 0 < row["judge_n"] <= row["n"] and 0 <= row["judge_em_agree"] <= 100, row  # a format failure: 0, rated
         assert "## LLM judge" in (tmp_path / "remote" / "table.md").read_text()
@@ -106,14 +105,14 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
         rec = [json.loads(line) for line in open(tmp_path / "grpo" / "log.jsonl")][-1]
         assert 0 <= rec["rag"] <= 3.0, rec
         # what a served model cannot do: swap in other weights
-        r = evaluate(*common, "--backend", "openai", "--base_url", url, "--model", tiny_model_dir, tiny_model_dir,
+        with pytest.raises(SystemExit, match="^error: --backend openai scores the one model"):
+            evaluate(*common, "--backend", "openai", "--base_url", url, "--model", tiny_model_dir, tiny_model_dir,
                      "--out", tmp_path / "x", tmp_path / "y")
-        assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: --backend openai scores the one model")
     finally:
         server.terminate()
         server.wait(timeout=60)
     # a server that is gone: a one-line error naming it, after the retries (the policy's server, and a judge's)
-    r = evaluate(*common, "--backend", "openai", "--base_url", url, "--out", tmp_path / "gone")
-    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith(f"error: the server {url} did not answer")
+    with pytest.raises(SystemExit, match=f"^error: the server {url} did not answer"):
+        evaluate(*common, "--backend", "openai", "--base_url", url, "--out", tmp_path / "gone")
     with pytest.raises(SystemExit, match=f"error: the server {url} did not answer /models after 3 tries"):
         judge.Judge.load(tiny_model_dir, url)  # stepgrpo.py --judge_url's start too
