@@ -34,6 +34,17 @@ def hf_engine(tiny_model):
 def retriever(tiny_index):
     return retrievers.Retriever(tiny_index, "bm25")
 
+def test_the_cpu_engines_kv_cache_is_sized_in_tokens(tiny_model, vllm_engine):
+    # keys and values of every layer: SmolLM2-135M 2 x 30 layers x 3 KV heads x 64 x 4 bytes (fp32), the tiny Llama
+    # 2 x 2 x 1 x 32 x 4; the engine's cache holds CPU_KV_TOKENS of them whatever the model (a tiny one zeroes MBs at
+    # start, not GiBs)
+    assert engines.kv_bytes_per_token(prepare.DEFAULT_MODEL, "float32") == 46_080
+    assert engines.kv_bytes_per_token(prepare.DEFAULT_MODEL, "bfloat16") == 23_040
+    assert engines.kv_bytes_per_token(tiny_model, "float32") == 512
+    cache = vllm_engine.llm.llm_engine.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == engines.CPU_KV_TOKENS * 512
+    assert engines.CPU_KV_TOKENS - cache.block_size < cache.num_gpu_blocks * cache.block_size <= engines.CPU_KV_TOKENS
+
 def test_the_golden_routing_think_names_no_kb_before_the_sub_question(tiny_index, retriever, hf_engine):
     # the gold steps' KBs and answers; the routing <think> names no retriever, so the choice is made at <ret>, after
     # the sub-question is written
