@@ -168,9 +168,10 @@ def few_shot_examples(questions, k):
 def route_probe(engine, retriever, questions, settings, n=8, seed=0):
     """Routing as a distribution (--probe): at every golden prefix (the gold trajectory up to one of its routing
     steps, rollout.GoldPolicy through the real loop and retrieval) sample n routes at temperature 1 and count them in
-    a gold x sampled matrix over GOLD_LABELS x PRED_LABELS (a malformed route is "missing"). Greedy routing accuracy
-    moves only when a top choice flips; this moves with every shift of probability a policy-gradient step makes, and
-    it is what the route reward is the expectation of. Returns {"n", "probe_acc" (% of samples = gold),
+    a gold x sampled matrix over GOLD_LABELS x PRED_LABELS (a malformed route, and with --actions a backtrack or a
+    summary, which name no KB, are "missing"). Greedy routing accuracy moves only when a top choice flips; this moves
+    with every shift of probability a policy-gradient step makes, and it is what the route reward is the expectation
+    of. Returns {"n", "probe_acc" (% of samples = gold),
     "choice_entropy" (bits: the spread of the n choices at a prefix, averaged over prefixes; 0 = always the same),
     "by_gold" (that % per gold label), "confusion"}."""
     import rollout

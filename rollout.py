@@ -592,8 +592,12 @@ def step_chat(engine, s, system_prompt=SYSTEM_PROMPT, shots=None):
     """The step structure's chat builder for engine's policy (a VL policy sees the question image and image evidence
     as pixels)."""
     vis = getattr(engine, "vis", None)
-    prompt = system_prompt.format(max_steps=s.max_steps) + ACTIONS_NOTE.format(max_actions=s.max_actions) * s.actions
+    prompt = system_text(s, system_prompt)
     return ReleasedSteps(engine.tok, vis) if s.structure == "released" else TranscriptSteps(engine.tok, prompt, shots, vis)
+
+def system_text(s, system_prompt=SYSTEM_PROMPT):
+    """The transcript's system prompt under settings s: its step budget, and the actions' note when they are on."""
+    return system_prompt.format(max_steps=s.max_steps) + ACTIONS_NOTE.format(max_actions=s.max_actions) * s.actions
 
 def trajectory(q, k, chat, s):
     """Sample k of question q (a dataio.load_questions row; answers and steps may be empty) as the step loop's
@@ -649,7 +653,7 @@ def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM
     """Token ids of a chat that opens with the gold trajectories of `examples` (GoldPolicy through the real loop and
     retrieval) as earlier exchanges: the system prompt, then each example's question, steps, evidence and answer.
     rollout(..., shots=...) puts each question after it, so a model never trained on the step format sees it done."""
-    fmt = ChatFormat(tok, system_prompt.format(max_steps=s.max_steps))
+    fmt = ChatFormat(tok, system_text(s, system_prompt))  # the examples' own (with --actions they do not act)
     golds = rollout(GoldPolicy(tok, examples, max_pairs=s.max_pairs), retriever, examples, 1, replace(s, route_mode="model"), 0,
                     system_prompt)
     ids = []

@@ -409,6 +409,10 @@ def test_few_shot_prefix_puts_worked_examples_before_the_question(tiny_index, re
     for q in examples:  # each example: its question, every gold sub-question and its final answer
         assert q["question"] in text and q["answers"][0] in text
         assert all(st["sub_question"] in text for st in q["steps"])
+    acting = rollout.Settings(actions=True)  # the same examples under a system prompt with the actions' note
+    note = rollout.ACTIONS_NOTE.format(max_actions=acting.max_actions)
+    acted = hf_engine.tok.decode(rollout.few_shot_prefix(hf_engine.tok, retriever, examples, acting))
+    assert acted.count(note) == 1 and acted.replace(note, "") == text
     qs = dataio.load_questions(tiny_index, "dev")[:2]
     s = rollout.Settings(temperature=0.0, route_tokens=8)
     for x in rollout.rollout(hf_engine, retriever, qs, 1, s, shots=shots):
