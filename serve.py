@@ -306,7 +306,6 @@ def ask(args):
              dict(id="ask", question=args.question, image=args.image))
     show = lambda x, kind, hits=None: [print(line(ev), flush=True) for ev in step_events(x, kind, hits)]  # noqa
     rollout.StepLoop(engine, ret, s, chat, events=show).run([rollout.trajectory(q, 0, chat, s)])
-    engine.close()
 
 def line(ev):
     """One printed line of an event."""
@@ -349,6 +348,8 @@ if __name__ == "__main__":
     args = get_args()
     if args.command == "ask":
         ask(args)
+        import engines
+        engines.exit_now()  # the engine and the process end together
     else:
         import uvicorn
         engine, ret, s, known = load(args)

@@ -538,7 +538,9 @@ def report(out, step, peaks, dev_hist, world, print0):
         b = max(dev_hist, key=dev_hist.get)
         print0(f"best on dev (mean of F1-Recall and routing accuracy): step {b}, {dev_hist[b]:.1f}; {out / 'best'}")
 
-def main(argv=None):
+def main(argv=None, close=True):
+    """close: shut the engine and the process group down at the end, for a caller in the same process (the command
+    line leaves through engines.exit_now instead: vLLM's shutdown collects the whole heap, ~1 s a rank)."""
     args = get_args(argv)
     rank, world, device, print0 = trainutil.env_rank(args.device)
     check_args(args, world)
@@ -633,10 +635,11 @@ def main(argv=None):
         log.close()
         dataio.write_atomic(out / "curves.png", curves_chart(out / "log.jsonl", "Step-GRPO learning curves"))
     report(out, step, peaks, dev_hist, world, print0)
-    engine.close()  # vLLM's teardown destroys the default process group too (it shares it)
-    if own_group and dist.is_initialized():
-        dist.destroy_process_group()
+    if close:
+        engine.close()  # vLLM's teardown destroys the default process group too (it shares it)
+        if own_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 if __name__ == "__main__":
-    main()
+    main(close=False)
     engines.exit_now()
