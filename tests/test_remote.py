@@ -25,10 +25,12 @@ def evaluate(*args):
 
 @pytest.mark.slow
 def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_model_dir, tiny_index, tmp_path):
+    import engines
     port, log = free_port(), open(tmp_path / "server.log", "w")
+    kv = engines.CPU_KV_TOKENS * engines.kv_bytes_per_token(tiny_model_dir, "float32")  # the in-process engine's cache
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
                                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096", "--enforce-eager",
-                               "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20)],  # the tiny model's 128k tokens
+                               "--seed", "0", "--kv-cache-memory-bytes", str(kv)],
                               stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}/v1"
     try:
@@ -36,7 +38,6 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
         # trajectories, token for token, from the in-process engine (run while the server starts) and from the server
         # (on 12 questions: the tiny random policy writes to every length limit, one request at a time)
         import dataio
-        import engines
         import retrievers
         import rollout
         qs, ret = dataio.load_questions(tiny_index, "test")[:12], retrievers.Retriever(tiny_index, "bm25")
