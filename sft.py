@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dataio
+import memory
 import trainutil
 import transcript
 import vision
@@ -259,7 +260,7 @@ def main(argv=None):
            f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world}, {steps_per_epoch} steps/epoch, {total} steps")
     record = trainutil.Log(out, rank, step, resuming, vars(args))
     bar = trainutil.progress(rank, total, step, "sft")
-    peak = trainutil.PeakMemory(device)
+    peak = memory.PeakMemory(device)
 
     #### training loop
     perm, perm_epoch = None, -1

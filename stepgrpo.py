@@ -47,6 +47,7 @@ import dataio
 import engines
 import evaluate
 import judge as judges
+import memory
 import reward
 import rollout
 import steprewards
@@ -522,7 +523,7 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
                                   max_pixels=args.max_pixels, device=device)
     else:
         share = engines.VLLMEngine.OFFLOAD_FRACTION if args.offload else engines.VLLMEngine.GPU_FRACTION
-        trainutil.check_gpu_budget(model, opt, share, world, update_tokens(args), crit)
+        memory.check_gpu_budget(model, opt, share, world, update_tokens(args), crit)
         engine = engines.VLLMEngine(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
                                     max_images=settings(args).max_images, seed=args.seed + rank, device=device,
                                     gpu_memory_utilization=share)  # each rank owns one engine
@@ -588,7 +589,7 @@ def main(argv=None, close=True):
            f"{sum(p.numel() for p in params) / 1e6:.2f}M trained weights{' (LoRA)' if lora else ''}, {len(questions)} "
            f"questions, {args.batch_questions} x {args.group_size} per step, {args.train_steps} steps")
     bar = trainutil.progress(rank, args.train_steps, step, "step-grpo")
-    peak, peaks = trainutil.PeakMemory(device), {}  # peaks: phase -> the highest GiB of each rank over the run
+    peak, peaks = memory.PeakMemory(device), {}  # peaks: phase -> the highest GiB of each rank over the run
     if dev_qs and step == 0:  # the starting policy's dev score: what the trained checkpoints have to beat
         dev = evaluate.dev_scores(engine, ret, dev_qs, settings(args, temperature=0.0), rank, world)
         log(dict(step=0, **dev))
@@ -607,13 +608,13 @@ def main(argv=None, close=True):
                                                           store=store, check=saving, crit=crit, pool=questions,
                                                           warmup=crit is not None and step <= args.critic_warmup)
         rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, args)
-        rec["memory_gib"] = trainutil.gather_peaks(peak.gib, world)  # per phase since the last record, one value a rank
+        rec["memory_gib"] = memory.gather_peaks(peak.gib, world)  # per phase since the last record, one value a rank
         if saving and dev_qs:
             t = time.perf_counter()
             rec.update(evaluate.dev_scores(engine, ret, dev_qs, settings(args, temperature=0.0), rank, world), dev_s=time.perf_counter() - t)
             dev_hist[step] = rec["dev_score"]
         log(rec)
-        peaks = trainutil.highest(peaks, rec["memory_gib"])
+        peaks = memory.highest(peaks, rec["memory_gib"])
         if bar:
             bar.update(1)
             bar.set_postfix(route=f"{rec['route_r'] or 0:.3f}", kb_acc=f"{rec['kb_acc'] or 0:.2f}",
@@ -628,7 +629,7 @@ def main(argv=None, close=True):
             if rank == 0 and best:
                 trainutil.link_step(out, best, "best")
         critic.check_warmup(rec, step, args)  # after the checkpoint: the warmed-up critic is kept
-    peaks = trainutil.highest(peaks, trainutil.gather_peaks(peak.gib, world))  # the last checkpoint's, which no record holds
+    peaks = memory.highest(peaks, memory.gather_peaks(peak.gib, world))  # the last checkpoint's, which no record holds
     if rank == 0:
         trainutil.link_step(out, step, "final")
         bar.close()

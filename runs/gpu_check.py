@@ -190,12 +190,13 @@ def max_diff(a, b):
 def update_peak(model_dir, device):
     """(measured, predicted) bytes of a Step-GRPO update on `device`: torch.cuda.max_memory_allocated over a real update
     (bf16, one rank, the second step: Adam's state allocated) of one micro-batch of stepgrpo.update_tokens' size (2
-    packed groups of 8 routing completions, 1024 policy tokens), against trainutil.gpu_budget's update phase less the
+    packed groups of 8 routing completions, 1024 policy tokens), against memory.gpu_budget's update phase less the
     parts outside torch's allocator. The budget leaves out the activations and FSDP2's gathered bf16 units and counts
     the gradients, which never coexist with the loss's fp32 copies: with a vocabulary of ~50k the copies dominate, and
     one copy more or less is ~19% of the whole."""
     import grpo
     import learner
+    import memory
     import stepgrpo
     import trainutil
     own = trainutil.init_group(1, device=device)
@@ -208,12 +209,12 @@ def update_peak(model_dir, device):
         micro, denom, _ = learner.micro_batches(rows, args, 0, device)
         assert len(micro) == 1 and len(micro[0].old) == stepgrpo.update_tokens(args) == 1024
         learner.update(model, opt, micro, [m.old for m in micro], [None] * len(micro), denom, args)
-        allocated = torch.cuda.memory_allocated(device) - trainutil.optimizer_bytes(opt)  # as model_budget_error does
+        allocated = torch.cuda.memory_allocated(device) - memory.optimizer_bytes(opt)  # as model_budget_error does
         torch.cuda.reset_peak_memory_stats(device)
         learner.update(model, opt, micro, [m.old for m in micro], [None] * len(micro), denom, args)
         measured = torch.cuda.max_memory_allocated(device)
         trainable = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        parts = trainutil.gpu_budget(torch.cuda.mem_get_info(device)[1], allocated, trainable, 0.5, 1, 1024,
+        parts = memory.gpu_budget(torch.cuda.mem_get_info(device)[1], allocated, trainable, 0.5, 1, 1024,
                                      model.get_output_embeddings().weight.shape[0])["update"]
         return measured, sum(v for k, v in parts.items() if k not in ("CUDA context", "NCCL buffers"))
     finally:

@@ -13,6 +13,7 @@ import torch
 import dataio
 import engines
 import grpo
+import memory
 import prepare
 import sft
 import stepgrpo
@@ -292,13 +293,13 @@ def test_the_memory_check_gives_the_same_verdict_fresh_and_resumed(tiny_model_di
         model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        allocated = lambda: shards + trainutil.optimizer_bytes(opt)  # noqa: E731  (torch.cuda.memory_allocated's)
-        total = 2 * (shards + 2 * shards + trainutil.CUDA_CONTEXT)  # the rollout phase's edge: it just fits fresh
-        verdict = lambda o: trainutil.model_budget_error(model, o, total, allocated(), 0.5, 1, 16)  # noqa: E731
-        assert verdict(opt) is None and trainutil.optimizer_bytes(opt) == 0
+        allocated = lambda: shards + memory.optimizer_bytes(opt)  # noqa: E731  (torch.cuda.memory_allocated's)
+        total = 2 * (shards + 2 * shards + memory.CUDA_CONTEXT)  # the rollout phase's edge: it just fits fresh
+        verdict = lambda o: memory.model_budget_error(model, o, total, allocated(), 0.5, 1, 16)  # noqa: E731
+        assert verdict(opt) is None and memory.optimizer_bytes(opt) == 0
         sum(p.sum() for p in model.parameters()).backward()
         opt.step()  # what a resume's load leaves: Adam's moments allocated
-        assert trainutil.optimizer_bytes(opt) >= 2 * shards
+        assert memory.optimizer_bytes(opt) >= 2 * shards
         assert verdict(opt) is None  # resumed: the same verdict
         assert "cannot hold the rollout phase" in verdict(torch.optim.AdamW(model.parameters()))  # Adam counted twice
     finally:
@@ -306,7 +307,7 @@ def test_the_memory_check_gives_the_same_verdict_fresh_and_resumed(tiny_model_di
             torch.distributed.destroy_process_group()
 
 def logits(budget):
-    """The update phase's fp32 logits part of a trainutil.gpu_budget."""
+    """The update phase's fp32 logits part of a memory.gpu_budget."""
     return next(v for k, v in budget["update"].items() if k.startswith("fp32 logits"))
 
 def test_each_part_of_the_gpu_budget_decides_at_its_edge(monkeypatch):
@@ -314,30 +315,30 @@ def test_each_part_of_the_gpu_budget_decides_at_its_edge(monkeypatch):
     # turns a verdict at the edge of its phase; the line names every part, on one line
     gib = 2**30
     kw = dict(allocated=2 * gib, trainable=gib, engine_fraction=0.5, world=2, tokens=1024, vocab=152064)
-    parts = trainutil.gpu_budget(80 * gib, **kw)
-    assert logits(parts) == 1024 * 152064 * 4 * trainutil.LOSS_COPIES
+    parts = memory.gpu_budget(80 * gib, **kw)
+    assert logits(parts) == 1024 * 152064 * 4 * memory.LOSS_COPIES
     edge = 2 * (sum(parts["rollout"].values()) - 40 * gib)  # the engine takes half: twice what is beside it
-    error = lambda total, **k: trainutil.gpu_budget_error(total, **dict(kw, **k))  # noqa: E731
+    error = lambda total, **k: memory.gpu_budget_error(total, **dict(kw, **k))  # noqa: E731
     assert error(edge) is None and error(edge - 2).startswith(f"error: GPU 0 ({(edge - 2) / gib:.1f} GiB) cannot hold "
                                                               "the rollout phase")
     assert all(name in error(edge - 2) for name in parts["rollout"]) and "\n" not in error(edge - 2)
-    nccl = edge - 2 * trainutil.NCCL_BUFFERS
+    nccl = edge - 2 * memory.NCCL_BUFFERS
     assert error(nccl) is not None and error(nccl, world=1) is None  # one rank: no communicator with peers
-    context = edge - 2 * trainutil.CUDA_CONTEXT
+    context = edge - 2 * memory.CUDA_CONTEXT
     assert error(context) is not None
     with monkeypatch.context() as m:
-        m.setattr(trainutil, "CUDA_CONTEXT", 0)
+        m.setattr(memory, "CUDA_CONTEXT", 0)
         assert error(context) is None
     # 4096 tokens a micro-batch: the update phase is the larger; it fits with its logits at its sum, not a byte less
-    update = sum(trainutil.gpu_budget(0, **dict(kw, tokens=4096))["update"].values())
+    update = sum(memory.gpu_budget(0, **dict(kw, tokens=4096))["update"].values())
     assert error(update, tokens=4096) is None and error(update - 1, tokens=0) is None
     assert "cannot hold the update phase" in error(update - 1, tokens=4096)
     assert "or a smaller --micro_batch" in error(update - 1, tokens=4096)
     monkeypatch.setenv("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "0")  # graphs outside vLLM's share: refused
-    assert "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0" in trainutil.model_budget_error(None, None, edge, 0, 0.5, 1, 1)
+    assert "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0" in memory.model_budget_error(None, None, edge, 0, 0.5, 1, 1)
 
 def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(wide_model_dir):
-    # trainutil.LOSS_COPIES, measured: torch's profiler records every allocation and free on the CPU, in order; the
+    # memory.LOSS_COPIES, measured: torch's profiler records every allocation and free on the CPU, in order; the
     # live bytes of grpo.token_logprobs, grpo_loss and their backward peak at LOSS_COPIES fp32 [N, V] tensors, plus
     # the tiny model's own activations (hidden size 64 against a 49152 vocabulary: under a quarter of a copy)
     import itertools
@@ -355,8 +356,8 @@ def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(wide_model_dir):
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())  # nbytes: + an allocation, - a free
     copies = max(itertools.accumulate(e.nbytes() for e in events)) / (N * V * 4)
-    assert trainutil.LOSS_COPIES <= copies < trainutil.LOSS_COPIES + 0.25, copies
-    assert logits(trainutil.gpu_budget(0, 0, 0, 0.5, 1, N, V)) == trainutil.LOSS_COPIES * N * V * 4
+    assert memory.LOSS_COPIES <= copies < memory.LOSS_COPIES + 0.25, copies
+    assert logits(memory.gpu_budget(0, 0, 0, 0.5, 1, N, V)) == memory.LOSS_COPIES * N * V * 4
 
 def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_dir, monkeypatch):
     # the loss's N: --micro_batch rows of n packed completions (teacher_prefix) or of whole trajectories (onpolicy), at
@@ -367,7 +368,7 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
     two.max_pairs = 2  # a multi-query policy's (its transcript.json)
     assert stepgrpo.update_tokens(two) == 2 * 4 * 2 * 96
     calls = []
-    monkeypatch.setattr(trainutil, "check_gpu_budget", lambda *a: calls.append(a) or sys.exit("checked"))
+    monkeypatch.setattr(memory, "check_gpu_budget", lambda *a: calls.append(a) or sys.exit("checked"))
     own = trainutil.init_group(1)
     try:
         for extra in ([], ["--rollout", "onpolicy", "--adv_estimator", "gae"]):  # --backend vllm, the default
@@ -383,10 +384,10 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
     assert isinstance(crit_opt, torch.optim.AdamW)
     # the budget adds gradients and Adam state for the critic's trainable bytes beside the policy's
     seen = []
-    monkeypatch.setattr(trainutil, "gpu_budget_error", lambda total, alloc, trainable, *a: seen.append(trainable))
+    monkeypatch.setattr(memory, "gpu_budget_error", lambda total, alloc, trainable, *a: seen.append(trainable))
     size = lambda m: sum(p.to_local().numel() * p.element_size() for p in m.parameters() if p.requires_grad)  # noqa
     for c in (None, (crit, crit_opt)):
-        trainutil.model_budget_error(calls[1][0], calls[1][1], 0, 0, 0.5, 1, 16, crit=c)
+        memory.model_budget_error(calls[1][0], calls[1][1], 0, 0, 0.5, 1, 16, crit=c)
     assert seen == [size(calls[1][0]), size(calls[1][0]) + size(crit)]
 
 def test_each_gpu_test_builds_its_vllm_engine_in_a_process_of_its_own(monkeypatch, tmp_path):
@@ -414,7 +415,7 @@ def test_device_cpu_keeps_every_part_off_a_gpu(monkeypatch, tiny_model_dir, tiny
     ret = retrievers.make_retriever("dense", tiny_index, cpu)
     assert ret.encoder.device == "cpu" and retrievers.Encoder(device=cpu).device == "cpu"
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: pytest.fail("read CUDA memory on a CPU run"))
-    peak = trainutil.PeakMemory(cpu)
+    peak = memory.PeakMemory(cpu)
     with peak("update"):
         pass
     assert peak.gib["update"] > 0  # this process's resident memory

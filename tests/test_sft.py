@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import dataio
+import memory
 import retrievers
 import rollout
 import sft
@@ -359,8 +360,8 @@ def test_gpu_budget_of_a_7b_run():
     80 GiB (3.8 GB of shards, 7.6 GB of Adam state each) fits beside an engine taking half of each GPU; over 2 GPUs
     (15.2 GB of shards + 30.4 GB of Adam) it does not, and the line says which part takes how much."""
     gib, P, V = 2**30, 7.6e9, 152064  # Qwen2.5-7B's vocabulary; 1024: stepgrpo.update_tokens at the defaults
-    assert trainutil.gpu_budget_error(80 * gib, 4 * P / 8, 4 * P / 8, 0.5, 8, 1024, V) is None
-    error = trainutil.gpu_budget_error(80 * gib, 4 * P / 2, 4 * P / 2, 0.5, 2, 1024, V, device=1)
+    assert memory.gpu_budget_error(80 * gib, 4 * P / 8, 4 * P / 8, 0.5, 8, 1024, V) is None
+    error = memory.gpu_budget_error(80 * gib, 4 * P / 2, 4 * P / 2, 0.5, 2, 1024, V, device=1)
     assert error.startswith("error: GPU 1 (80.0 GiB) cannot hold the rollout phase (84.0 GiB: vLLM engine (50%) 40.0 GiB")
     assert "Adam state 28.3 GiB, CUDA context 0.5 GiB, NCCL buffers 1.0 GiB)" in error
 
@@ -369,10 +370,10 @@ def test_gpu_budget_of_a_32b_lora_run_with_and_without_offload():
     engine's half do not fit, and the line points to --offload; offloaded, the GPU holds the engine's 85% (the
     shards, Adam and the gradients in host memory) and the update's logits, and the check passes."""
     gib, P, lora, V = 2**30, 32.76e9, 134.2e6, 152064  # Qwen2.5-32B; LoRA r 16 on every linear layer
-    error = trainutil.gpu_budget_error(80 * gib, 4 * (P + lora) / 2, 4 * lora / 2, 0.5, 2, 1536, V)
+    error = memory.gpu_budget_error(80 * gib, 4 * (P + lora) / 2, 4 * lora / 2, 0.5, 2, 1536, V)
     assert error.startswith("error: GPU 0 (80.0 GiB) cannot hold the rollout phase (103.3 GiB") and "--offload" in error
-    assert trainutil.gpu_budget_error(80 * gib, 0, 4 * lora / 2, 0.85, 2, 1536, V, offload=True) is None
-    update = trainutil.gpu_budget(80 * gib, 0, 4 * lora / 2, 0.85, 2, 1536, V, offload=True)["update"]
+    assert memory.gpu_budget_error(80 * gib, 0, 4 * lora / 2, 0.85, 2, 1536, V, offload=True) is None
+    update = memory.gpu_budget(80 * gib, 0, 4 * lora / 2, 0.85, 2, 1536, V, offload=True)["update"]
     assert update["Adam state"] == update["gradients"] == 0 and round(sum(update.values()) / gib, 1) == 5.9
 
 def test_a_released_structure_trajectory_gives_one_row_a_chat(tiny_index, tok, tmp_path):

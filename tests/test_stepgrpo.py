@@ -21,6 +21,7 @@ import prepare
 import reward
 import grpo
 import learner
+import memory
 import stepgrpo
 import steprewards
 import transcript
@@ -284,14 +285,14 @@ def test_the_first_sync_is_checked_and_stops_above_the_tolerance(tiny_model_dir,
     try:
         model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False, tree_mask=True)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        engine, peak = engines.HFEngine(tiny_model_dir), trainutil.PeakMemory()
+        engine, peak = engines.HFEngine(tiny_model_dir), memory.PeakMemory()
         assert trainutil.sync_tol(args.dtype, engine) == 1e-3 and trainutil.sync_tol("bf16", engine) == 0.2
         step = lambda: stepgrpo.train_step(model, None, opt, engine, None, [], args, None, None, 0, peak, seed=0)[-1]
         first, second = step(), step()
         assert first["sync_mean_diff"] <= first["sync_max_diff"] < 1e-4 and "sync_max_diff" not in second
         checked = stepgrpo.train_step(model, None, opt, engine, None, [], args, None, None, 0, peak, seed=0, check=True)
         assert checked[-1]["sync_max_diff"] < 1e-4  # a checkpoint's step
-        peak = trainutil.PeakMemory()  # a new process (a resumed run): its first sync is checked again
+        peak = memory.PeakMemory()  # a new process (a resumed run): its first sync is checked again
         monkeypatch.setattr(engine, "sync_weights", lambda weights: None)  # the engine misses the update
         missed = "^error: after the weight sync the engine's logprobs differ .* on average \\(tolerance 0.001"
         with pytest.raises(SystemExit, match=missed):
@@ -914,7 +915,7 @@ def test_minibatches_split_the_rows_once_and_one_is_the_whole_batch_bit_for_bit(
                 sums = None
             else:
                 sums = learner.learn(model, None, opt, None, rows, args, 0, torch.device("cpu"), None, 0, False,
-                                     trainutil.PeakMemory(), {})[1]
+                                     memory.PeakMemory(), {})[1]
             return {n: p.full_tensor().clone() for n, p in model.named_parameters()}, sums
         one, direct, two = weights(1)[0], weights(1, direct=True)[0], weights(2)
     finally:
