@@ -188,7 +188,7 @@ def test_the_policy_starts_after_the_warmup_only_above_the_explained_variance_ba
         assert str(e.value.code).startswith("error: after --critic_warmup 3 steps") and words in str(e.value.code)
 
 TWO_RANK_CRITIC = '''
-import faulthandler, json, sys
+import faulthandler, json, os, sys
 faulthandler.enable()  # a rank that aborts prints its threads' Python stacks into the stderr the assertion shows
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
@@ -213,6 +213,8 @@ if rank == 0:
 del w, crit, opt
 dist.barrier()  # both ranks leave together: neither tears gloo down while the other may still be mid-collective
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # no interpreter teardown: a gloo thread once aborted it ("terminate called without an active exception")
 '''
 
 @pytest.mark.slow
