@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dataio
+import engines
 import memory
 import trainutil
 import transcript
@@ -299,3 +300,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    engines.exit_now()
