@@ -32,15 +32,16 @@ def tiny_world_args(out, seed=0, n_visual=(30, 10, 10), holdout=(), holdout_pair
                               n_visual_dev=n_visual[1], n_visual_test=n_visual[2], holdout=list(holdout),
                               holdout_pairs=list(holdout_pairs), n_test_heldout=n_test_heldout, reworded=reworded, quiet=True)
 
-def make_demo(tmp_path, model, data, code=None):
+def make_demo(tmp_path, model, data, code=None, plan=False):
     """`make demo` on a tiny world (in the checkout, or in `code`, a fork's copy of it): the set-up's files taken as
-    built (-o), this Python, tiny budgets. Returns the output folder and make's stdout."""
+    built (-o), this Python, tiny budgets. Returns the output folder and make's stdout (plan: `make -n`, the commands
+    it would run)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
     out = tmp_path / "demo"
-    cmd = ["make", "-s", "-o", ".venv/.stamp", "-o", f"{model}/config.json", "demo", f"PY={sys.executable}",
+    cmd = ["make", "-n" if plan else "-s", "-o", ".venv/.stamp", "-o", f"{model}/config.json", "demo", f"PY={sys.executable}",
            f"MODEL={model}", f"DATA={data}", f"OUT={out}", "SFT_STEPS=2", "CONT_STEPS=1", "GRPO_STEPS=1",
            "GRPO_QUESTIONS=2", "EVAL_N=6"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=code or Path(__file__).resolve().parents[1],

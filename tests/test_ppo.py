@@ -223,9 +223,10 @@ def test_two_ranks_train_the_critic_as_one_process(tmp_path, tiny_model_dir):
     script = tmp_path / "two.py"
     script.write_text(TWO_RANK_CRITIC)
     out = []
-    for n in (1, 2):
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-                            str(script), str(ROOT), str(tiny_model_dir)], capture_output=True, text=True, cwd=ROOT)
+    two_ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    for launch in ([], two_ranks):  # one process alone: a world of one (trainutil.init_group), no launcher
+        r = subprocess.run([sys.executable, *launch, str(script), str(ROOT), str(tiny_model_dir)], capture_output=True,
+                           text=True, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         out.append(json.loads(r.stdout.strip().splitlines()[-1]))
     one, two = out

@@ -37,8 +37,8 @@ def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_di
     assert (out / "stepgrpo" / "curves.png").is_file()
     for name in ("sft", "sft-cont", "stepgrpo"):  # the main job's evidence budget, recorded with each evaluation
         assert json.loads((out / "eval" / name / "method-routed.json").read_text())["signature"]["topk"] == 1
-    again = make_demo(tmp_path, tiny_model_dir, world)[1]  # every stage built: only the report runs again
-    assert "== report: " in again and "== sft: " not in again and "== eval: " not in again
+    again = make_demo(tmp_path, tiny_model_dir, world, plan=True)[1]  # every stage built: a rerun plans the report alone
+    assert "runs/demo_report.sh" in again and not any(s in again for s in ("synth.py", "sft.py", "stepgrpo.py", "evaluate.py"))
 
     sft, grpo = out / "sft" / "final", out / "stepgrpo" / "final"
     cli("synth.py", "--model", tiny_model_dir, "--data", world, "--out", tmp_path / "teacher", "--teacher", sft, "-n",
@@ -47,7 +47,7 @@ def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_di
     counts = report["filters"]
     assert counts["sampled"] == 4 and len(report["dropped"]) + counts["kept_questions"] == 4, report
     cli("evaluate.py", "--model", grpo, "--name", "grpo", "--data", world, "--split", "test", "--n_questions", "6",
-        "--methods", "routed", "--retriever", "bm25", "--protocol", "released", "--out", tmp_path / "sampled")
+        "--methods", "routed", "--retriever", "bm25", "--protocol", "released", "--backend", "hf", "--out", tmp_path / "sampled")
     assert json.loads((tmp_path / "sampled" / "results.json").read_text())["grpo/routed+released"]["n"] == 6
     # Step-GRPO's checkpoint in an engine of its own scores as it did swapped into the demo's engine after two others;
     # SFT's, swapped in after it, with one more method into its demo folder, reuses the finished method (an

@@ -494,7 +494,8 @@ def test_an_interrupted_checkpoint_is_never_resumed_from(tmp_path, tiny_model_di
 
 @pytest.mark.slow
 def test_max_restarts_with_the_shared_rendezvous_store_is_refused(tmp_path, tiny_model_dir, tiny_index):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+    # one worker: each refuses alone, before any work
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "--max-restarts", "1",
            str(ROOT / "stepgrpo.py")] + common(tiny_model_dir, tiny_index, tmp_path / "run")
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
