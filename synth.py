@@ -32,6 +32,7 @@ import baselines
 import dataio
 import engines
 import prepare
+import prompts
 import reward
 import rollout
 import transcript
@@ -178,7 +179,7 @@ def read_r1router(path):
                               pattern=">".join(g["kb"] for g in gold) or "none", steps=gold))
     return questions, RecordedRetriever(evidence)
 
-def to_r1router(x, system_route=rollout.SYSTEM_PROMPT, system_answer=baselines.DIRECT_PROMPT):
+def to_r1router(x, system_route=prompts.SYSTEM_PROMPT, system_answer=baselines.DIRECT_PROMPT):
     """One of our trajectories -> a step-unrolled row as R1-Router's Step-GRPO code reads it: a ret and an ans step
     per sub-question (a multi-query step's sub-questions one after another, each with the step's answer), a
     sub-question sent to several KBs with its retriever list."""

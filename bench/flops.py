@@ -100,9 +100,10 @@ def engine_stages(cfg, args):
 
     import rollout
     from engines import VLLMEngine
+    from prompts import SYSTEM_PROMPT
     engine = VLLMEngine(args.model, seed=0)
     qs = dataio.load_questions(args.data, "dev")[:args.questions]
-    chat = rollout.TranscriptSteps(engine.tok, rollout.SYSTEM_PROMPT.format(max_steps=3))
+    chat = rollout.TranscriptSteps(engine.tok, SYSTEM_PROMPT.format(max_steps=3))
     prompts = [chat.start(dict(question=q["question"], image=None, steps=[])).prompt() for q in qs]
     gen = lambda n: engine.llm.generate([engine.tokens_prompt(p, []) for p in prompts], SamplingParams(
         max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0), use_tqdm=False)

@@ -16,7 +16,8 @@ import dataio
 import retrievers
 from engines import HFEngine, VLLMEngine, auto_model
 from prepare import DEFAULT_MODEL
-from rollout import SYSTEM_PROMPT, ReleasedSteps, Settings, TranscriptSteps, rollout
+from prompts import SYSTEM_PROMPT
+from rollout import ReleasedSteps, Settings, TranscriptSteps, rollout
 
 def bench_loop(engine, ret, qs, args, structure, label):
     """The routed loop in one step structure against raw vLLM generating as many tokens from the same first prompts;

@@ -57,10 +57,11 @@ ap.add_argument("--run", default="both", choices=["both", "ours", "trl"], help="
 
 def workload():
     """Tokenizer, questions, prompt ids, and the reward: score(question, completion text)."""
-    import dataio, retrievers, reward, rollout
+    import dataio, retrievers, reward
+    from prompts import SYSTEM_PROMPT
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.model)
-    fmt = transcript.ChatFormat(tok, rollout.SYSTEM_PROMPT.format(max_steps=3))
+    fmt = transcript.ChatFormat(tok, SYSTEM_PROMPT.format(max_steps=3))
     qs = dataio.load_questions(args.data, "train")[:args.prompts]
     encode = retrievers.Encoder().encode
     def score(q, text):

@@ -201,13 +201,13 @@ FOURTH_KB = '''    KB("speech", "Speech Retriever", "spr", "speech: what people 
 CHECK = '''
 import json, sys
 import numpy as np
-import dataio, retrievers, reward, rollout, steprewards
+import dataio, prompts, retrievers, reward, rollout, steprewards
 from transformers import AutoTokenizer
 data, tok = sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2])
-assert dataio.KBS[-1] == "speech" and "Speech Retriever" in rollout.SYSTEM_PROMPT  # the prompt names it
-assert "speech: what people said" in rollout.SYSTEM_PROMPT
-assert "Table Retriever, Speech Retriever." in rollout.RELEASED_ROUTE_PROMPT  # the released prompts name it too
-assert "`Speech Retriever`:" in rollout.RELEASED_ROUTE_PROMPT and "Speech Retriever." in rollout.RELEASED_REMINDER
+assert dataio.KBS[-1] == "speech" and "Speech Retriever" in prompts.SYSTEM_PROMPT  # the prompt names it
+assert "speech: what people said" in prompts.SYSTEM_PROMPT
+assert "Table Retriever, Speech Retriever." in prompts.RELEASED_ROUTE_PROMPT  # the released prompts name it too
+assert "`Speech Retriever`:" in prompts.RELEASED_ROUTE_PROMPT and "Speech Retriever." in prompts.RELEASED_REMINDER
 import pathlib, tempfile, transcript
 three = pathlib.Path(tempfile.mkdtemp())  # a checkpoint trained with the three KBs is refused under four
 fmt = transcript.format_meta(rollout.Settings())

@@ -14,6 +14,7 @@ import baselines
 import dataio
 import engines
 import prepare
+import prompts
 import retrievers
 import reward
 import rollout
@@ -155,8 +156,8 @@ def test_released_structure_gives_each_step_its_own_chat(tiny_index, retriever, 
         for (a, b), sp in zip(x["segments"], x["spans"]):  # one policy span a chat, at its end
             in_span[sp["start"]:sp["end"]] = [1] * (sp["end"] - sp["start"])
             chat = tok.decode(x["ids"][a:sp["start"]])
-            system = {"route": rollout.RELEASED_ROUTE_PROMPT, "answer": rollout.RELEASED_ANSWER_PROMPT,
-                      "final": rollout.RELEASED_FINAL_PROMPT}[sp["kind"]]
+            system = {"route": prompts.RELEASED_ROUTE_PROMPT, "answer": prompts.RELEASED_ANSWER_PROMPT,
+                      "final": prompts.RELEASED_FINAL_PROMPT}[sp["kind"]]
             assert chat.count("<|im_start|>system") == 1 and system in chat and a <= sp["start"] < sp["end"] <= b
             earlier = x["steps"][:sp["step"]]
             if sp["kind"] == "answer":
@@ -178,7 +179,7 @@ def test_max_steps_forces_the_final_answer(tiny_index, retriever, hf_engine):
     trajs = rollout.rollout(rollout.GoldPolicy(hf_engine.tok, qs), retriever, qs, s=rollout.Settings(max_steps=2))
     for x in trajs:
         assert len(x["steps"]) == 2 and x["format_ok"] and x["spans"][-1]["kind"] == "final"
-        assert rollout.LAST_STEP_NOTE in hf_engine.tok.decode(x["ids"])
+        assert prompts.LAST_STEP_NOTE in hf_engine.tok.decode(x["ids"])
 
 def test_the_progress_bar_counts_finished_trajectories(tiny_index, retriever, hf_engine):
     from tqdm import tqdm
@@ -405,12 +406,12 @@ def test_few_shot_prefix_puts_worked_examples_before_the_question(tiny_index, re
     assert {s["kb"] for q in examples for s in q["steps"]} == {"text", "table", "image"}
     shots = rollout.few_shot_prefix(hf_engine.tok, retriever, examples)
     text = hf_engine.tok.decode(shots)
-    assert text.count(rollout.SYSTEM_PROMPT.format(max_steps=3)) == 1
+    assert text.count(prompts.SYSTEM_PROMPT.format(max_steps=3)) == 1
     for q in examples:  # each example: its question, every gold sub-question and its final answer
         assert q["question"] in text and q["answers"][0] in text
         assert all(st["sub_question"] in text for st in q["steps"])
     acting = rollout.Settings(actions=True)  # the same examples under a system prompt with the actions' note
-    note = rollout.ACTIONS_NOTE.format(max_actions=acting.max_actions)
+    note = prompts.ACTIONS_NOTE.format(max_actions=acting.max_actions)
     acted = hf_engine.tok.decode(rollout.few_shot_prefix(hf_engine.tok, retriever, examples, acting))
     assert acted.count(note) == 1 and acted.replace(note, "") == text
     qs = dataio.load_questions(tiny_index, "dev")[:2]
@@ -446,7 +447,7 @@ def test_released_evaluation_retries_reminds_and_falls_back(tiny_index, retrieve
         assert x["format_ok"] and x["final_answer"] == q["answers"][0] and x["error"] == ""
         assert [st["kb"] for st in x["steps"]] == [st["kb"] for st in q["steps"]]
     # the reminder follows the third malformed route, and only then
-    reminded = [rollout.RELEASED_REMINDER in p for p in eng.prompts]
+    reminded = [prompts.RELEASED_REMINDER in p for p in eng.prompts]
     assert any(reminded) and not reminded[0]
     eng = Flaky(tok, qs, dict(route=5, answer=3))  # out of tries: routing stops, answers are the raw text
     for x in rollout.rollout(eng, retriever, qs, s=s):
