@@ -14,6 +14,7 @@ import torch
 import trainutil
 from engines import truncate
 
+CLIP_LOW = 0.2  # PPO's ratio clip below 1 (verl's clip_ratio_low); above it, stepgrpo.py --clip_high
 OVERLONG_BUFFER = 0.2  # DAPO's soft overlong punishment: L_cache = 0.2 L_max (its 4,096 of 20,480 tokens)
 
 def norm(v, eps=1e-4, std=True):

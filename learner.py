@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import critic
 import trainutil
-from grpo import collate, grpo_loss, spans_of, tis_weights, token_logprobs
+from grpo import CLIP_LOW, collate, grpo_loss, spans_of, tis_weights, token_logprobs
 
 TEMPERATURE = 1.0  # rollouts sample from softmax(logits / T), and the trainer's logprobs are of that distribution
 GRAD_CLIP = 1.0    # global gradient norm
@@ -46,7 +46,7 @@ def scaled_loss(logp, old, ref_lp, m, denom, args, ent, tis=None):
     mean. tis: the truncated IS weights [N] (--tis_cap) or None."""
     world = dist.get_world_size()
     seq = spans_of(m.sel) if args.ratio == "sequence" else None  # GSPO: a completion or a span is one sequence
-    loss, kl, low, high = grpo_loss(logp, old, ref_lp, m.adv, (args.clip_low, args.clip_high), args.kl_coef,
+    loss, kl, low, high = grpo_loss(logp, old, ref_lp, m.adv, (CLIP_LOW, args.clip_high), args.kl_coef,
                                     denom / world, ent, args.entropy_coef, seq, tis)
     return loss, loss.detach() / world, kl, low, high
 

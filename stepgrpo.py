@@ -127,9 +127,9 @@ def get_args(argv=None):
     ap.add_argument("--old_logprobs", default="sampler", choices=["sampler", "trainer"],
                     help="PPO's old logprobs: the engine's from sampling (cheaper), or recomputed by the trainer before "
                          "the update (R1-Router); trainer logs old_gap, the mean |sampler - trainer|")
-    ap.add_argument("--clip_low", type=float, default=0.2, help="PPO's ratio clip below 1: 1 - clip_low (verl's clip_ratio_low)")
     ap.add_argument("--clip_high", type=float, default=0.2,
-                    help="the clip above 1: 1 + clip_high; DAPO's clip-higher: 0.28 (verl's clip_ratio_high)")
+                    help="PPO's ratio clip above 1: 1 + clip_high (below: 1 - grpo.CLIP_LOW, 0.2); DAPO's clip-higher: "
+                         "0.28 (verl's clip_ratio_high)")
     ap.add_argument("--ratio", default="token", choices=["token", "sequence"],
                     help="the importance ratio: token = PPO's per token; sequence = GSPO's, the geometric mean over a step "
                          "(GSPO clips at about 3e-4 / 4e-4)")
@@ -206,9 +206,9 @@ def check_args(args, world):
     if args.group_size < 1 or (args.group_size < 2 and args.adv_estimator == "grpo"):
         sys.exit(f"error: -n {args.group_size}: a group needs at least 2 samples to have a relative advantage "
                  "(--adv_estimator gae: 1 is enough)")
-    if not (0 <= args.clip_low < 1 and args.clip_high >= 0 and args.tis_cap >= 0 and args.minibatches >= 1):
-        sys.exit(f"error: --clip_low {args.clip_low} --clip_high {args.clip_high} --tis_cap {args.tis_cap} --minibatches "
-                 f"{args.minibatches}: clip_low in [0, 1), clip_high >= 0, tis_cap >= 0, minibatches >= 1")
+    if not (args.clip_high >= 0 and args.tis_cap >= 0 and args.minibatches >= 1):
+        sys.exit(f"error: --clip_high {args.clip_high} --tis_cap {args.tis_cap} --minibatches {args.minibatches}: "
+                 "clip_high >= 0, tis_cap >= 0, minibatches >= 1")
     if args.adv_estimator == "gae":
         check_ppo(args)
     elif args.kl_in_reward:

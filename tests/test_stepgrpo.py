@@ -182,7 +182,7 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
         model.zero_grad()
         with torch.no_grad():
             mine = grpo.token_logprobs(model, ids, attn, sel, pos)[0]
-        args = Namespace(old_logprobs="trainer", entropy_coef=0.0, kl_coef=0.0, kl_in_reward=0.0, clip_low=0.2,
+        args = Namespace(old_logprobs="trainer", entropy_coef=0.0, kl_coef=0.0, kl_in_reward=0.0,
                          clip_high=0.2, ratio="token", tis_cap=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         micro = [learner.Micro(ids, attn, pos, sel, old, adv, {}, 1.0)]
@@ -741,7 +741,7 @@ def test_the_logged_loss_does_not_depend_on_the_world_size(monkeypatch):
     rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, 0.5, 0.5, 0.5]),
             dict(ids=[5, 9, 9], mask=[0, 1, 1], old=[0.0, -4.1, -4.3], adv=[0.0, -1.0, -1.0])]
     args = Namespace(kl_coef=0.0, micro_batch=2, old_logprobs="sampler", entropy_coef=0.0, adv_estimator="grpo",
-                     clip_low=0.2, clip_high=0.2, ratio="token", tis_cap=0.0)
+                     clip_high=0.2, ratio="token", tis_cap=0.0)
 
     def logged_loss():
         torch.manual_seed(0)
