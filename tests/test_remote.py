@@ -24,7 +24,7 @@ def evaluate(*args):
     evaluate.main(evaluate.get_args([*map(str, args)]))
 
 @pytest.mark.slow
-def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_model_dir, tiny_index, tmp_path):
+def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_model_dir, tiny_index, tmp_path, monkeypatch):
     import engines
     port, log = free_port(), open(tmp_path / "server.log", "w")
     kv = engines.CPU_KV_TOKENS * engines.kv_bytes_per_token(tiny_model_dir, "float32")  # the in-process engine's cache
@@ -112,7 +112,9 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
     finally:
         server.terminate()
         server.wait(timeout=60)
-    # a server that is gone: a one-line error naming it, after the retries (the policy's server, and a judge's)
+    # a server that is gone: a one-line error naming it, after the retries (the policy's server, and a judge's); their
+    # back-off (1 + 2 s) not slept here
+    monkeypatch.setattr(time, "sleep", lambda s: None)
     with pytest.raises(SystemExit, match=f"^error: the server {url} did not answer"):
         evaluate(*common, "--backend", "openai", "--base_url", url, "--out", tmp_path / "gone")
     with pytest.raises(SystemExit, match=f"error: the server {url} did not answer /models after 3 tries"):
