@@ -52,14 +52,14 @@ def kv_bytes_per_token(model, dtype):
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return 2 * c.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
 
-def exit_now():
-    """End a script's process here, without Python's teardown: with vLLM loaded it costs ~2.5 s of CPU a process (the
-    engine's shutdown and the interpreter each collect the whole heap, vLLM having unfrozen it), with torch and
-    transformers alone ~1 s (sft.py), paid by every rank of every run. The script's last call: what it wrote is closed
-    by then, and stdio is flushed here."""
+def exit_now(code=0):
+    """End a script's process here with exit status `code`, without Python's teardown: with vLLM loaded it costs ~2.5 s
+    of CPU a process (the engine's shutdown and the interpreter each collect the whole heap, vLLM having unfrozen it),
+    with torch and transformers alone ~1 s (sft.py), paid by every rank of every run. The script's last call: what it
+    wrote is closed by then, and stdio is flushed here."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 def check_sent(expected, sent):
     """Exit naming the parameters a weight sync left out. vLLM's reload only warns about a missing parameter, and

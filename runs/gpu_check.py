@@ -347,6 +347,7 @@ def main():
     if not (Path(c.tokenizer) / "tokenizer_config.json").is_file():
         sys.exit(f"error: {c.tokenizer}: no tokenizer there (`python prepare.py` makes it; or --tokenizer FOLDER)")
     faiss = stand_in_faiss()
+    import engines
     import retrievers
     import transformers
     from transformers import AutoTokenizer
@@ -372,7 +373,7 @@ def main():
         print(f"{name:<10} {result:<6} {sec:>7.1f} {gib:>8.2f}  {note}")
     n = {r: sum(row[1] == r for row in rows) for r in ("pass", "FAIL", "skip")}
     print(f"{n['pass']} passed, {n['FAIL']} failed, {n['skip']} skipped")
-    sys.exit(1 if n["FAIL"] else 0)
+    engines.exit_now(1 if n["FAIL"] else 0)
 
 if __name__ == "__main__":
     main()

@@ -132,24 +132,28 @@ def test_eight_concurrent_requests_each_get_their_own_steps_and_evidence(server)
         assert r.choices[0].message.content == q["answers"][0] and r.model_extra["steps"] == gold_steps(q, ret)
 
 @pytest.mark.slow
-def test_ask_takes_a_picture_with_a_vl_policy_and_says_a_text_policy_cannot(tiny_model_dir, tiny_index, tmp_path):
+def test_ask_takes_a_picture_with_a_vl_policy_and_says_a_text_policy_cannot(tiny_model_dir, tiny_index, tmp_path, capsys):
+    # the VL policy through the real command line; the text policy and the bad input through serve.ask in this process
+    # (the same code after the argument parsing; a process would be most of their time)
     vl = prepare.prepare_vl(tmp_path / "idefics3", text_model=tiny_model_dir)
     q = dataio.load_questions(tiny_index, "visual_test")[0]
-    cmd = [sys.executable, str(ROOT / "serve.py"), "ask", q["question"], "--image", q["image"], "--data", str(tiny_index),
-           "--retriever", "bm25", "--backend", "hf", "--max_model_len", "2048"]
-    r = subprocess.run(cmd + ["--model", str(vl)], capture_output=True, text=True, cwd=ROOT)
+    argv = ["ask", q["question"], "--image", q["image"], "--data", str(tiny_index), "--retriever", "bm25", "--backend", "hf",
+            "--max_model_len", "2048"]
+    r = subprocess.run([sys.executable, str(ROOT / "serve.py"), *argv, "--model", str(vl)], capture_output=True, text=True,
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1].startswith(("answer: ", "error: "))  # a random policy: a format failure
-    r = subprocess.run(cmd + ["--model", str(tiny_model_dir)], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0 and "is a text policy: it reads no picture" in r.stdout, r.stderr[-3000:]
-    r = subprocess.run(cmd[:4] + ["--model", str(tmp_path / "none")], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode != 0 and r.stderr.strip().endswith("run `make demo` first (its Step-GRPO checkpoint is the "
-                                                           "default), or pass --model <folder>")
+    serve.ask(serve.get_args(argv + ["--model", str(tiny_model_dir)]))
+    assert "is a text policy: it reads no picture" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"run `make demo` first \(its Step-GRPO checkpoint is the default\), or pass "
+                                         r"--model <folder>$"):
+        serve.ask(serve.get_args(argv[:2] + ["--model", str(tmp_path / "none")]))
     (tmp_path / "bad.png").write_text("not a picture")
     for pic, why in ((tmp_path / "bad.png", "not a readable picture (UnidentifiedImageError)"),
                      (tmp_path / "no.png", "file not found")):  # said before the engine starts
-        r = subprocess.run(cmd[:4] + ["--image", str(pic)], capture_output=True, text=True, cwd=ROOT)
-        assert r.returncode != 0 and r.stderr.strip() == f"error: --image {pic}: {why}", r.stderr[-2000:]
+        with pytest.raises(SystemExit) as e:
+            serve.ask(serve.get_args(argv[:2] + ["--image", str(pic)]))
+        assert e.value.code == f"error: --image {pic}: {why}"
 
 @pytest.mark.slow
 def test_a_vl_policy_reads_the_requests_picture_and_the_server_keeps_no_copy(tiny_model_dir, tiny_index, tmp_path):
