@@ -49,6 +49,16 @@ def make_demo(tmp_path, model, data, code=None, plan=False):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return out, r.stdout
 
+def vllm_prompt_logprobs(model, ids):
+    """vLLM (what rollout.py samples with) loading the model folder as it is: the logprob of each token of `ids` after
+    the first, from an engine in this process, closed after."""
+    import engines
+    engine = engines.VLLMEngine(model, max_model_len=1024)
+    try:
+        return engine.prompt_logprobs(ids)
+    finally:
+        engine.close()
+
 def interrupted_copy(run, step, dest):
     """dest: the run folder `run` as a job killed right after its checkpoint step_<step> leaves it (that checkpoint,
     `latest` naming it, the log; nothing later), for a resume to go on from: compared with `run`'s own later steps,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from conftest import interrupted_copy
+from conftest import interrupted_copy, vllm_prompt_logprobs
 
 import engines
 import prepare
@@ -168,12 +168,6 @@ def test_lora_sft_resumes_exactly_and_keeps_checkpoints_small(lora_run, tiny_mod
     with pytest.raises(SystemExit, match="is a LoRA checkpoint but --lora_r is 0"):
         trainutil.resolve_start(str(tiny_model_dir), lora_run, "yes")
 
-VLLM_LOGPROBS = """
-import json, sys
-import engines
-if __name__ == "__main__":
-    print(json.dumps(engines.VLLMEngine(sys.argv[1], max_model_len=1024).prompt_logprobs(json.loads(sys.argv[2]))))
-"""
 
 @pytest.mark.slow
 def test_merged_export_loads_in_transformers_and_vllm_and_equals_the_adapted_model(lora_run, tiny_model_dir, traj_dir):
@@ -189,10 +183,7 @@ def test_merged_export_loads_in_transformers_and_vllm_and_equals_the_adapted_mod
         lp = [m(x).logits[0, :-1].log_softmax(-1).gather(1, x[0, 1:, None])[:, 0] for m in (merged, adapted, base)]
     assert (lp[0] - lp[1]).abs().max() < 1e-4 < (lp[0] - lp[2]).abs().max()
     assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()  # still tied
-    r = subprocess.run([sys.executable, "-c", VLLM_LOGPROBS, str(final), json.dumps(ids)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.tensor(json.loads(r.stdout.strip().splitlines()[-1]))
+    got = torch.tensor(vllm_prompt_logprobs(final, ids))
     assert (got - lp[1]).abs().max() < 1e-3 < (got - lp[2]).abs().max()
 
 #### stepgrpo.py: from the SFT-LoRA checkpoint, engine = trainer after each sync, exact resume; QLoRA

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import vllm_prompt_logprobs
 
 import dataio
 import memory
@@ -262,12 +263,6 @@ def test_sft_continued_control_is_dev_picked(tiny_model, traj_dir, tiny_index, t
     r = subprocess.run(["bash", "-c", call], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0 and "dev-picked" not in r.stdout, r.stderr[-2000:]
 
-VLLM_LOGPROBS = """
-import json, sys
-import engines
-if __name__ == "__main__":
-    print(json.dumps(engines.VLLMEngine(sys.argv[1], max_model_len=1024).prompt_logprobs(json.loads(sys.argv[2]))))
-"""
 
 @pytest.mark.slow
 def test_checkpoint_loads_in_transformers_and_vllm_tied_and_equal_to_the_trainer(single_run, tiny_model, traj_dir):
@@ -287,10 +282,7 @@ def test_checkpoint_loads_in_transformers_and_vllm_tied_and_equal_to_the_trainer
     assert read_log(single_run)[-1]["eval_loss"] == pytest.approx((s / n).item(), rel=1e-5)
     # vLLM (what rollout.py samples with) loads the folder as is: same logprobs as transformers, not the initial model's
     ids = dev[0][0][:300]
-    r = subprocess.run([sys.executable, "-c", VLLM_LOGPROBS, str(single_run / "final"), json.dumps(ids)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.tensor(json.loads(r.stdout.strip().splitlines()[-1]))
+    got = torch.tensor(vllm_prompt_logprobs(single_run / "final", ids))
     with torch.no_grad():
         lp = [m(input_ids=torch.tensor([ids])).logits[0, :-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
               for m in (model, load(tiny_model))]
