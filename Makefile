@@ -36,7 +36,7 @@ setup: .venv/.stamp $(MODEL)/config.json
 unexport PYTHONDONTWRITEBYTECODE
 .venv/.stamp: requirements.txt
 	$(PYTHON) -m venv .venv
-	.venv/bin/pip install -q pip==26.3  # pip 23 (venv's own) spends twice the CPU reading the index pages
+	.venv/bin/pip install -q pip==26.3  # the venv's own pip 23 takes twice the CPU to read the index pages
 	.venv/bin/pip install -q --no-deps --no-compile $(PIP_EXTRA) -r requirements.txt
 	touch $@
 
