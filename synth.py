@@ -221,7 +221,7 @@ def write_trajectories(out, split, trajs, tok, fmt, max_pixels=None):
     meta = dict(transcript.tokenizer_meta(tok), format=fmt, max_pixels=max_pixels)
     dataio.write_atomic(Path(out) / transcript.META, json.dumps(meta) + "\n")
 
-if __name__ == "__main__":
+def get_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="data/mini", help="corpus.py folder (gold and teacher modes)")
     ap.add_argument("--out", default="data/mini/traj", help="output folder ({split}.jsonl) or file (--export_r1router)")
@@ -264,13 +264,17 @@ if __name__ == "__main__":
                          "the same cap, read from meta.json; see stepgrpo.py --max_pixels); default: the processor's")
     ap.add_argument("--max_model_len", type=int, default=engines.MAX_LEN, help="teacher mode: the engine's context")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+def main(args):
+    """Write the trajectories of args' source (gold, a teacher, R1-Router's rows) or convert ours to R1-Router's; a
+    DataError ends in one line."""
     try:
         if args.export_r1router:
             rows = dataio.read_jsonl(args.export_r1router)
             dataio.write_jsonl(args.out, [to_r1router(x) for x in rows])
             print(f"wrote {len(rows)} rows in R1-Router's step-unrolled format to {args.out}")
-            sys.exit(0)
+            return
         rollout.check_multi_query(args)
         from transformers import AutoTokenizer
         if not (Path(args.model) / "tokenizer_config.json").exists():
@@ -287,7 +291,7 @@ if __name__ == "__main__":
                                     s=gold_settings)
             write_trajectories(args.out, "train", trajs, tok, transcript.format_meta(args), args.max_pixels)
             print(f"imported {len(trajs)} R1-Router trajectories ({sum(x['format_ok'] for x in trajs)} well-formed) -> {args.out}/train.jsonl")
-            sys.exit(0)
+            return
         import retrievers
         ret = retrievers.make_retriever(args.retriever, args.data)
         engine = engines.make_engine(args.backend, args.teacher, seed=args.seed, max_model_len=args.max_model_len,
@@ -318,4 +322,7 @@ if __name__ == "__main__":
                   f"{sum(len(x['ids']) for x in trajs) / max(1, len(trajs)):.0f} per trajectory -> {args.out}/{split}.jsonl")
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
+
+if __name__ == "__main__":
+    main(get_args())
     engines.exit_now()

@@ -168,15 +168,14 @@ def test_synth_writes_the_given_models_tokens_and_refuses_one_without_a_chat_tem
                                                                                         tmp_path):
     # recipe 2's data stage: synth.py --model writes the trajectories in that model's tokenizer (the tests' 4,096-id
     # cut of SmolLM2's, not the default's 49,152); every step is a chat turn, so a folder whose tokenizer has no
-    # chat template is refused by name, nothing written
+    # chat template is refused by name, nothing written (synth.main in this process: its command after the parsing)
     from transformers import AutoTokenizer
 
+    import synth
     import transcript
-    synth = lambda model, out: subprocess.run([sys.executable, "synth.py", "--model", str(model), "--data", str(tiny_index),
-                                               "--out", str(out), "--limit", "2", "--splits", "dev", "--retriever", "bm25"],
-                                              cwd=ROOT, capture_output=True, text=True)
-    r = synth(tiny_model_dir, tmp_path / "traj")
-    assert r.returncode == 0, r.stderr[-2000:]
+    run = lambda model, out: synth.main(synth.get_args(["--model", str(model), "--data", str(tiny_index), "--out", str(out),
+                                                        "--limit", "2", "--splits", "dev", "--retriever", "bm25"]))
+    run(tiny_model_dir, tmp_path / "traj")
     meta = json.loads((tmp_path / "traj" / transcript.META).read_text())
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert meta["vocab_sha256"] == transcript.tokenizer_meta(tok)["vocab_sha256"]
@@ -188,10 +187,10 @@ def test_synth_writes_the_given_models_tokens_and_refuses_one_without_a_chat_tem
     cfg.pop("chat_template", None)
     (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
     (bare / "chat_template.jinja").unlink(missing_ok=True)
-    r = synth(bare, tmp_path / "bare-traj")
-    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        f"error: {bare}: the tokenizer has no chat template (tokenizer_config.json's chat_template or "
-        "chat_template.jinja); every step is a chat turn rendered through it"], r.stderr[-2000:]
+    with pytest.raises(SystemExit) as e:
+        run(bare, tmp_path / "bare-traj")
+    assert e.value.code == (f"error: {bare}: the tokenizer has no chat template (tokenizer_config.json's chat_template "
+                            "or chat_template.jinja); every step is a chat turn rendered through it")
     assert not (tmp_path / "bare-traj").exists()
 
 FOURTH_KB = '''    KB("speech", "Speech Retriever", "spr", "speech: what people said",
