@@ -394,8 +394,8 @@ def main(args):
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
     settings, shots = settings_of(args), None
-    args.max_model_len = args.max_model_len or engines.MAX_LEN
-    engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=args.max_model_len,
+    max_len = args.max_model_len or engines.MAX_LEN
+    engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=max_len,
                                  max_pixels=args.max_pixels, max_images=settings.max_images, base_url=args.base_url,
                                  api_key=args.api_key)
     judge = None
@@ -403,7 +403,7 @@ def main(args):
         sys.exit("error: --judge_url needs --judge, the judge's model folder (its tokenizer and chat template)")
     if args.judge:
         import judge as judges
-        judge = judges.Judge.load(args.judge, args.judge_url, max_model_len=args.max_model_len, seed=args.seed)
+        judge = judges.Judge.load(args.judge, args.judge_url, max_model_len=max_len, seed=args.seed)
     if args.few_shot:
         examples = few_shot_examples(dataio.load_questions(args.data, "train"), args.few_shot)
         shots = rollout.few_shot_prefix(engine.tok, ret, examples, settings)
