@@ -81,6 +81,11 @@ def runs_of(row):
         cur[1].append(t)
     return [(a, tok.decode(ids)) for (_, a), ids in out]
 
+def test_every_listed_mutation_still_applies_to_this_checkout():
+    # fork_mutations.py edits one exact string each: code that moved on would leave a mutation that breaks nothing
+    import fork_mutations
+    assert fork_mutations.stale() == []
+
 @pytest.mark.parametrize("mode", ["teacher_prefix", "onpolicy"])
 def test_a_new_step_reward_moves_the_advantages_as_it_says(tiny_index, encoder, monkeypatch, mode):
     # recipe 1 under the default flags: replace steprewards.step_reward; both rollout modes score every routing step
