@@ -408,10 +408,15 @@ def main(args):
         examples = few_shot_examples(dataio.load_questions(args.data, "train"), args.few_shot)
         shots = rollout.few_shot_prefix(engine.tok, ret, examples, settings)
         print(f"--few_shot {args.few_shot}: {len(examples)} train questions as worked examples ({len(shots)} tokens)")
-    for i, (model, name, out) in enumerate(zip(args.model, names, outs)):
-        if i:
-            engine.sync_weights(checkpoint_weights(model))
-        evaluate_model(args, engine, ret, qs, settings, shots, model, name, out, judge)
+    try:
+        for i, (model, name, out) in enumerate(zip(args.model, names, outs)):
+            if i:
+                engine.sync_weights(checkpoint_weights(model))
+            evaluate_model(args, engine, ret, qs, settings, shots, model, name, out, judge)
+    finally:  # main called as a function (the tests) leaves no engine behind
+        engine.close()
+        if judge:
+            judge.engine.close()
 
 
 def evaluate_model(args, engine, ret, qs, settings, shots, model, name, out, judge=None):

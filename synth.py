@@ -297,31 +297,39 @@ def main(args):
         engine = engines.make_engine(args.backend, args.teacher, seed=args.seed, max_model_len=args.max_model_len,
                                      max_pixels=args.max_pixels, max_images=settings.max_images, base_url=args.base_url,
                                      api_key=args.api_key) if args.teacher else None
-        for split in args.splits:
-            qs = dataio.load_questions(args.data, split)
-            qs = qs[args.offset:args.offset + args.limit] if args.limit else qs[args.offset:]
-            if engine is None:
-                trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs, args.actions), ret, qs,
-                                        s=gold_settings)
-                report = f"{sum(x['format_ok'] for x in trajs)} of {len(trajs)} well-formed"
-                errors = dict(kept=error_report(trajs))
-            else:
-                teach = replace(settings, top_k=args.top_k, route_tries=args.tries, answer_tries=args.tries)
-                trajs, sampled, counts = teacher_trajectories(engine, ret, qs, args.n, teach, args.seed, args.filter)
-                report = "teacher filters: " + ", ".join(f"{k} {v}" for k, v in counts.items())
-                kept = {x["qid"] for x in trajs}  # dropped: the questions without a kept trajectory
-                errors = dict(filters=counts, dropped=[q["id"] for q in qs if q["id"] not in kept], kept=error_report(trajs),
-                              sampled=error_report([x for x in sampled if x["format_ok"] and not x["overflow"]]))
-            write_trajectories(args.out, split, trajs, tok, transcript.format_meta(args), args.max_pixels)
-            dataio.write_atomic(Path(args.out) / f"{split}.errors.json", json.dumps(errors, indent=1) + "\n")
-            print(f"{split}: step mistakes against the world's gold (synth.step_errors), " + "; ".join(
-                f"{k}: " + ", ".join(f"{m} {v}" for m, v in e.items()) for k, e in errors.items() if k in ("kept", "sampled")))
-            hits = [g["doc_id"] in s["retrieved"] for x in trajs for g, s in zip(x["gold_steps"], x["steps"])]
-            print(f"{split}: {len(trajs)} trajectories ({report}); gold doc retrieved at {sum(hits) / max(1, len(hits)):.1%} "
-                  f"of steps; {sum(sum(x['mask']) for x in trajs) / max(1, len(trajs)):.0f} policy tokens of "
-                  f"{sum(len(x['ids']) for x in trajs) / max(1, len(trajs)):.0f} per trajectory -> {args.out}/{split}.jsonl")
+        try:
+            write_splits(args, tok, vis, ret, engine, settings, gold_settings)
+        finally:  # main called as a function (the tests) leaves no engine behind
+            if engine:
+                engine.close()
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
+
+def write_splits(args, tok, vis, ret, engine, settings, gold_settings):
+    """Each of args.splits' trajectories (gold, or the teacher engine's kept ones) written with its error report."""
+    for split in args.splits:
+        qs = dataio.load_questions(args.data, split)
+        qs = qs[args.offset:args.offset + args.limit] if args.limit else qs[args.offset:]
+        if engine is None:
+            trajs = rollout.rollout(rollout.GoldPolicy(tok, qs, vis, args.max_pairs, args.actions), ret, qs,
+                                    s=gold_settings)
+            report = f"{sum(x['format_ok'] for x in trajs)} of {len(trajs)} well-formed"
+            errors = dict(kept=error_report(trajs))
+        else:
+            teach = replace(settings, top_k=args.top_k, route_tries=args.tries, answer_tries=args.tries)
+            trajs, sampled, counts = teacher_trajectories(engine, ret, qs, args.n, teach, args.seed, args.filter)
+            report = "teacher filters: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+            kept = {x["qid"] for x in trajs}  # dropped: the questions without a kept trajectory
+            errors = dict(filters=counts, dropped=[q["id"] for q in qs if q["id"] not in kept], kept=error_report(trajs),
+                          sampled=error_report([x for x in sampled if x["format_ok"] and not x["overflow"]]))
+        write_trajectories(args.out, split, trajs, tok, transcript.format_meta(args), args.max_pixels)
+        dataio.write_atomic(Path(args.out) / f"{split}.errors.json", json.dumps(errors, indent=1) + "\n")
+        print(f"{split}: step mistakes against the world's gold (synth.step_errors), " + "; ".join(
+            f"{k}: " + ", ".join(f"{m} {v}" for m, v in e.items()) for k, e in errors.items() if k in ("kept", "sampled")))
+        hits = [g["doc_id"] in s["retrieved"] for x in trajs for g, s in zip(x["gold_steps"], x["steps"])]
+        print(f"{split}: {len(trajs)} trajectories ({report}); gold doc retrieved at {sum(hits) / max(1, len(hits)):.1%} "
+              f"of steps; {sum(sum(x['mask']) for x in trajs) / max(1, len(trajs)):.0f} policy tokens of "
+              f"{sum(len(x['ids']) for x in trajs) / max(1, len(trajs)):.0f} per trajectory -> {args.out}/{split}.jsonl")
 
 if __name__ == "__main__":
     main(get_args())

@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 from conftest import make_demo
 
+import evaluate
+import synth
+
 ROOT = Path(__file__).resolve().parents[1]
+argv = lambda *args: list(map(str, args))
 
 
 def cli(script, *args):
@@ -24,7 +28,7 @@ def cli(script, *args):
 
 
 @pytest.mark.slow
-def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_dir, tiny_index):
+def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_dir, tiny_index, capsys):
     world = shutil.copytree(tiny_index, tmp_path / "world")  # the demo writes its trajectories into the world's folder
     out, text = make_demo(tmp_path, tiny_model_dir, world)
     for stage in ("data", "sft", "sft-cont", "stepgrpo", "eval", "report"):
@@ -41,22 +45,27 @@ def test_make_demo_end_to_end_then_the_claim_runs_pieces(tmp_path, tiny_model_di
     assert "runs/demo_report.sh" in again and not any(s in again for s in ("synth.py", "sft.py", "stepgrpo.py", "evaluate.py"))
 
     sft, grpo = out / "sft" / "final", out / "stepgrpo" / "final"
-    cli("synth.py", "--model", tiny_model_dir, "--data", world, "--out", tmp_path / "teacher", "--teacher", sft, "-n",
-        "1", "--splits", "train", "--offset", "8", "--limit", "4", "--retriever", "bm25", "--topk", "1")
+    # the pieces in this process (their commands' own parsing, main and files; only the start-up is not paid again)
+    synth.main(synth.get_args(argv("--model", tiny_model_dir, "--data", world, "--out", tmp_path / "teacher", "--teacher",
+                                   sft, "-n", "1", "--splits", "train", "--offset", "8", "--limit", "4", "--retriever",
+                                   "bm25", "--topk", "1")))
     report = json.loads((tmp_path / "teacher" / "train.errors.json").read_text())
     counts = report["filters"]
     assert counts["sampled"] == 4 and len(report["dropped"]) + counts["kept_questions"] == 4, report
-    cli("evaluate.py", "--model", grpo, "--name", "grpo", "--data", world, "--split", "test", "--n_questions", "6",
-        "--methods", "routed", "--retriever", "bm25", "--protocol", "released", "--backend", "hf", "--out", tmp_path / "sampled")
+    evaluate.main(evaluate.get_args(argv("--model", grpo, "--name", "grpo", "--data", world, "--split", "test",
+                                         "--n_questions", "6", "--methods", "routed", "--retriever", "bm25", "--protocol",
+                                         "released", "--backend", "hf", "--out", tmp_path / "sampled")))
     assert json.loads((tmp_path / "sampled" / "results.json").read_text())["grpo/routed+released"]["n"] == 6
     # Step-GRPO's checkpoint in an engine of its own scores as it did swapped into the demo's engine after two others;
     # SFT's, swapped in after it, with one more method into its demo folder, reuses the finished method (an
     # interrupted evaluation resumes)
     routed = out / "eval" / "sft" / "trajectories-routed.jsonl"
     before = routed.stat().st_mtime_ns
-    text = cli("evaluate.py", "--model", grpo, sft, "--name", "stepgrpo", "sft", "--data", world, "--split", "test",
-               "--n_questions", "6", "--topk", "1", "--methods", "routed", "no_retrieval", "ircot", "--out", tmp_path / "alone",
-               out / "eval" / "sft")
+    capsys.readouterr()
+    evaluate.main(evaluate.get_args(argv("--model", grpo, sft, "--name", "stepgrpo", "sft", "--data", world, "--split",
+                                         "test", "--n_questions", "6", "--topk", "1", "--methods", "routed",
+                                         "no_retrieval", "ircot", "--out", tmp_path / "alone", out / "eval" / "sft")))
+    text = capsys.readouterr().out
     strip = lambda f: [{k: v for k, v in x.items() if k != "timings"} for x in map(json.loads, open(f))]
     assert strip(tmp_path / "alone" / "trajectories-routed.jsonl") == strip(out / "eval" / "stepgrpo" / "trajectories-routed.jsonl")
     res = json.loads((out / "eval" / "sft" / "results.json").read_text())
