@@ -4,7 +4,7 @@ the three evaluated -> the report (table, paired intervals, one question's traje
 timed by runs/stage.sh; a rerun skips every built stage. Then the pieces the main job leaves to the claim runs, from
 its checkpoints: the SFT checkpoint as a teacher sampling through the loop with R1-Router's filter (synth.py
 --teacher), sampled evaluation (--protocol released), an evaluation's resume, and a format mismatch refused in one
-line. In `make test` only (slow: the main job's command, ~4 min here); `make test-fast` leaves it out."""
+line. In `make test` only (slow: the main job's command, ~1 min here); `make test-fast` leaves it out."""
 import json
 import shutil
 import subprocess
