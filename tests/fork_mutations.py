@@ -104,8 +104,9 @@ def stale(root=ROOT):
     return out
 
 if __name__ == "__main__":
-    if stale():
-        sys.exit("\n".join(stale()))
+    problems = stale()
+    if problems:
+        sys.exit("\n".join(problems))
     picks = [int(a) for a in sys.argv[1:]] or range(1, len(MUTATIONS) + 1)
     missed = [i for i in picks if not run(i)]
     print(f"{len(picks) - len(missed)} of {len(picks)} caught" + (f"; missed: {missed}" if missed else ""))
