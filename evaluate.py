@@ -371,7 +371,7 @@ def check_models(args, names, outs):
         if err := same_policy(args.model[0], model):
             sys.exit(f"error: --model {model}: {err}: one engine scores checkpoints of one policy; evaluate it in a "
                      f"run of its own")
-    rollout.check_multi_query(args)
+    rollout.check_multi_query(args.max_pairs, args.max_rets, args.structure, args.actions)
     if args.few_shot and args.structure == "released":
         sys.exit("error: --few_shot builds worked examples for --structure transcript only")
 

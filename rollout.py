@@ -249,15 +249,15 @@ class Settings:
         built for this many: vLLM refuses a prompt with more than its limit_mm_per_prompt)."""
         return 1 + self.max_steps * self.topk * self.max_pairs * self.max_rets
 
-def check_multi_query(args):
+def check_multi_query(max_pairs, max_rets, structure, actions):
     """One-line errors for --max_pairs / --max_rets (every script that takes them)."""
-    if args.max_pairs < 1 or args.max_rets < 1:
-        sys.exit(f"error: --max_pairs {args.max_pairs} --max_rets {args.max_rets}: each must be at least 1")
-    if args.max_rets > len(KBS):
-        sys.exit(f"error: --max_rets {args.max_rets}: there are {len(KBS)} retrievers")
-    if args.structure == "released" and (args.max_pairs > 1 or args.max_rets > 1):
+    if max_pairs < 1 or max_rets < 1:
+        sys.exit(f"error: --max_pairs {max_pairs} --max_rets {max_rets}: each must be at least 1")
+    if max_rets > len(KBS):
+        sys.exit(f"error: --max_rets {max_rets}: there are {len(KBS)} retrievers")
+    if structure == "released" and (max_pairs > 1 or max_rets > 1):
         sys.exit("error: --max_pairs / --max_rets > 1 (multi-query steps) work with --structure transcript only")
-    if args.structure == "released" and args.actions:
+    if structure == "released" and actions:
         sys.exit("error: --actions (backtrack, summary) work with --structure transcript only")
 
 def route_stop(tok, s):
@@ -603,7 +603,7 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the trajectories as JSONL here")
     args = ap.parse_args()
-    check_multi_query(args)
+    check_multi_query(args.max_pairs, args.max_rets, args.structure, args.actions)
     import dataio
     import retrievers
     try:

@@ -213,7 +213,7 @@ def check_args(args, world):
         check_ppo(args)
     elif args.kl_in_reward:
         sys.exit("error: --kl_in_reward is PPO's (--adv_estimator gae); group advantages take --kl_coef")
-    rollout.check_multi_query(args)
+    rollout.check_multi_query(args.max_pairs, args.max_rets, args.structure, args.actions)
     if err := transcript.check_format(args.model, args):
         sys.exit(f"error: {err}")
 

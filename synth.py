@@ -275,7 +275,7 @@ def main(args):
             dataio.write_jsonl(args.out, [to_r1router(x) for x in rows])
             print(f"wrote {len(rows)} rows in R1-Router's step-unrolled format to {args.out}")
             return
-        rollout.check_multi_query(args)
+        rollout.check_multi_query(args.max_pairs, args.max_rets, args.structure, args.actions)
         from transformers import AutoTokenizer
         if not (Path(args.model) / "tokenizer_config.json").exists():
             sys.exit(f"error: {args.model}: no tokenizer there (run `python prepare.py` for the default)")
