@@ -24,28 +24,29 @@ GAMMA, LAM = 1.0, 1.0   # GAE's discount and lambda over policy tokens (Search-R
 VF_CLIP = 0.5           # the value loss's clip around the old values (verl's cliprange_value)
 MIN_EXPLAINED_VAR = 0.3  # what the critic must explain of the returns' variance after --critic_warmup for the policy to start
 
-def load(args, device, world, lora):
-    """The critic from --model (a resume loads its trained state afterwards) and its AdamW, verl's critic optimizer:
-    betas (0.9, 0.999), weight decay 0.01, the gradient norm clipped at 1 (update)."""
-    critic = trainutil.load_sharded(args.model, device, world, args.activation_checkpointing, bf16=args.dtype == "bf16",
-                                    lora=lora, value_head=True, offload=args.offload)
+def load(model, lr, device, world, lora, bf16, checkpointing=False, offload=False):
+    """The critic from the policy's starting folder `model` (a resume loads its trained state afterwards) and its
+    AdamW at `lr`, verl's critic optimizer: betas (0.9, 0.999), weight decay 0.01, the gradient norm clipped at 1
+    (update). The rest as trainutil.load_sharded's."""
+    critic = trainutil.load_sharded(model, device, world, checkpointing, bf16=bf16, lora=lora, value_head=True,
+                                    offload=offload)
     params = [p for p in critic.parameters() if p.requires_grad]
-    return critic, torch.optim.AdamW(params, lr=args.critic_lr, betas=(0.9, 0.999), weight_decay=0.01)
+    return critic, torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
 
 def values(critic, m):
     """V [N]: the critic's value of the state before each policy token of micro-batch m (the positions sel marks)."""
     return trainutil.selected_logits(critic, m.ids, m.sel, m.attn, m.pos, m.pix)[:, 0].float()
 
-def advantages(critic, micro, olds, refs, args):
+def advantages(critic, micro, olds, refs, kl_in_reward=0.0):
     """Each micro-batch's GAE advantages (whitened over the global batch's policy tokens) and returns, from its token
-    rewards, the values the critic gives now (m.values) and, with --kl_in_reward beta, the penalty -beta (logp_old -
+    rewards, the values the critic gives now (m.values) and, with kl_in_reward beta, the penalty -beta (logp_old -
     logp_ref) on every policy token (verl's use_kl_in_reward, its "kl" estimator), logp_old the trainer's own
     recomputed logprobs (olds: learner.score_old's), as verl's old_log_prob, not the sampler's."""
     stats = torch.zeros(3, dtype=torch.float64, device=micro[0].ids.device)  # count, sum, sum of squares of A
     with torch.no_grad():
         for m, old, ref in zip(micro, olds, refs):
             m.values = values(critic, m)  # [N]
-            r = m.reward - args.kl_in_reward * (old - ref) if args.kl_in_reward else m.reward
+            r = m.reward - kl_in_reward * (old - ref) if kl_in_reward else m.reward
             R, V = torch.zeros(m.sel.shape, device=r.device), torch.zeros(m.sel.shape, device=r.device)  # [B, T-1]
             R[m.sel], V[m.sel] = r, m.values
             adv, ret = gae(R, V, m.sel, GAMMA, LAM)
@@ -57,7 +58,7 @@ def advantages(critic, micro, olds, refs, args):
     for m in micro:
         m.adv = whiten(m.adv, *stats.tolist()).float()
 
-def update(critic, opt, micro, denom, args):
+def update(critic, opt, micro, denom):
     """One pass of the clipped value loss over the micro-batches (token mean over the global batch, FSDP averaging
     the gradients over ranks), one AdamW step. Returns this rank's sums (policy tokens, value_loss, vf_clipped, and
     the explained variance's: sum and sum of squares of R and of R - V) and the global grad norm."""
@@ -95,23 +96,25 @@ def record(sums):
     return dict(value_loss=loss, vf_clipfrac=clipped / n_tok,
                 explained_var=None if flat else 1 - var(e, e2) / var(r, r2))
 
-def check_resumed(out, step, args):
-    """A run resumed at `step`, past its warm-up: the gate's verdict again, from the warm-up's last record in
-    out/log.jsonl (the checkpoint the gate stopped at holds the warmed-up critic, and a resume must not pass it)."""
-    if args.adv_estimator != "gae" or not 0 < args.critic_warmup <= step:
+def check_resumed(out, step, warmup):
+    """A run resumed at `step`, past its warm-up of `warmup` steps: the gate's verdict again, from the warm-up's last
+    record in out/log.jsonl (the checkpoint the gate stopped at holds the warmed-up critic, and a resume must not
+    pass it)."""
+    if not 0 < warmup <= step:
         return
-    recs = [json.loads(line) for line in open(Path(out) / "log.jsonl")] if (Path(out) / "log.jsonl").is_file() else []
-    check_warmup(next((r for r in recs if r["step"] == args.critic_warmup), {}), args.critic_warmup, args)
+    log = Path(out) / "log.jsonl"
+    recs = [json.loads(line) for line in open(log)] if log.is_file() else []
+    check_warmup(next((r for r in recs if r["step"] == warmup), {}), warmup, warmup)
 
-def check_warmup(rec, step, args):
-    """After the last of --critic_warmup steps (rec: its log record, the same on every rank): the policy starts only
-    if the critic explains more than MIN_EXPLAINED_VAR of the returns' variance, else every rank exits with one line
-    (GAE's advantages from a critic that explains nothing are whitened returns: REINFORCE, not PPO)."""
-    if args.adv_estimator != "gae" or step != args.critic_warmup or not args.critic_warmup:
+def check_warmup(rec, step, warmup):
+    """After the last of `warmup` steps (--critic_warmup; rec: its log record, the same on every rank): the policy
+    starts only if the critic explains more than MIN_EXPLAINED_VAR of the returns' variance, else every rank exits
+    with one line (GAE's advantages from a critic that explains nothing are whitened returns: REINFORCE, not PPO)."""
+    if step != warmup or not warmup:
         return
     ev = rec.get("explained_var")
     if ev is None or not ev > MIN_EXPLAINED_VAR:
-        sys.exit(f"error: after --critic_warmup {args.critic_warmup} steps the critic explains "
+        sys.exit(f"error: after --critic_warmup {warmup} steps the critic explains "
                  f"{'nothing' if ev is None else f'{ev:.2f}'} of the returns' variance (the policy starts above "
                  f"{MIN_EXPLAINED_VAR}): raise --critic_warmup, --critic_lr or --minibatches, or --critic_warmup 0 to "
                  "train the policy at once")

@@ -25,12 +25,29 @@ def norm(v, eps=1e-4, std=True):
         return np.zeros_like(v)
     return (v - v.mean()) / (v.std(ddof=1) + eps) if std else v - v.mean()
 
-def group_advantages(spans, rewards, outcomes, mode="step", scale=None, std=True):
+def group_relative(r, std):
+    """GRPO's estimator: norm(r) within the group (--adv_std: divided by its std; else Dr. GRPO's r - mean)."""
+    return norm(r, std=std)
+
+def from_critic(r, std):
+    """PPO's (--adv_estimator gae): nothing at the group; GAE over the critic's values gives each token's advantage
+    in the update (critic.advantages, gae)."""
+    return np.zeros_like(r)
+
+ESTIMATORS = {"grpo": group_relative, "gae": from_critic}  # --adv_estimator: name -> f(rewards [n], std) -> [n]
+
+def advantages(rewards, estimator="grpo", std=False, scale=1.0):
+    """The advantages [n] of a group's n rewards, times `scale` (a routing step's --balance_kb factor). Every rollout
+    mode calls it on every set of samples it compares: a step's n completions (teacher_prefix, branch), the samples'
+    spans of one kind and step and their outcomes (onpolicy: group_advantages)."""
+    return scale * ESTIMATORS[estimator](np.asarray(rewards, dtype=np.float64), std)
+
+def group_advantages(spans, rewards, outcomes, mode="step", scale=None, std=True, estimator="grpo"):
     """onpolicy, one group (the n samples of a question). spans[i]: span dicts of sample i, rewards[i]: their rewards,
-    outcomes[i]: R_i. Returns A[i][j] = c_(kind, step) norm_(kind, step)(r_ij) + norm(R_i), where norm_(kind, step)
+    outcomes[i]: R_i. Returns A[i][j] = c_(kind, step) adv_(kind, step)(r_ij) + adv(R_i), where adv_(kind, step)
     runs over the samples that have a span of that kind at that step (0 if only one has it) and c = scale.get((kind,
-    step), 1) (--balance_kb); mode "outcome": A[i][j] = norm(R_i) (plain GRPO). std: as norm's (--adv_std)."""
-    R = norm(outcomes, std=std)
+    step), 1) (--balance_kb); mode "outcome": A[i][j] = adv(R_i) (plain GRPO). adv: `advantages` by `estimator`."""
+    R = advantages(outcomes, estimator, std)
     adv = [[float(R[i]) for _ in s] for i, s in enumerate(spans)]
     if mode == "outcome":
         return adv
@@ -39,9 +56,9 @@ def group_advantages(spans, rewards, outcomes, mode="step", scale=None, std=True
         for j, sp in enumerate(s):
             by_key.setdefault((sp["kind"], sp["step"]), []).append((i, j))
     for key, members in by_key.items():
-        c = (scale or {}).get(key, 1.0)
-        for (i, j), a in zip(members, norm([rewards[i][j] for i, j in members], std=std)):
-            adv[i][j] += c * float(a)
+        a = advantages([rewards[i][j] for i, j in members], estimator, std, (scale or {}).get(key, 1.0))
+        for (i, j), a_ij in zip(members, a):
+            adv[i][j] += float(a_ij)
     return adv
 
 def token_advantages(n_tokens, spans, adv):
@@ -174,16 +191,17 @@ def overlong(n_tokens, budget, cut, mode):
         return min(0.0, ((budget - cache) - n_tokens) / cache), True
     return 0.0, True
 
-def split_credit(tok, group, rewards, kb_part, std, scale):
+def split_credit(tok, group, rewards, kb_part, std, scale, estimator="grpo"):
     """--route_credit split: per completion, per-token advantages. The part of the route reward its KB choice earned
-    (kb_part: steprewards.kb_credit; R1-Router's 0.5 [KB = gold's]) is normalised in the group and put on the tokens
-    from <ret> on, where the KB is written; the rest of the reward (R1-Router's: the sub-question's cosine, the format
-    term) on the tokens before. So the decision's credit is not diluted over
-    the ~40 tokens of the step's wording, and wording noise does not reach the decision tokens."""
-    a_kb = norm(kb_part, std=std) * scale
-    a_rest = norm([r - k for r, k in zip(rewards, kb_part)], std=std) * scale
+    (kb_part: steprewards.kb_credit; R1-Router's 0.5 [KB = gold's]) gets its group advantage on the tokens from <ret>
+    on, where the KB is written; the rest of the reward (R1-Router's: the sub-question's cosine, the format term) on
+    the tokens before. So the decision's credit is not diluted over the ~40 tokens of the step's wording, and wording
+    noise does not reach the decision tokens."""
+    a_kb = advantages(kb_part, estimator, std, scale)
+    a_rest = advantages([r - k for r, k in zip(rewards, kb_part)], estimator, std, scale)
     cuts = [ret_start(tok, ids) for ids, _ in group]
-    return [[float(a_rest[i])] * k + [float(a_kb[i])] * (len(ids) - k) for i, ((ids, _), k) in enumerate(zip(group, cuts))]
+    return [[float(a_rest[i])] * k + [float(a_kb[i])] * (len(ids) - k)
+            for i, ((ids, _), k) in enumerate(zip(group, cuts))]
 
 def ret_start(tok, ids):
     """The number of tokens before the first one that completes "<ret>" (len(ids) if none does): engines.truncate's

@@ -33,13 +33,10 @@ class Weights:
     rag: tuple = (0.0, 0.0)  # --w_rag: the judged relevance's and groundedness's weights on the outcome (judge_rag)
     judge: object = None     # their judge.Judge (None: no judged term)
 
-    @classmethod
-    def of(cls, args, questions, judge=None):
-        """stepgrpo.py's weights: --w_format, --w_hit, --w_rag with its judge, and with --balance_kb the factors of
-        the training questions."""
-        return cls(args.w_format, args.w_hit,
-                   kb_balance(questions, args.max_steps, args.max_pairs) if args.balance_kb else None,
-                   (list(args.w_rag) + [0.0])[:2], judge)
+def kb_factor(w, kind, gold):
+    """--balance_kb's factor on the advantages of a step of `kind` judged against the gold route class `gold`
+    (kb_balance): a routing step's class weight, 1 for any other step or without balancing."""
+    return w.route_scale.get(gold, 1.0) if w.route_scale and kind == "route" else 1.0
 
 def step_reward(kind, step, target, w, encode, retrieved=None):
     """The reward of one policy step; 0 for a step that does not parse (step.ok False).
@@ -176,34 +173,70 @@ def log_trajectory(stats, x, r, outcome):
     stats["tokens"].append(x["n_policy_tokens"])
     stats["actions"].append(float(len(x.get("actions", []))))
 
-def score_group(kind, x, sp, texts, s, encode, w, stats):
-    """The rewards of one group's completions `texts` of span sp of prefix trajectory x (step_reward against the
-    prefix trajectory's own step: R1-Router's teacher's, for golden prefixes the gold's; the final answer against
-    the gold answers), and for routing steps each one's KB choice and the part of its reward the KB earned (kb_credit,
-    for --route_credit split), and the class of the route it is judged against (--balance_kb). s: rollout.Settings (the step format)."""
+@dataclass
+class Score:
+    """One sampled step's scoring (score_group, score_branches): the reward its advantage is of, and what the
+    rollout's metrics are made of (log_group)."""
+    reward: float                   # teacher_prefix: the step's reward; branch: outcome + step reward
+    step: float                     # the step's own step_reward
+    parsed: bool = True             # the step parsed
+    kb_part: float = 0.0            # a route: the part of `step` its KB choice earned (kb_credit)
+    kbs: tuple | None = None        # a route: the KBs it chose or ("stop",); None where it did not parse
+    kb_right: bool = False          # a route that parsed: kbs are those of the step it is judged against
+    reasks: tuple = ()              # a route: per sub-question, whether it asks one asked before (0/1)
+    outcome: float | None = None    # branch: the continuation's outcome R
+
+def score_group(kind, x, sp, texts, s, encode, w):
+    """The Score of each of one group's completions `texts` of span sp of prefix trajectory x (step_reward against
+    the prefix trajectory's own step: R1-Router's teacher's, for golden prefixes the gold's; the final answer against
+    the gold answers), and the class of the route it is judged against (--balance_kb). kind: route or answer. A
+    route's Score holds its KB choice and the part of its reward the KB earned (kb_credit, --route_credit split).
+    s: rollout.Settings (the step format)."""
     t = sp["step"]
-    mine = reward.by_step(x["steps"])
-    target = mine[t] if t < len(mine) else []  # []: the prefix trajectory stops here
-    rs, choices, kb_part = [], [], []
+    steps = reward.by_step(x["steps"])
+    target = steps[t] if t < len(steps) else []  # []: the prefix trajectory stops here
+    out = []
     for text in texts:
         if kind == "route":
             p = reward.parse_route(text, s.max_pairs, s.max_rets, s.actions)  # an action: the format term alone
             kbs = (("stop",) if p.stop else tuple(sorted(kb for _, k in p.pairs for kb in k))) if p.ok else None
-            ok_kb = kbs == route_kbs(x["steps"], t)
             r = step_reward("route", p, target, w, encode)
-            stats["route_r"].append(r)
-            choices.append(kbs)
-            kb_part.append(kb_credit(p, target, w, encode, r))
-            if p.ok:
-                stats["kb_acc"].append(float(ok_kb))
-            stats["reask"] += [float(reward.re_asks(q, [e for e in x["steps"] if e["step"] < t])) for q, _ in p.pairs]
+            kb_part = kb_credit(p, target, w, encode, r)
+            asked = [e for e in x["steps"] if e["step"] < t]
+            reasks = tuple(float(reward.re_asks(q, asked)) for q, _ in p.pairs)
+            out.append(Score(r, r, p.ok, kb_part, kbs, kbs == route_kbs(x["steps"], t), reasks))
         else:
             p = reward.parse_answer(text)
             r = step_reward(sp["kind"], p, x["answers"] if sp["kind"] == "final" else target, w, encode)
-            stats["answer_r" if sp["kind"] == "answer" else "outcome"].append(r)
-        stats["format_ok"].append(float(p.ok))
-        rs.append(r)
-    return rs, choices, kb_part, gold_route(x["steps"], t)
+            out.append(Score(r, r, p.ok))
+    return out, gold_route(x["steps"], t)
+
+def log_group(stats, kind, scores, cut, tokens, branches=()):
+    """Append one group's logged numbers to stats (lists by name) from its Scores: the steps' rewards (route_r,
+    answer_r; a teacher-prefix final answer's: outcome), a route's KB accuracy and re-asks, each step's format, the
+    steps cut at their budget (cut) and their tokens, the spread of a route group's KB choices (kb_entropy,
+    kb_mixed); for a group of branches (branches.branch trajectories) each one's outcome, format, overflow and
+    searches instead of the step's format. kind: the sampled span's."""
+    for sc in scores:
+        if kind == "route":
+            stats["kb_acc"] += [float(sc.kb_right)] if sc.parsed else []
+            stats["reask"] += list(sc.reasks)
+        if kind in ("route", "answer"):
+            stats[f"{kind}_r"].append(sc.step)
+        elif kind == "final" and not branches:  # a final answer's step reward is its outcome
+            stats["outcome"].append(sc.step)
+        if not branches:
+            stats["format_ok"].append(float(sc.parsed))
+    for y, sc in zip(branches, scores):
+        for k, v in (("outcome", sc.outcome), ("format_ok", y["format_ok"]), ("overflow", y["overflow"]),
+                     ("retrievals", len(y["steps"]))):
+            stats[k].append(float(v))
+    stats["tokens"] += list(tokens)
+    stats["cut"] += [float(c) for c in cut]
+    if kind == "route":  # the decision as a distribution: how spread the group's KB choices are
+        choices = [sc.kbs for sc in scores]
+        stats["kb_entropy"].append(choice_entropy(choices))
+        stats["kb_mixed"].append(float(len(set(choices)) > 1))
 
 def branch_reward(x, encode, w, mode="step"):
     """--rollout branch: the reward of branch trajectory x (branches.branch; span x["branch"] sampled anew, the rest of
@@ -214,31 +247,18 @@ def branch_reward(x, encode, w, mode="step"):
     step_r = r[x["branch"]]
     return outcome + (step_r if mode == "step" else 0.0), step_r, outcome
 
-def score_branches(group, encode, w, mode, stats):
-    """The rewards of a group of branches at one prefix (branches.branch: the same span sampled anew, each continued
+def score_branches(group, encode, w, mode):
+    """The Score of each branch of a group at one prefix (branches.branch: the same span sampled anew, each continued
     to the end; branch_reward), and the class of the gold route of a branched routing step (--balance_kb; None for
-    an answer). Appends to stats the branched step's reward (route_r, answer_r: a final answer's is the outcome) and
-    tokens, a routing step's KB accuracy, re-asks and the group's KB choice spread (kb_entropy, kb_mixed), and each
-    branch's outcome, format, overflow and searches."""
-    sp, choices, rs = group[0]["spans"][group[0]["branch"]], [], []
-    t = sp["step"]
+    another kind). A branched step that fails to parse ends its trajectory."""
+    sp = group[0]["spans"][group[0]["branch"]]
+    t, out = sp["step"], []
     for y in group:
         r, step_r, outcome = branch_reward(y, encode, w, mode)
-        rs.append(r)
-        mine = y["spans"][y["branch"]]  # sp's kind and step; its own tokens
-        if sp["kind"] == "route":
-            parsed = y["format_ok"] or y["branch"] < len(y["spans"]) - 1  # a step that fails to parse ends its trajectory
-            choices.append(route_kbs(y["steps"], t) if parsed else None)
-            stats["kb_acc"] += [float(choices[-1] == route_kbs(y["gold_steps"], t))] if parsed else []
-            earlier = [e for e in y["steps"] if e["step"] < t]
-            stats["reask"] += [float(reward.re_asks(q, earlier))
-                               for q, _ in reward.pairs_of([e for e in y["steps"] if e["step"] == t])]
-        if sp["kind"] in ("route", "answer"):  # (a branched action: its reward is in the group's, not logged apart)
-            stats[f"{sp['kind']}_r"].append(step_r)
-        for k, v in (("outcome", outcome), ("format_ok", y["format_ok"]), ("overflow", y["overflow"]),
-                     ("retrievals", len(y["steps"])), ("tokens", mine["end"] - mine["start"])):
-            stats[k].append(float(v))
-    if sp["kind"] == "route":
-        stats["kb_entropy"].append(choice_entropy(choices))
-        stats["kb_mixed"].append(float(len(set(choices)) > 1))
-    return rs, gold_route(group[0]["gold_steps"], t) if sp["kind"] == "route" else None
+        parsed = y["format_ok"] or y["branch"] < len(y["spans"]) - 1
+        kbs = route_kbs(y["steps"], t) if sp["kind"] == "route" and parsed else None
+        earlier = [e for e in y["steps"] if e["step"] < t]
+        asked = reward.pairs_of([e for e in y["steps"] if e["step"] == t]) if sp["kind"] == "route" else []
+        out.append(Score(r, step_r, parsed, kbs=kbs, kb_right=kbs == route_kbs(y["gold_steps"], t),
+                         reasks=tuple(float(reward.re_asks(q, earlier)) for q, _ in asked), outcome=outcome))
+    return out, gold_route(group[0]["gold_steps"], t) if sp["kind"] == "route" else None

@@ -93,7 +93,7 @@ def run_ours():
         for i in range(0, N, M):
             ids, attn, _, sel, old, a = grpo.collate(seqs[i:i + M], pad, torch.device("cpu"))  # unpacked, as TRL
             logp, _ = grpo.token_logprobs(model, ids, attn, sel)
-            loss, _, _ = grpo.grpo_loss(logp, old, logp.detach(), a, 0.2, 0.0, denom)
+            loss = grpo.grpo_loss(logp, old, logp.detach(), a, (grpo.CLIP_LOW, 0.2), 0.0, denom)[0]
             loss.backward()
         trainutil.clip_grad_norm(model, 1.0)
         opt.step()

@@ -206,12 +206,13 @@ def update_peak(model_dir, device):
         args = stepgrpo.get_args(["--dtype", "bf16"])
         group = [(list(range(300 + i, 300 + i + 64)), [-2.0] * 64) for i in range(8)]
         rows = [grpo.pack_group(list(range(5, 105)), group, [1.0, -1.0] * 4) for _ in range(args.micro_batch)]
-        micro, denom, _ = learner.micro_batches(rows, args, 0, device)
-        assert len(micro) == 1 and len(micro[0].old) == stepgrpo.update_tokens(args) == 1024
-        learner.update(model, opt, micro, [m.old for m in micro], [None] * len(micro), denom, args)
+        cfg = stepgrpo.update_config(args)
+        micro, denom, _ = learner.micro_batches(rows, cfg, 0, device)
+        assert len(micro) == 1 and len(micro[0].logp_sampler) == stepgrpo.update_tokens(args) == 1024
+        learner.update(model, opt, micro, [m.logp_sampler for m in micro], [None] * len(micro), denom, cfg)
         allocated = torch.cuda.memory_allocated(device) - memory.optimizer_bytes(opt)  # as model_budget_error does
         torch.cuda.reset_peak_memory_stats(device)
-        learner.update(model, opt, micro, [m.old for m in micro], [None] * len(micro), denom, args)
+        learner.update(model, opt, micro, [m.logp_sampler for m in micro], [None] * len(micro), denom, cfg)
         measured = torch.cuda.max_memory_allocated(device)
         trainable = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         parts = memory.gpu_budget(torch.cuda.mem_get_info(device)[1], allocated, trainable, 0.5, 1, 1024,

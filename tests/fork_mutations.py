@@ -15,16 +15,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE1 = "test_a_new_step_reward_moves_the_advantages_as_it_says"
+RECIPE4 = "test_a_new_advantage_estimator_reaches_every_rollout_mode"
 KB_CHECK = "test_a_fourth_kb_added_to_the_table_reaches_the_prompt_parser_retrieval_and_reward"
 KB_JOB = "test_a_fourth_kb_runs_through_the_whole_main_job"
 
 # (what it breaks, file, the exact string, its replacement, the test that must fail)
 MUTATIONS = [
     ("split credit's KB part hard-wired to R1-Router's 0.5 [KB right]", "steprewards.py",
-     "kb_part.append(kb_credit(p, target, w, encode, r))", "kb_part.append(0.5 * float(ok_kb))", RECIPE1),
+     "kb_part = kb_credit(p, target, w, encode, r)", 'kb_part = 0.5 * float(kbs == route_kbs(x["steps"], t))',
+     RECIPE1),
     ("split credit's wording half zeroed", "grpo.py",
-     "a_rest = norm([r - k for r, k in zip(rewards, kb_part)], std=std) * scale",
-     "a_rest = norm([r - k for r, k in zip(rewards, kb_part)], std=std) * scale * 0", RECIPE1),
+     "a_rest = advantages([r - k for r, k in zip(rewards, kb_part)], estimator, std, scale)",
+     "a_rest = advantages([r - k for r, k in zip(rewards, kb_part)], estimator, std, scale) * 0", RECIPE1),
     ("on-policy default credit the outcome alone", "stepgrpo.py",
      'ap.add_argument("--reward", default="step"', 'ap.add_argument("--reward", default="outcome"', RECIPE1),
     ("on-policy steps rebuilt without their sub-question", "steprewards.py",
@@ -66,6 +68,15 @@ MUTATIONS = [
      'from dataio import KBS  # ("text", "table", "image")', 'KBS = ("text", "table", "image")', KB_JOB),
     ("evaluate.py's every-KB baselines search the three", "evaluate.py",
      'kbs = () if method == "no_retrieval" else KBS', 'kbs = () if method == "no_retrieval" else KBS[:3]', KB_JOB),
+    ("--adv_estimator read but not used", "stepgrpo.py",
+     "args.reward, args.adv_estimator, args.adv_std", 'args.reward, "grpo", args.adv_std', RECIPE4),
+    ("split credit's KB part normalised by GRPO's estimator whatever the flag", "grpo.py",
+     "a_kb = advantages(kb_part, estimator, std, scale)", 'a_kb = advantages(kb_part, "grpo", std, scale)', RECIPE4),
+    ("on-policy outcomes normalised by GRPO's estimator whatever the flag", "grpo.py",
+     "R = advantages(outcomes, estimator, std)", "R = norm(outcomes, std=std)", RECIPE4),
+    ("branch groups normalised by GRPO's estimator whatever the flag", "stepgrpo.py",
+     "adv = grpo.advantages(rs, run.estimator, run.adv_std, steprewards.kb_factor(w, sp[\"kind\"], gold))",
+     "adv = grpo.norm(rs, std=run.adv_std) * steprewards.kb_factor(w, sp[\"kind\"], gold)", RECIPE4),
 ]
 
 def checkout_copy(dest):

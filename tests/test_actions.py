@@ -273,7 +273,7 @@ def test_step_grpo_builds_a_row_per_chat_and_scores_every_span_of_a_trajectory_w
                                   "--topk", "2", "--branch_steps", "3"])
         args.actions = True  # (read from the checkpoint: none here)
         rows, stats = getattr(stepgrpo, f"{mode}_batch")(rollout.GoldPolicy(tok, picked, actions=True), ret, picked,
-                                                         args, encoder.encode, w, 0)
+                                                         stepgrpo.rollout_config(args), encoder.encode, w, 0)
         assert all(len(r["ids"]) == len(r["mask"]) == len(r["adv"]) for r in rows) and rows
         if mode == "onpolicy":
             trajs = run(rollout.GoldPolicy(tok, picked, actions=True), picked, ret)

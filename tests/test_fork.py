@@ -1,7 +1,7 @@
-"""The README's three fork recipes, each followed through on the default flags: a new per-step reward
+"""The README's four fork recipes, each followed through on the default flags: a new per-step reward
 (steprewards.step_reward), a new policy model (make's MODEL), a new KB type (a row of dataio.KB_TABLE, through the
-whole main job). Each of these mutations makes one of them fail (tests/fork_mutations.py applies each to a copy of
-the checkout and runs the test that should catch it):
+whole main job), a new advantage estimator (grpo.ESTIMATORS). Each of these mutations makes one of them fail
+(tests/fork_mutations.py applies each to a copy of the checkout and runs the test that should catch it):
    1. split credit's KB part hard-wired to R1-Router's 0.5 [KB right]
    2. split credit's wording half zeroed
    3. on-policy default credit the outcome alone
@@ -20,6 +20,10 @@ the checkout and runs the test that should catch it):
   16. metrics count the three KBs
   17. the report's table has the three KBs' columns
   18. evaluate.py's every-KB baselines search the three
+  19. --adv_estimator read but not used
+  20. split credit's KB part normalised by GRPO's estimator whatever the flag
+  21. on-policy outcomes normalised by GRPO's estimator whatever the flag
+  22. branch groups normalised by GRPO's estimator whatever the flag
 """
 import json
 import os
@@ -29,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import make_demo
 
@@ -102,9 +107,9 @@ def test_a_new_step_reward_moves_the_advantages_as_it_says(tiny_index, encoder, 
     qs = [q for q in dataio.load_questions(tiny_index, "train") if q["steps"]][:4]
     args = stepgrpo.get_args(["-n", "2", "--rollout", mode])
     engine, ret = OddSamplesAskTheTable(tok, qs), retrievers.Retriever(tiny_index, "bm25")
-    w = steprewards.Weights.of(args, qs)
+    w = stepgrpo.reward_weights(args, qs)
     batch = stepgrpo.teacher_prefix_batch if mode == "teacher_prefix" else stepgrpo.onpolicy_batch
-    rows, _ = batch(engine, ret, qs, args, encoder.encode, w, seed=0)
+    rows, _ = batch(engine, ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     runs = [r for row in rows for r in runs_of(row) if r[0]]
     assert runs and all("<answer>" not in text for _, text in runs)  # route tokens only
     scales = set(w.route_scale.values())
@@ -126,6 +131,40 @@ def test_a_new_step_reward_moves_the_advantages_as_it_says(tiny_index, encoder, 
     assert {a > 0 for a, _ in runs} == {True, False}
     if mode == "teacher_prefix":
         assert {"</ret>" in text for _, text in runs} == {True, False}  # both halves moved
+
+class OddSamplesAlsoAnswerWrong(OddSamplesAskTheTable):
+    """OddSamplesAskTheTable, whose odd samples also give a wrong final answer: on-policy outcomes that differ."""
+    def step_text(self, q, turn, phase):
+        text = super().step_text(q, turn, phase)
+        return reward.format_answer("Combining the answers.", "nobody") if self.odd and text == self.script(q)[-1][1] \
+            else text
+
+def rloo(r, std):
+    """A fork's estimator, RLOO (arXiv 2402.14740): each sample's reward minus the mean of the others'."""
+    return r - (r.sum() - r) / (len(r) - 1) if len(r) > 1 else np.zeros_like(r)
+
+@pytest.mark.parametrize("mode", ["teacher_prefix", "onpolicy", "branch"])
+def test_a_new_advantage_estimator_reaches_every_rollout_mode(tiny_index, encoder, monkeypatch, mode):
+    # recipe 4: a function added to grpo.ESTIMATORS is a choice of --adv_estimator and gives every rollout mode's
+    # groups their advantages (split credit's two parts, on-policy steps and outcomes, branches). In groups of 2,
+    # RLOO's r_i - r_j is twice Dr. GRPO's r_i - mean, on every trained token
+    from transformers import AutoTokenizer
+
+    import dataio
+    import grpo
+    import retrievers
+    monkeypatch.setitem(grpo.ESTIMATORS, "rloo", rloo)
+    tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
+    qs = [q for q in dataio.load_questions(tiny_index, "train") if q["steps"]][:4]
+    ret = retrievers.Retriever(tiny_index, "bm25")
+    adv = {}
+    for est in ("grpo", "rloo"):
+        args = stepgrpo.get_args(["-n", "2", "--rollout", mode, "--adv_estimator", est])
+        batch = getattr(stepgrpo, f"{mode}_batch")
+        rows, _ = batch(OddSamplesAlsoAnswerWrong(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode,
+                        stepgrpo.reward_weights(args, qs), seed=0)
+        adv[est] = [a for r in rows for a, m in zip(r["adv"], r["mask"]) if m]
+    assert any(adv["grpo"]) and adv["rloo"] == pytest.approx([2 * a for a in adv["grpo"]])
 
 def test_a_model_folder_given_to_make_is_used_as_given(tiny_model_dir, tmp_path):
     # recipe 2: make demo MODEL=<folder> takes the folder's tokenizer and weights (no conversion); a MODEL that is not

@@ -4,7 +4,6 @@ to 1 process, exact resume and a killed rank restarting a PPO job, and one-line 
 import json
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -93,22 +92,21 @@ def test_a_critic_learns_a_fixed_batch(tiny_model_dir):
     # on one fixed batch, repeated updates lower the value loss and the explained variance rises above 0.5
     own = trainutil.init_group(1)
     try:
-        args = Namespace(model=str(tiny_model_dir), activation_checkpointing=False, dtype="fp32", critic_lr=1e-3,
-                         gamma=1.0, lam=1.0, vf_clip=10.0, kl_in_reward=0.0, adv_estimator="gae", kl_coef=0.0,
-                         entropy_coef=0.0, micro_batch=6, offload=False)
-        crit, opt = critic.load(args, torch.device("cpu"), 1, None)
+        args = learner.UpdateConfig(micro_batch=6, gae=True)
+        load = lambda: critic.load(str(tiny_model_dir), 1e-3, torch.device("cpu"), 1, None, bf16=False)
+        crit, opt = load()
         assert [n for n, p in crit.named_parameters() if p.requires_grad and "lm_head" in n] == \
             ["lm_head.weight", "lm_head.bias"] and crit.get_output_embeddings().out_features == 1
         head = crit.get_output_embeddings()  # verl's critic head and optimizer: N(0, 0.02), bias 0; AdamW 0.9 / 0.999 / 0.01
         w = head.weight.full_tensor()
         assert 0.015 < w.std().item() < 0.025 and head.bias.full_tensor().abs().max() == 0
-        assert torch.equal(w, critic.load(args, torch.device("cpu"), 1, None)[0].get_output_embeddings().weight.full_tensor())
+        assert torch.equal(w, load()[0].get_output_embeddings().weight.full_tensor())
         assert opt.defaults["betas"] == (0.9, 0.999) and opt.defaults["weight_decay"] == 0.01
         micro, denom, _ = learner.micro_batches(critic_rows(), args, 0, torch.device("cpu"))
         losses, ev = [], []
         for _ in range(40):
-            critic.advantages(crit, micro, [m.old for m in micro], [None] * len(micro), args)
-            sums, _ = critic.update(crit, opt, micro, denom, args)
+            critic.advantages(crit, micro, [m.logp_sampler for m in micro], [None] * len(micro))
+            sums, _ = critic.update(crit, opt, micro, denom)
             rec = critic.record(sums)
             losses.append(rec["value_loss"])
             ev.append(rec["explained_var"])
@@ -177,14 +175,14 @@ def test_a_critic_warmup_holds_the_policy_and_a_critic_that_explains_nothing_sto
     assert str(e.value.code) == msg and not (out / "step_2").exists()
 
 def test_the_policy_starts_after_the_warmup_only_above_the_explained_variance_bar():
-    args = Namespace(adv_estimator="gae", critic_warmup=3)
-    critic.check_warmup(dict(explained_var=0.31), 3, args)  # passes
-    critic.check_warmup(dict(explained_var=0.0), 2, args)   # not the warm-up's last step: no check
-    critic.check_warmup(dict(explained_var=0.0), 3, Namespace(adv_estimator="gae", critic_warmup=0))  # told: no warm-up
+    warmup = 3  # --critic_warmup
+    critic.check_warmup(dict(explained_var=0.31), 3, warmup)  # passes
+    critic.check_warmup(dict(explained_var=0.0), 2, warmup)   # not the warm-up's last step: no check
+    critic.check_warmup(dict(explained_var=0.0), 3, 0)  # told: no warm-up
     for rec, words in ((dict(explained_var=0.29), "explains 0.29 of"), (dict(explained_var=None), "explains nothing"),
                        (dict(explained_var=float("nan")), "explains nan")):
         with pytest.raises(SystemExit) as e:
-            critic.check_warmup(rec, 3, args)
+            critic.check_warmup(rec, 3, warmup)
         assert str(e.value.code).startswith("error: after --critic_warmup 3 steps") and words in str(e.value.code)
 
 TWO_RANK_CRITIC = '''
@@ -193,18 +191,16 @@ faulthandler.enable()  # a rank that aborts prints its threads' Python stacks in
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 import critic, learner, trainutil
-from argparse import Namespace
 from test_ppo import critic_rows
 rank, world, device, _ = trainutil.env_rank()
 trainutil.init_group(world)
-args = Namespace(model=sys.argv[2], activation_checkpointing=False, dtype="fp32", critic_lr=1e-3, gamma=0.9, lam=0.8,
-                 vf_clip=0.5, kl_in_reward=0.0, adv_estimator="gae", kl_coef=0.0, entropy_coef=0.0, micro_batch=2, offload=False)
-crit, opt = critic.load(args, device, world, None)
+args = learner.UpdateConfig(micro_batch=2, gae=True)
+crit, opt = critic.load(sys.argv[2], 1e-3, device, world, None, bf16=False)
 rows = critic_rows(8)[rank::world]
 micro, denom, _ = learner.micro_batches(rows, args, 0, device)
 for _ in range(3):
-    critic.advantages(crit, micro, [m.old for m in micro], [None] * len(micro), args)
-    rec = critic.record(critic.update(crit, opt, micro, denom, args)[0])
+    critic.advantages(crit, micro, [m.logp_sampler for m in micro], [None] * len(micro))
+    rec = critic.record(critic.update(crit, opt, micro, denom)[0])
 w = {n: p.full_tensor() for n, p in crit.named_parameters()}
 if rank == 0:
     print(json.dumps(dict(rec=rec, head=w["lm_head.weight"].flatten()[:16].tolist(), bias=w["lm_head.bias"].tolist(),

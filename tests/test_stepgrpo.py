@@ -1,5 +1,6 @@
 """stepgrpo.py: per-step advantages on hand-made rewards, the loss against a direct computation, masking, and
 2-rank torchrun runs with vLLM sync, exact resume and dev-picked checkpoints."""
+import dataclasses
 import json
 import math
 import os
@@ -182,14 +183,13 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
         model.zero_grad()
         with torch.no_grad():
             mine = grpo.token_logprobs(model, ids, attn, sel, pos)[0]
-        args = Namespace(old_logprobs="trainer", entropy_coef=0.0, kl_coef=0.0, kl_in_reward=0.0,
-                         clip_high=0.2, ratio="token", tis_cap=0.0)
+        args = learner.UpdateConfig(old_logprobs="trainer")
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         micro = [learner.Micro(ids, attn, pos, sel, old, adv, {}, 1.0)]
         olds, refs, _, old_gap = learner.score_old(model, None, micro, args)
         sums, _ = learner.update(model, opt, micro, olds, refs, 3.0, args)
         # PPO's KL in the reward is against the trainer's own logprobs, also where the ratio takes the sampler's
-        kl_args = Namespace(**{**vars(args), "old_logprobs": "sampler", "kl_in_reward": 0.001})
+        kl_args = dataclasses.replace(args, old_logprobs="sampler", kl_in_reward=0.001)
         k_old, _, k_mine, _ = learner.score_old(model, model, micro, kl_args)  # the policy as its own reference
         assert torch.equal(k_old[0], old) and torch.allclose(k_mine[0], mine)
     finally:
@@ -260,8 +260,8 @@ def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
     assert not torch.allclose(grads(live, 0.1), grads(live + [dead], 0.1), atol=1e-5)
     assert not torch.allclose(grads(live, 0.0, 0.1), grads(live + [dead], 0.0, 0.1), atol=1e-5)
     # micro_batches keeps such a row when a KL or an entropy term gives it a gradient, and only then
-    live_rows = lambda **kw: len(learner.micro_batches(live + [dead], Namespace(**{"kl_coef": 0.0, "entropy_coef": 0.0,
-                                                        "micro_batch": 8, "adv_estimator": "grpo", **kw}), 0, torch.device("cpu"))[0][0].old)
+    live_rows = lambda **kw: len(learner.micro_batches(live + [dead], learner.UpdateConfig(**{"micro_batch": 8, **kw}),
+                                                       0, torch.device("cpu"))[0][0].logp_sampler)
     import trainutil
     own = trainutil.init_group(1)
     try:
@@ -279,18 +279,21 @@ def test_the_first_sync_is_checked_and_stops_above_the_tolerance(tiny_model_dir,
     args = stepgrpo.get_args(["--dtype", "fp32", "--lr", "1e-2"])
     uniform = -math.log(json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"])  # the random policy's
     row = dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0] + [uniform] * 3, adv=[0.0, 1.0, 1.0, 1.0])
-    stats = dict(retrieve_s=0.0, rollout_tokens=4, rollout_generated=3)
-    monkeypatch.setattr(stepgrpo, "teacher_prefix_batch", lambda *a: ([row], dict(stats)))  # train_step pops from it
     own = trainutil.init_group(1)
     try:
         model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False, tree_mask=True)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         engine, peak = engines.HFEngine(tiny_model_dir), memory.PeakMemory()
         assert trainutil.sync_tol(args.dtype, engine) == 1e-3 and trainutil.sync_tol("bf16", engine) == 0.2
-        step = lambda: stepgrpo.train_step(model, None, opt, engine, None, [], args, None, None, 0, peak, seed=0)[-1]
+
+        def train(check=False):  # the loop's update and weight sync on one row
+            learner.learn(model, None, opt, None, [row], stepgrpo.update_config(args), 0, torch.device("cpu"), None, 0,
+                          False, peak, {})
+            return stepgrpo.sync_weights(model, engine, [row], 0, peak, check, args.dtype)
+        step = lambda: train()
         first, second = step(), step()
         assert first["sync_mean_diff"] <= first["sync_max_diff"] < 1e-4 and "sync_max_diff" not in second
-        checked = stepgrpo.train_step(model, None, opt, engine, None, [], args, None, None, 0, peak, seed=0, check=True)
+        checked = [train(check=True)]
         assert checked[-1]["sync_max_diff"] < 1e-4  # a checkpoint's step
         peak = memory.PeakMemory()  # a new process (a resumed run): its first sync is checked again
         monkeypatch.setattr(engine, "sync_weights", lambda weights: None)  # the engine misses the update
@@ -315,7 +318,8 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
     own, cpu = trainutil.init_group(1), torch.device("cpu")
     vllm = engines.VLLMEngine(tiny_model_dir, max_model_len=2048)
     try:
-        model, *_, hf = stepgrpo.setup_policy(args, tiny_model_dir, tiny_model_dir, False, None, 0, 1, cpu, print)
+        policy, *_ = stepgrpo.setup_policy(args, tiny_model_dir, tiny_model_dir, False, None, 0, 1, cpu, print)
+        model, hf = policy.model, policy.engine
         assert isinstance(hf, engines.HFEngine) and hf.max_len == engines.MAX_LEN
         qs = dataio.load_questions(tiny_index, "train")[:2]
         _, prefixes = rollout.golden_prefixes(hf.tok, retrievers.Retriever(tiny_index, "bm25"), qs)
@@ -330,9 +334,10 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
             rows = [grpo.pack_group(p, [(ids, [lp + shift for lp in lps]) for ids, lps in g[k]], [1.0, -1.0, 0.5, -0.5])
                     for p, *g in groups]
             model = model or trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False, tree_mask=True)
-            micro, denom, _ = learner.micro_batches(rows, args, 0, cpu)
+            cfg = stepgrpo.update_config(args)
+            micro, denom, _ = learner.micro_batches(rows, cfg, 0, cpu)
             learner.update(model, torch.optim.SGD(model.parameters(), lr=1.0), micro, *learner.score_old(model, None,
-                            micro, args)[:2], denom, args)
+                            micro, cfg)[:2], denom, cfg)
             return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
         a, b, c = updated(0, model=model), updated(1), updated(1, shift=0.05)
     finally:
@@ -523,7 +528,7 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
     for spans in ("all", "route"):
         tok, qs, ret, args, prefixes = teacher_setup(tiny_index, spans)
         n_route = sum(sp["kind"] == "route" for _, sp, _, _ in prefixes)
-        seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode,
+        seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode,
                                                  steprewards.Weights(), seed=0)
         groups = len(prefixes) if spans == "all" else n_route
         assert len(seqs) == groups and sum(1 + s["seg"][-1] for s in seqs) == 2 * groups
@@ -571,9 +576,9 @@ def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, e
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
     lens = sorted(len(p) for _, sp, p, _ in prefixes if sp["kind"] == "route")
     eng = rollout.GoldPolicy(tok, qs)
-    budget = stepgrpo.step_budget(tok, args, "route")[0]
+    budget = stepgrpo.step_budget(tok, stepgrpo.rollout_config(args).steps, "route")[0]
     eng.max_len = lens[len(lens) // 2] + budget
-    seqs, st = stepgrpo.teacher_prefix_batch(eng, ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
+    seqs, st = stepgrpo.teacher_prefix_batch(eng, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
     fits = sum(n + budget <= eng.max_len for n in lens)
     assert 0 < fits < len(lens) and len(seqs) == fits
     assert st["overflow"] == pytest.approx([float(n + budget > eng.max_len)
@@ -589,13 +594,13 @@ def test_released_structure_trains_on_one_row_a_chat(tiny_index, encoder):
     tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
     args.structure, args.rollout, args.reward = "released", "onpolicy", "step"
     w = steprewards.Weights()
-    rows, _ = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, w, seed=0)
+    rows, _ = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     golds = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, 2, rollout.Settings(max_steps=3, topk=3, structure="released"))
     assert len(rows) == sum(len(x["segments"]) for x in golds) and sum(sum(r["mask"]) for r in rows) == sum(x["n_policy_tokens"] for x in golds)
     for r in rows:
         text = tok.decode(r["ids"])
         assert text.startswith("<|im_start|>system") and text.count("<|im_start|>system") == 1
-    seqs, _ = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, w, seed=0)
+    seqs, _ = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     assert len(seqs) == sum(len(x["spans"]) for x in golds[::2])
     assert all(tok.decode(s["ids"]).count("<|im_start|>system") == 1 for s in seqs)
 
@@ -611,7 +616,7 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
                 return reward.format_route(self.THINK, [(g["sub_question"], g["kb"])])
             return super().step_text(q, turn, phase)
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
-    st = stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)[1]
+    st = stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)[1]
     later = [sp["step"] > 0 for _, sp, _, _ in prefixes if sp["kind"] == "route" for _ in range(2)]
     assert any(later) and not all(later)
     assert [r < 1.2 - 1e-6 for r in st["route_r"]] == later
@@ -740,19 +745,20 @@ def test_the_logged_loss_does_not_depend_on_the_world_size(monkeypatch):
     import trainutil
     rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, 0.5, 0.5, 0.5]),
             dict(ids=[5, 9, 9], mask=[0, 1, 1], old=[0.0, -4.1, -4.3], adv=[0.0, -1.0, -1.0])]
-    args = Namespace(kl_coef=0.0, micro_batch=2, old_logprobs="sampler", entropy_coef=0.0, adv_estimator="grpo",
-                     clip_high=0.2, ratio="token", tis_cap=0.0)
+    args = learner.UpdateConfig(micro_batch=2)
 
     def logged_loss():
         torch.manual_seed(0)
         model, cpu = TinyLM(), torch.device("cpu")
         micro, denom, _ = learner.micro_batches(rows, args, 0, cpu)
-        m = micro[0]
-        logp, ent = grpo.token_logprobs(model, m.ids, m.attn, m.sel, m.pos)
-        loss, logged, kl, low, high = learner.scaled_loss(logp, m.old, logp.detach(), m, denom, args, ent)
-        sums = {k: torch.zeros((), dtype=torch.float64) for k in learner.SUMS}
-        learner.add_stats(sums, m.weight, logged, kl, low, high, ent)
-        return stepgrpo.log_record(1, 0, {k: [] for k in stepgrpo.STATS}, sums, 0.0, {}, rows, args)["loss"], loss.item()
+        backprop = []  # the loss the update backprops, as grpo_loss returns it
+        loss_fn = learner.grpo_loss
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(learner, "grpo_loss", lambda *a, **k: (out := loss_fn(*a, **k), backprop.append(out[0].item()))[0])
+            mp.setattr(learner.trainutil, "clip_grad_norm", lambda model, max_norm: 0.0)  # a plain module, no DTensors
+            sums, _ = learner.update(model, torch.optim.SGD(model.parameters(), lr=0.0), micro, [m.logp_sampler for m in micro],
+                                     [None], denom, args)
+        return stepgrpo.log_record(1, 0, {k: [] for k in stepgrpo.STATS}, sums, 0.0, {}, rows, args)["loss"], backprop[0]
 
     own = trainutil.init_group(1)
     try:
@@ -779,13 +785,13 @@ def test_both_rollout_modes_score_gold_multi_query_steps_in_full(tiny_index, enc
     qs = [q for q in qs if q["type"] == "comparison"][:3] + [q for q in qs if q["type"] == "2hop"][:3]
     args.max_pairs, args.rollout, args.reward = 2, "onpolicy", "step"
     w = steprewards.Weights(route_scale=steprewards.kb_balance(qs, 3, max_pairs=2))
-    seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, args, encoder.encode, w, seed=0)
+    seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     n_route = 2 * (3 * 2 + 3 * 3)  # 2 samples x (a comparison: 1 step + stop, a 2-hop: 2 steps + stop)
     assert st["route_r"] == pytest.approx([1.2] * n_route) and st["kb_acc"] == [1.0] * n_route
     assert st["answer_r"] == pytest.approx([1.2] * 2 * 9) and st["outcome"] == pytest.approx([1.2] * 2 * 6)
     routes = [s for s in seqs if tok.decode([t for t, m in zip(s["ids"], s["mask"]) if m]).count("</ret>")]
     assert len(routes) == n_route // 2 and all(s["ids"][-1] == tok.eos_token_id for s in routes)
-    rows, st = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, args, encoder.encode, w, seed=0)
+    rows, st = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     assert st["outcome"] == [1.0] * 12 and st["format_ok"] == [1.0] * 12 and st["kb_acc"] == [1.0] * 2 * (3 * 2 + 3 * 3)
     assert st["retrievals"] == [2] * 12 and st["route_r"] == pytest.approx([1.2] * 2 * (3 * 2 + 3 * 3))
     assert len(rows) == 12 and all(a == 0.0 for r in rows for a in r["adv"])  # the same trajectory twice: no advantage
@@ -809,7 +815,7 @@ def test_teacher_written_prefixes_score_against_the_teacher(tiny_index, encoder)
     routes = [(x, sp) for x, sp, _, _ in rollout.span_prefixes(teacher) if sp["kind"] == "route"]
     first = [sp["step"] == 0 and bool(x["gold_steps"]) for x, sp in routes for _ in range(2)]
     assert any(first) and not all(first)
-    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, args, encoder.encode, steprewards.Weights(),
+    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(),
                                        seed=0, store=store)[1]
     # the teacher's own later steps are the gold's: full reward there; the first step: format + cosine 1, wrong KB
     assert st["route_r"] == pytest.approx([0.7 if f else 1.2 for f in first])
@@ -856,16 +862,16 @@ def test_dynamic_sampling_keeps_the_groups_with_a_gradient_and_draws_more_questi
     # one of the step's two questions (a) has a mixed group: a second round draws both of the pool's, of which c is
     # mixed, and the step is full
     policy = HalfWrong(tok, qs, mixed=[a["id"], c["id"]])
-    rows, st = stepgrpo.rollout_rows(policy, ret, mine, args, encoder.encode, steprewards.Weights(), 7, None, pool)
+    rows, st = stepgrpo.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, pool)
     assert {r["group"][0] for r in rows} == {a["id"], c["id"]}
     assert all(any(v for v, m in zip(r["adv"], r["mask"]) if m) for r in rows)  # no unanimous group is trained
     assert st["informative"] == [1.0] and st["refilled"] == [0.5]
     # a pool with no mixed question: DYNAMIC_TRIES rounds, and the step trains the one question it has
-    rows, st = stepgrpo.rollout_rows(policy, ret, mine, args, encoder.encode, steprewards.Weights(), 7, None, [b, d])
+    rows, st = stepgrpo.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, [b, d])
     assert {r["group"][0] for r in rows} == {a["id"]} and st["informative"] == [0.5] and st["refilled"] == [0.0]
     # off: every group, unanimous ones included, and no round but the first
     args.dynamic_sampling = False
-    plain, st = stepgrpo.rollout_rows(policy, ret, mine, args, encoder.encode, steprewards.Weights(), 7, None, pool)
+    plain, st = stepgrpo.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, pool)
     assert len(plain) > len(rows) and {r["group"][0] for r in plain} == {q["id"] for q in mine} and st["refilled"] == []
 
 def test_overlong_steps_are_masked_or_penalised(tiny_index, encoder):
@@ -882,7 +888,7 @@ def test_overlong_steps_are_masked_or_penalised(tiny_index, encoder):
     got = {}
     for mode in ("none", "mask", "penalty"):
         args.overlong = mode
-        rows, st = stepgrpo.teacher_prefix_batch(Rambles(tok, qs), ret, qs[:2], args, encoder.encode,
+        rows, st = stepgrpo.teacher_prefix_batch(Rambles(tok, qs), ret, qs[:2], stepgrpo.rollout_config(args), encoder.encode,
                                                  steprewards.Weights(), seed=0)
         got[mode] = rows
         assert st["cut"] == [0.0, 1.0] * (len(st["cut"]) // 2)
@@ -908,14 +914,14 @@ def test_minibatches_split_the_rows_once_and_one_is_the_whole_batch_bit_for_bit(
             torch.manual_seed(0)
             model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-            args.minibatches = k
+            cfg = dataclasses.replace(stepgrpo.update_config(args), minibatches=k)
             if direct:  # one update over every row: what a step ran before minibatches
-                micro, denom, _ = learner.micro_batches(rows, args, 0, torch.device("cpu"))
-                olds, refs, _, _ = learner.score_old(model, None, micro, args)
-                learner.update(model, opt, micro, olds, refs, denom, args)
+                micro, denom, _ = learner.micro_batches(rows, cfg, 0, torch.device("cpu"))
+                olds, refs, _, _ = learner.score_old(model, None, micro, cfg)
+                learner.update(model, opt, micro, olds, refs, denom, cfg)
                 sums = None
             else:
-                sums = learner.learn(model, None, opt, None, rows, args, 0, torch.device("cpu"), None, 0, False,
+                sums = learner.learn(model, None, opt, None, rows, cfg, 0, torch.device("cpu"), None, 0, False,
                                      memory.PeakMemory(), {})[1]
             return {n: p.full_tensor().clone() for n, p in model.named_parameters()}, sums
         one, direct, two = weights(1)[0], weights(1, direct=True)[0], weights(2)
@@ -988,7 +994,7 @@ def branch_setup(tiny_index, structure="transcript", mix=False):
     args.rollout, args.structure, args.adv_std = "branch", structure, False
     policy = scripted_policy()(tok, qs)
     policy.mix = mix
-    s = stepgrpo.settings(args, temperature=1.0)
+    s = stepgrpo.rollout_config(args).steps
     memo = branches.Memo(ret)
     trajs = rollout.rollout(policy, memo, qs, 1, s, seed=0)
     picks = branches.branch_points(trajs, args.branch_steps, 0)
@@ -1021,7 +1027,7 @@ def test_branch_groups_share_their_prefix_token_for_token(tiny_index, encoder, s
         assert y["steps"][:len([e for e in x["steps"] if e["step"] < x["spans"][b]["step"]])] == \
             [e for e in x["steps"] if e["step"] < x["spans"][b]["step"]]
     assert any(y["ids"] != trajs[y["base"]]["ids"] for y in ys)  # the continuations went elsewhere
-    rows, st = stepgrpo.branch_batch(policy, ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
+    rows, st = stepgrpo.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
     assert len(rows) == len(picks) and st["kb_mixed"] and 0 < np.mean(st["kb_mixed"]) < 1
     for row, (j, b) in zip(rows, picks):
         prefix, _ = rollout.span_prefix(trajs[j], trajs[j]["spans"][b])
@@ -1045,7 +1051,7 @@ def test_branch_advantage_follows_the_outcome_of_the_continuation(tiny_index, en
     tok, qs, ret, args, policy, *_ = branch_setup(tiny_index)
     for mode in ("step", "outcome"):
         args.reward = mode
-        rows, st = stepgrpo.branch_batch(policy, ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
+        rows, st = stepgrpo.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
         assert st["outcome"] == [1.0, 0.0] * len(rows) and st["format_ok"] == [1.0] * 2 * len(rows)
         assert st["kb_acc"] == [1.0] * len(st["kb_acc"]) and st["kb_entropy"] == [0.0] * len(st["kb_entropy"])
         assert st["route_r"] == pytest.approx([1.2] * len(st["route_r"])) and st["route_r"]
@@ -1067,7 +1073,7 @@ def test_branch_rows_train_the_branched_step_alone(tiny_index, encoder):
     # on each branch's repeated last prompt token; the continuation is not in the row; a VL (mrope) policy's group is a
     # row per completion with the same masks
     tok, qs, ret, args, policy, s, trajs, picks, ys = branch_setup(tiny_index, mix=True)
-    rows, st = stepgrpo.branch_batch(policy, ret, qs, args, encoder.encode, steprewards.Weights(), seed=0)
+    rows, st = stepgrpo.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
     assert sum(sum(r["mask"]) for r in rows) == sum(st["tokens"]) == sum(
         y["spans"][y["branch"]]["end"] - y["spans"][y["branch"]]["start"] for y in ys)
     for g, row in enumerate(rows):
