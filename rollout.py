@@ -566,8 +566,8 @@ def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM
                     system_prompt)
     ids = []
     for k, (q, x) in enumerate(zip(examples, golds)):
-        head = len(fmt.ids(fmt.prefix_tpl[0] + q["question"] + fmt.prefix_tpl[1]))  # system prompt + question
-        ids += x["ids"] if k == 0 else fmt.ids(fmt.user_open + q["question"] + fmt.user_close) + x["ids"][head:]
+        head = len(start_transcript(fmt, q["question"]).ids)  # system prompt + question (outside text: encode)
+        ids += x["ids"] if k == 0 else fmt.encode([fmt.user_open, q["question"], fmt.user_close])[0] + x["ids"][head:]
     return ids
 
 def show(x, tok):
