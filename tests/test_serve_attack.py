@@ -240,7 +240,10 @@ def test_health_answers_while_a_big_question_is_tokenized(paced):
         time.sleep(0.05)
     heavy.join()
     refused(done[0], 400, "the question is too long")
-    assert done[0][2] > 1.0 and max(waits) < 0.5, (done[0][2], max(waits))
+    # on the event loop, the tokenizing blocked /health for most of the request's time; off it, /health waits
+    # only for the GIL (the body's parsing, the tokenizer's output made into lists: ~0.1 s, a few times that
+    # on a loaded 2-core machine)
+    assert done[0][2] > 1.0 and max(waits) < max(0.5, done[0][2] / 3), (done[0][2], max(waits))
 
 #### 6. a client that leaves ends its trajectory
 
@@ -268,7 +271,7 @@ def test_a_client_that_leaves_ends_its_trajectory(paced):
             # streamed: gone after its first step's event; plain: gone once its first step is written
             leave(url, user(q["question"], stream=stream),
                   (lambda got: b'"step"' in got) if stream else (lambda got, q=q: policy.written[q["id"]] >= 1))
-            assert wait_for(lambda: not trajectories(running=True), timeout=turns * policy.pace), policy.written
+            assert wait_for(lambda: not trajectories(running=True), timeout=turns * policy.pace + 2), policy.written
             time.sleep(2 * policy.pace)
             assert policy.written[q["id"]] < turns, (stream, policy.written[q["id"]], turns)
     finally:
