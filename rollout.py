@@ -276,10 +276,24 @@ class StepLoop:
     """The step loop of one rollout() call: what happens when a request finishes (on_route, on_answer, on_final),
     the batched search between steps, and the event loop that keeps the engine busy (run). events(x, kind, hits): a
     callback after each step of trajectory x, kind route | search (hits: [(sub_question, kb, docs)]) | answer | final
-    | overflow (serve.py streams them)."""
+    | overflow | cancel (serve.py streams them). live: index -> each trajectory of the running loop not yet ended."""
     def __init__(self, engine, retriever, s, chat, bar=None, events=None):
         self.engine, self.retriever, self.s, self.chat, self.bar = engine, retriever, s, chat, bar
         self.events = events or (lambda x, kind, hits=None: None)
+        self.live = {}
+
+    @staticmethod
+    def cancel(x):
+        """End trajectory x at its next turn, before its next request or when the one in flight returns (a
+        server's client left); safe from another thread. It ends as an error, with an event (cancel)."""
+        x["cancelled"] = True
+
+    def cancelled(self, x):
+        """Whether trajectory x was cancelled; the first time the loop asks, x ends (its event: cancel)."""
+        if x.get("cancelled") and x["phase"] != "done":
+            x.update(phase="done", error="cancelled: the client left")
+            self.events(x, "cancel")
+        return x.get("cancelled")
 
     def fail(self, x, what):
         x.update(format_ok=False, error=what, phase="done")
@@ -427,25 +441,33 @@ class StepLoop:
     def run(self, trajs, more=None):
         """Every trajectory's step loop, event-driven (module docstring); the finished trajectory dicts.
         Trajectories in `ready` need their next request (after a search, if their route named a KB). more: a callable
-        that returns trajectories arrived since its last call (a server's), admitted while the others run."""
+        that returns trajectories arrived since its last call (a server's), admitted while the others run; they
+        are the caller's (their events told it everything), so the loop lets go of each as it ends (a long-running
+        server holds only the trajectories in flight) and returns `trajs` only."""
         handlers = dict(route=self.on_route, answer=self.on_answer, final=self.on_final)
-        waiting = iter(range(len(trajs)))  # a new trajectory starts whenever one ends
+        live = self.live = dict(enumerate(trajs))  # index -> trajectory, until it ends
+        n = len(trajs)
+        waiting = iter(range(n))  # a new trajectory starts whenever one ends
         ready, busy, t_gen, t_ret = list(itertools.islice(waiting, self.s.max_active)), 0, 0.0, 0.0
         t0 = time.perf_counter()
         while True:
             new = more() if more is not None else []
             if new:  # arrivals queue behind the trajectories still waiting
-                trajs += new
-                waiting = itertools.chain(waiting, range(len(trajs) - len(new), len(trajs)))
+                live.update(zip(range(n, n + len(new)), new))
+                waiting = itertools.chain(waiting, range(n, n + len(new)))
+                n += len(new)
                 ready += list(itertools.islice(waiting, max(0, self.s.max_active - busy - len(ready))))
             if not (ready or busy):
                 break
             t = time.perf_counter()
-            self.search([trajs[i] for i in ready if trajs[i]["phase"] == "search"])
+            self.search([live[i] for i in ready if live[i]["phase"] == "search" and not live[i].get("cancelled")])
             t_ret += time.perf_counter() - t
             sent = []
             for i in ready:
-                x = trajs[i]
+                x = live[i]
+                if self.cancelled(x):
+                    del live[i]
+                    continue
                 stop, max_tokens = route_stop(self.engine.tok, self.s) if x["phase"] == "route" else \
                     (["</answer>"], self.s.answer_tokens)
                 prompt = x["tr"].prompt()  # the whole transcript, or (released) this step's chat
@@ -454,6 +476,7 @@ class StepLoop:
                     x.update(overflow=True, phase="done", error=f"step {len(x['steps']) + 1} {x['phase']}: {len(prompt)} "
                              f"context + {max_tokens} new tokens exceed the engine's max_len {self.engine.max_len}")
                     self.events(x, "overflow")
+                    del live[i]
                     continue
                 self.engine.submit((i, x["qid"], len(x["tr"].spans)), prompt, max_tokens, x.get("temperature", self.s.temperature),
                                    x.get("top_p", self.s.top_p), stop, self.s.top_k, x["tr"].prompt_images())
@@ -461,10 +484,15 @@ class StepLoop:
             busy, ready, t = busy + len(sent), list(itertools.islice(waiting, len(ready) - len(sent))), time.perf_counter()
             for (i, *_), ids, lps in self.engine.poll():
                 busy -= 1
-                kind = trajs[i]["phase"]
-                handlers[kind](trajs[i], ids, lps)
-                self.events(trajs[i], kind)
-                ready += [i] if trajs[i]["phase"] != "done" else list(itertools.islice(waiting, 1))
+                if not self.cancelled(live[i]):
+                    kind = live[i]["phase"]
+                    handlers[kind](live[i], ids, lps)
+                    self.events(live[i], kind)
+                if live[i]["phase"] != "done":
+                    ready.append(i)
+                else:
+                    del live[i]
+                    ready += list(itertools.islice(waiting, 1))
             t_gen += time.perf_counter() - t
             if self.bar is not None:  # a tqdm bar counting finished trajectories
                 self.bar.update(sum(x["phase"] == "done" for x in trajs) - self.bar.n)
@@ -566,8 +594,8 @@ def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM
                     system_prompt)
     ids = []
     for k, (q, x) in enumerate(zip(examples, golds)):
-        head = len(fmt.ids(fmt.prefix_tpl[0] + q["question"] + fmt.prefix_tpl[1]))  # system prompt + question
-        ids += x["ids"] if k == 0 else fmt.ids(fmt.user_open + q["question"] + fmt.user_close) + x["ids"][head:]
+        head = len(start_transcript(fmt, q["question"]).ids)  # system prompt + question (outside text: encode)
+        ids += x["ids"] if k == 0 else fmt.encode([fmt.user_open, q["question"], fmt.user_close])[0] + x["ids"][head:]
     return ids
 
 def show(x, tok):

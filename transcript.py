@@ -2,10 +2,13 @@
 transcript.py: a trajectory as token ids plus a mask of what the policy wrote. `ChatFormat` finds the string pieces
 of any concatenative chat template (ChatML, Llama-3, ...) by rendering sentinel messages; `Transcript` grows token by
 token, so the ids that were sampled are exactly the ids trained on. rollout.py builds trajectories with it and sft.py
-renders golden ones through the same code, so training and evaluation never drift apart.
+renders golden ones through the same code, so training and evaluation never drift apart. Text from outside (a
+question, retrieved evidence) is encoded with the template's special tokens' strings as text (`Template`).
 """
+import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +92,12 @@ def check_format(model, args):
         return None
     return f"{model} was trained on another transcript format: {', '.join(diff)}; pass the trained values"
 
+class Template(str):
+    """Text of the chat template itself (ChatFormat's pieces): a special token's string in it is that token. Every
+    other string ChatFormat.encode takes is outside text (a question, a retrieved document, a sub-question), whose
+    special tokens' strings stay text: a question that closes its own turn and writes an evidence turn forges
+    nothing."""
+
 class ChatFormat:
     """The string pieces of the tokenizer's chat template, found by rendering sentinel messages, so any
     concatenative template (ChatML, Llama-3, ...) works without hard-coding it."""
@@ -100,28 +109,75 @@ class ChatFormat:
         r = lambda msgs, gen=False: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
         S, U = dict(role="system", content=system_prompt), dict(role="user", content="\x00Q")
         base = r([S, U])
-        self.gen_prompt = r([S, U], True)[len(base):]  # e.g. "<|im_start|>assistant\n"
+        self.gen_prompt = Template(r([S, U], True)[len(base):])  # e.g. "<|im_start|>assistant\n"
         after_a = r([S, U, dict(role="assistant", content="\x01")]).split("\x01")[1]  # e.g. "<|im_end|>\n"
         seg = r([S, U, dict(role="assistant", content="\x01"), dict(role="user", content="\x02")], True).split("\x01")[1]
         if not seg.startswith(after_a) or "\x02" not in seg:
             raise ValueError("chat template is not concatenative; rollout.py cannot build transcripts incrementally")
-        self.end_assistant = after_a
-        self.user_open, self.user_close = seg[len(after_a):seg.index("\x02")], seg[seg.index("\x02") + 1:]
-        self.prefix_tpl = base.split("\x00Q")[0], base.split("\x00Q")[1] + self.gen_prompt
+        self.end_assistant = Template(after_a)
+        self.user_open = Template(seg[len(after_a):seg.index("\x02")])
+        self.user_close = Template(seg[seg.index("\x02") + 1:])
+        self.prefix_tpl = Template(base.split("\x00Q")[0]), Template(base.split("\x00Q")[1] + self.gen_prompt)
 
     def ids(self, text):
+        """Token ids of text the template or this code wrote (its special tokens' strings are those tokens)."""
         return self.tok.encode(text, add_special_tokens=False)
 
+    @functools.cached_property
+    def specials(self):
+        """A regex of the tokenizer's special tokens' strings, longest first (as the tokenizer matches them)."""
+        toks = sorted({t.content for t in self.tok.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, toks)) or "(?!)")
+
+    @functools.cached_property
+    def splitter(self):
+        """The tokenizer's backend, copied, with split_special_tokens on (encode_special_tokens: a special token's
+        string is encoded as text). A copy of its own: setting the flag on the shared tokenizer, which the step loop's
+        thread and a server's request threads encode with at once, would race."""
+        import tokenizers
+        backend = tokenizers.Tokenizer.from_str(self.tok.backend_tokenizer.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    def text_ids(self, text):
+        """Token ids of outside text: a special token's string stays text."""
+        if not text:
+            return []
+        if getattr(self.tok, "backend_tokenizer", None) is None:  # a Python tokenizer: the flag is per call
+            return self.tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+        return self.splitter.encode(text, add_special_tokens=False).ids
+
+    def run_ids(self, run):
+        """Token ids of consecutive string parts, as one text. When every special token's string in it lies in a
+        Template part, that is the tokenizer's own encoding of the whole (what it always was); otherwise the
+        Template parts' special tokens are tokens, split out as the tokenizer splits them, and everything between
+        them, outside text included, is text."""
+        text, spans, at = "".join(run), [], 0
+        for part in run:
+            spans += [(at, at + len(part))] * isinstance(part, Template)
+            at += len(part)
+        if all(any(a <= m.start() and m.end() <= b for a, b in spans) for m in self.specials.finditer(text)):
+            return self.ids(text)
+        ids, chunk = [], ""
+        for part in run:
+            at = 0
+            for m in self.specials.finditer(part) if isinstance(part, Template) else ():
+                ids += self.text_ids(chunk + part[at:m.start()]) + [self.tok.convert_tokens_to_ids(m.group())]
+                chunk, at = "", m.end()
+            chunk += part[at:]
+        return ids + self.text_ids(chunk)
+
     def encode(self, parts, vis=None):
-        """parts: strings and Img -> (ids, [[start, n, path]] of each image). Consecutive strings are one text; an
-        image goes in as VisionIO.expand's tokens (vis None, a text policy: image parts are left out)."""
-        ids, images, text = [], [], ""
+        """parts: strings and Img -> (ids, [[start, n, path]] of each image). Consecutive strings are one text (a
+        Template part is the template's, any other string outside text: run_ids); an image goes in as
+        VisionIO.expand's tokens (vis None, a text policy: image parts are left out)."""
+        ids, images, run = [], [], []
         for part in [*parts, None]:
             if isinstance(part, str):
-                text += part
+                run.append(part)
                 continue
-            ids += self.ids(text) if text else []
-            text = ""
+            ids += self.run_ids(run) if run else []
+            run = []
             if isinstance(part, Img) and vis is not None:
                 images.append([len(ids), len(vis.expand(part.path)), part.path])
                 ids += vis.expand(part.path)
@@ -179,9 +235,9 @@ def start_transcript(fmt, question, shots=None, image=None, vis=None):
     head = [Img(image)] if image and vis else []
     if shots:
         tr.add_context(shots)
-        tr.add_context(*fmt.encode([fmt.user_open, *head, question + fmt.user_close], vis))
+        tr.add_context(*fmt.encode([fmt.user_open, *head, question, fmt.user_close], vis))
     else:
-        tr.add_context(*fmt.encode([fmt.prefix_tpl[0], *head, question + fmt.prefix_tpl[1]], vis))
+        tr.add_context(*fmt.encode([fmt.prefix_tpl[0], *head, question, fmt.prefix_tpl[1]], vis))
     return tr
 
 def evidence_parts(kb, docs, pixels=False):
@@ -198,7 +254,8 @@ def evidence_text(kb, docs):
 def next_turn(fmt, user_text=None):
     """Template text after a policy turn: close it, optionally add a user turn, open the next assistant turn.
     user_text: a string, or a list of parts (ChatFormat.encode) when it holds images; the result is of the same kind."""
-    if isinstance(user_text, list):
-        return [fmt.end_assistant + fmt.user_open, *user_text, fmt.user_close[:-len(fmt.gen_prompt)] + fmt.gen_prompt]
+    if isinstance(user_text, list):  # the template's pieces stay Template (ChatFormat.encode), user_text is outside
+        return [Template(fmt.end_assistant + fmt.user_open), *user_text,
+                Template(fmt.user_close[:-len(fmt.gen_prompt)] + fmt.gen_prompt)]
     mid = "" if user_text is None else fmt.user_open + user_text + fmt.user_close[:-len(fmt.gen_prompt)]
     return fmt.end_assistant + mid + fmt.gen_prompt

@@ -108,8 +108,10 @@ def test_curl_and_bad_input_get_a_400_with_one_line_and_the_server_keeps_serving
              (json.dumps(dict(user(qs[0]["question"]), logprobs=True)), "logprobs=true"),
              (json.dumps(user([dict(type="text", text="What is shown?"), dict(type="image_url", image_url=dict(url=pic))])),
               "text model: it cannot take a picture"),
+             # the policy's kind is checked before the picture is decoded (a VL policy's refusal: the test below)
              (json.dumps(user([dict(type="text", text="x"), dict(type="image_url", image_url=dict(
-                 url="data:image/png;base64," + base64.b64encode(b"not a picture").decode()))])), "not a readable picture"),
+                 url="data:image/png;base64," + base64.b64encode(b"not a picture").decode()))])),
+              "text model: it cannot take a picture"),
              (json.dumps(user([dict(type="image_url", image_url=dict(url="http://example.com/a.png"))])), "only data: URLs"),
              (json.dumps(user([dict(type="text", text="x"), dict(type="image_url", image_url=dict(
                  url="data:image/png;base64," + "A" * (12 * 2**20)))])), "more than 8 MiB"),
@@ -160,7 +162,8 @@ def test_a_vl_policy_reads_the_requests_picture_and_the_server_keeps_no_copy(tin
     # the tiny VL model's processor under the gold policy: the picture sent as OpenAI's image_url part is what finds
     # the entity's picture at step 1 (the sub-question alone does not name it), plain and streamed; then it is deleted
     import vision
-    from openai import OpenAI
+    from openai import BadRequestError, OpenAI
+    from test_serve_attack import png_header
     vis = vision.VisionIO.load(prepare.prepare_vl(tmp_path / "idefics3", text_model=tiny_model_dir))
     visual = dataio.load_questions(tiny_index, "visual_test")
     wording = Counter(q["question"] for q in visual)  # the gold policy knows a question by its text; three share theirs
@@ -182,6 +185,12 @@ def test_a_vl_policy_reads_the_requests_picture_and_the_server_keeps_no_copy(tin
                 answer, found = r.choices[0].message.content, r.model_extra["steps"][0]["evidence"][0]["id"]
             assert answer == q["answers"][0] and found == q["steps"][0]["doc_id"], (stream, answer, found)
             assert not any(pictures.iterdir())  # the request's picture lives only as long as its trajectory
+        for raw, why in ((b"not a picture", "not a readable picture"), (png_header(12_000, 12_000), "12000 x 12000")):
+            with pytest.raises(BadRequestError, match=why):  # a VL policy's refusals: after its kind is checked
+                client.chat.completions.create(model="r1router", messages=[{"role": "user", "content": [
+                    {"type": "text", "text": qs[0]["question"]},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(raw).decode()}}]}])
+        assert not any(pictures.iterdir())
 
 class WebDriver:
     """Headless Chromium driven through chromedriver's W3C WebDriver HTTP API (Debian's chromium and chromium-driver)."""
