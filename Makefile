@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 MODEL := $(DEFAULT_MODEL)
 
-.PHONY: help setup demo baselines test test-fast test-gpu bench bench-serve bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo rl-compare actions lora multiquery real real-eval clean
+.PHONY: help setup demo baselines lint test test-fast test-gpu bench bench-serve bench-memory bench-trl bench-index vs-sft teacher heldout reworded released visual ppo rl-compare actions lora multiquery real real-eval clean
 help:
 	@echo "make demo        set up, then the main job: golden data -> SFT -> SFT-continued, Step-GRPO -> a results table"
 	@echo "make test        set up, then the whole suite (test-fast: without the slow end-to-end runs)"
@@ -142,6 +142,12 @@ test: .venv/.stamp $(MODEL)/config.json
 # them, tests/test_smoke.py) left out
 test-fast: .venv/.stamp $(MODEL)/config.json
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder -m "not slow"
+
+# Lines within 100 columns, no unused or undefined names (ruff.toml), in the files brought to that width so far
+LINT_FILES := stepgrpo.py groups.py learner.py critic.py steprewards.py grpo.py serve.py
+lint: .venv/.stamp
+	$(PY) -m ruff --version > /dev/null 2>&1 || .venv/bin/pip install -q ruff==0.17.6
+	$(PY) -m ruff check $(LINT_FILES)
 
 # On a GPU machine, in an environment with requirements-gpu.txt: the GPU tests (the CPU suite skips them)
 GPU_PY ?= python

@@ -28,7 +28,7 @@ MUTATIONS = [
      "a_rest = advantages([r - k for r, k in zip(rewards, kb_part)], estimator, std, scale)",
      "a_rest = advantages([r - k for r, k in zip(rewards, kb_part)], estimator, std, scale) * 0", RECIPE1),
     ("on-policy default credit the outcome alone", "stepgrpo.py",
-     'ap.add_argument("--reward", default="step"', 'ap.add_argument("--reward", default="outcome"', RECIPE1),
+     'arg("--reward", default="step"', 'arg("--reward", default="outcome"', RECIPE1),
     ("on-policy steps rebuilt without their sub-question", "steprewards.py",
      'sub_question=pairs[0][0] if pairs else "None",', 'sub_question="",', RECIPE1),
     ("make converts any MODEL folder", "Makefile",
@@ -69,14 +69,15 @@ MUTATIONS = [
     ("evaluate.py's every-KB baselines search the three", "evaluate.py",
      'kbs = () if method == "no_retrieval" else KBS', 'kbs = () if method == "no_retrieval" else KBS[:3]', KB_JOB),
     ("--adv_estimator read but not used", "stepgrpo.py",
-     "args.reward, args.adv_estimator, args.adv_std", 'args.reward, "grpo", args.adv_std', RECIPE4),
+     "args.adv_estimator, args.adv_std, args.teacher_spans",
+     '"grpo", args.adv_std, args.teacher_spans', RECIPE4),
     ("split credit's KB part normalised by GRPO's estimator whatever the flag", "grpo.py",
      "a_kb = advantages(kb_part, estimator, std, scale)", 'a_kb = advantages(kb_part, "grpo", std, scale)', RECIPE4),
     ("on-policy outcomes normalised by GRPO's estimator whatever the flag", "grpo.py",
      "R = advantages(outcomes, estimator, std)", "R = norm(outcomes, std=std)", RECIPE4),
-    ("branch groups normalised by GRPO's estimator whatever the flag", "stepgrpo.py",
-     "adv = grpo.advantages(rs, run.estimator, run.adv_std, steprewards.kb_factor(w, sp[\"kind\"], gold))",
-     "adv = grpo.norm(rs, std=run.adv_std) * steprewards.kb_factor(w, sp[\"kind\"], gold)", RECIPE4),
+    ("branch groups normalised by GRPO's estimator whatever the flag", "groups.py",
+     "adv = grpo.advantages(rs, run.estimator, run.adv_std, scale)\n        rows += [dict(r, group=(group[0]",
+     "adv = grpo.norm(rs, std=run.adv_std) * scale\n        rows += [dict(r, group=(group[0]", RECIPE4),
 ]
 
 def checkout_copy(dest):

@@ -264,6 +264,7 @@ def test_step_grpo_builds_a_row_per_chat_and_scores_every_span_of_a_trajectory_w
     # the gold policy as the engine (every sample the same): on-policy and branch batches of trajectories with actions
     # give one row per chat that holds policy tokens, every span scored. On-policy, a popped route is normalised with
     # the routes of its step (grpo.group_advantages' (kind, step)), its redo among them: below it, as it earned less
+    import groups
     import stepgrpo
     tok, qs, ret = world
     picked = [q for q, x in zip(qs, run(rollout.GoldPolicy(tok, qs, actions=True), qs, ret)) if x["actions"]][:4]
@@ -272,7 +273,7 @@ def test_step_grpo_builds_a_row_per_chat_and_scores_every_span_of_a_trajectory_w
         args = stepgrpo.get_args(["--model", str(tmp_path), "--data", str(tmp_path), "--rollout", mode, "-n", "2",
                                   "--topk", "2", "--branch_steps", "3"])
         args.actions = True  # (read from the checkpoint: none here)
-        rows, stats = getattr(stepgrpo, f"{mode}_batch")(rollout.GoldPolicy(tok, picked, actions=True), ret, picked,
+        rows, stats = getattr(groups, f"{mode}_batch")(rollout.GoldPolicy(tok, picked, actions=True), ret, picked,
                                                          stepgrpo.rollout_config(args), encoder.encode, w, 0)
         assert all(len(r["ids"]) == len(r["mask"]) == len(r["adv"]) for r in rows) and rows
         if mode == "onpolicy":

@@ -40,6 +40,7 @@ from conftest import make_demo
 import prepare
 import reward
 import rollout
+import groups
 import stepgrpo
 import steprewards
 
@@ -108,7 +109,7 @@ def test_a_new_step_reward_moves_the_advantages_as_it_says(tiny_index, encoder, 
     args = stepgrpo.get_args(["-n", "2", "--rollout", mode])
     engine, ret = OddSamplesAskTheTable(tok, qs), retrievers.Retriever(tiny_index, "bm25")
     w = stepgrpo.reward_weights(args, qs)
-    batch = stepgrpo.teacher_prefix_batch if mode == "teacher_prefix" else stepgrpo.onpolicy_batch
+    batch = groups.teacher_prefix_batch if mode == "teacher_prefix" else groups.onpolicy_batch
     rows, _ = batch(engine, ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     runs = [r for row in rows for r in runs_of(row) if r[0]]
     assert runs and all("<answer>" not in text for _, text in runs)  # route tokens only
@@ -160,7 +161,7 @@ def test_a_new_advantage_estimator_reaches_every_rollout_mode(tiny_index, encode
     adv = {}
     for est in ("grpo", "rloo"):
         args = stepgrpo.get_args(["-n", "2", "--rollout", mode, "--adv_estimator", est])
-        batch = getattr(stepgrpo, f"{mode}_batch")
+        batch = getattr(groups, f"{mode}_batch")
         rows, _ = batch(OddSamplesAlsoAnswerWrong(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode,
                         stepgrpo.reward_weights(args, qs), seed=0)
         adv[est] = [a for r in rows for a, m in zip(r["adv"], r["mask"]) if m]

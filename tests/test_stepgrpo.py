@@ -20,6 +20,7 @@ import branches
 import dataio
 import prepare
 import reward
+import groups
 import grpo
 import learner
 import memory
@@ -528,7 +529,7 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
     for spans in ("all", "route"):
         tok, qs, ret, args, prefixes = teacher_setup(tiny_index, spans)
         n_route = sum(sp["kind"] == "route" for _, sp, _, _ in prefixes)
-        seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode,
+        seqs, st = groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode,
                                                  steprewards.Weights(), seed=0)
         groups = len(prefixes) if spans == "all" else n_route
         assert len(seqs) == groups and sum(1 + s["seg"][-1] for s in seqs) == 2 * groups
@@ -576,9 +577,9 @@ def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, e
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
     lens = sorted(len(p) for _, sp, p, _ in prefixes if sp["kind"] == "route")
     eng = rollout.GoldPolicy(tok, qs)
-    budget = stepgrpo.step_budget(tok, stepgrpo.rollout_config(args).steps, "route")[0]
+    budget = groups.step_budget(tok, stepgrpo.rollout_config(args).steps, "route")[0]
     eng.max_len = lens[len(lens) // 2] + budget
-    seqs, st = stepgrpo.teacher_prefix_batch(eng, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
+    seqs, st = groups.teacher_prefix_batch(eng, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
     fits = sum(n + budget <= eng.max_len for n in lens)
     assert 0 < fits < len(lens) and len(seqs) == fits
     assert st["overflow"] == pytest.approx([float(n + budget > eng.max_len)
@@ -594,13 +595,13 @@ def test_released_structure_trains_on_one_row_a_chat(tiny_index, encoder):
     tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
     args.structure, args.rollout, args.reward = "released", "onpolicy", "step"
     w = steprewards.Weights()
-    rows, _ = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
+    rows, _ = groups.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     golds = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, 2, rollout.Settings(max_steps=3, topk=3, structure="released"))
     assert len(rows) == sum(len(x["segments"]) for x in golds) and sum(sum(r["mask"]) for r in rows) == sum(x["n_policy_tokens"] for x in golds)
     for r in rows:
         text = tok.decode(r["ids"])
         assert text.startswith("<|im_start|>system") and text.count("<|im_start|>system") == 1
-    seqs, _ = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
+    seqs, _ = groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     assert len(seqs) == sum(len(x["spans"]) for x in golds[::2])
     assert all(tok.decode(s["ids"]).count("<|im_start|>system") == 1 for s in seqs)
 
@@ -616,7 +617,7 @@ def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, e
                 return reward.format_route(self.THINK, [(g["sub_question"], g["kb"])])
             return super().step_text(q, turn, phase)
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
-    st = stepgrpo.teacher_prefix_batch(Reasker(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)[1]
+    st = groups.teacher_prefix_batch(Reasker(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)[1]
     later = [sp["step"] > 0 for _, sp, _, _ in prefixes if sp["kind"] == "route" for _ in range(2)]
     assert any(later) and not all(later)
     assert [r < 1.2 - 1e-6 for r in st["route_r"]] == later
@@ -758,7 +759,7 @@ def test_the_logged_loss_does_not_depend_on_the_world_size(monkeypatch):
             mp.setattr(learner.trainutil, "clip_grad_norm", lambda model, max_norm: 0.0)  # a plain module, no DTensors
             sums, _ = learner.update(model, torch.optim.SGD(model.parameters(), lr=0.0), micro, [m.logp_sampler for m in micro],
                                      [None], denom, args)
-        return stepgrpo.log_record(1, 0, {k: [] for k in stepgrpo.STATS}, sums, 0.0, {}, rows, args)["loss"], backprop[0]
+        return stepgrpo.log_record(1, 0, {k: [] for k in groups.STATS}, sums, 0.0, {}, rows, args)["loss"], backprop[0]
 
     own = trainutil.init_group(1)
     try:
@@ -785,13 +786,13 @@ def test_both_rollout_modes_score_gold_multi_query_steps_in_full(tiny_index, enc
     qs = [q for q in qs if q["type"] == "comparison"][:3] + [q for q in qs if q["type"] == "2hop"][:3]
     args.max_pairs, args.rollout, args.reward = 2, "onpolicy", "step"
     w = steprewards.Weights(route_scale=steprewards.kb_balance(qs, 3, max_pairs=2))
-    seqs, st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
+    seqs, st = groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     n_route = 2 * (3 * 2 + 3 * 3)  # 2 samples x (a comparison: 1 step + stop, a 2-hop: 2 steps + stop)
     assert st["route_r"] == pytest.approx([1.2] * n_route) and st["kb_acc"] == [1.0] * n_route
     assert st["answer_r"] == pytest.approx([1.2] * 2 * 9) and st["outcome"] == pytest.approx([1.2] * 2 * 6)
     routes = [s for s in seqs if tok.decode([t for t, m in zip(s["ids"], s["mask"]) if m]).count("</ret>")]
     assert len(routes) == n_route // 2 and all(s["ids"][-1] == tok.eos_token_id for s in routes)
-    rows, st = stepgrpo.onpolicy_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
+    rows, st = groups.onpolicy_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     assert st["outcome"] == [1.0] * 12 and st["format_ok"] == [1.0] * 12 and st["kb_acc"] == [1.0] * 2 * (3 * 2 + 3 * 3)
     assert st["retrievals"] == [2] * 12 and st["route_r"] == pytest.approx([1.2] * 2 * (3 * 2 + 3 * 3))
     assert len(rows) == 12 and all(a == 0.0 for r in rows for a in r["adv"])  # the same trajectory twice: no advantage
@@ -815,7 +816,7 @@ def test_teacher_written_prefixes_score_against_the_teacher(tiny_index, encoder)
     routes = [(x, sp) for x, sp, _, _ in rollout.span_prefixes(teacher) if sp["kind"] == "route"]
     first = [sp["step"] == 0 and bool(x["gold_steps"]) for x, sp in routes for _ in range(2)]
     assert any(first) and not all(first)
-    st = stepgrpo.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(),
+    st = groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(),
                                        seed=0, store=store)[1]
     # the teacher's own later steps are the gold's: full reward there; the first step: format + cosine 1, wrong KB
     assert st["route_r"] == pytest.approx([0.7 if f else 1.2 for f in first])
@@ -862,16 +863,16 @@ def test_dynamic_sampling_keeps_the_groups_with_a_gradient_and_draws_more_questi
     # one of the step's two questions (a) has a mixed group: a second round draws both of the pool's, of which c is
     # mixed, and the step is full
     policy = HalfWrong(tok, qs, mixed=[a["id"], c["id"]])
-    rows, st = stepgrpo.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, pool)
+    rows, st = groups.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, pool)
     assert {r["group"][0] for r in rows} == {a["id"], c["id"]}
     assert all(any(v for v, m in zip(r["adv"], r["mask"]) if m) for r in rows)  # no unanimous group is trained
     assert st["informative"] == [1.0] and st["refilled"] == [0.5]
     # a pool with no mixed question: DYNAMIC_TRIES rounds, and the step trains the one question it has
-    rows, st = stepgrpo.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, [b, d])
+    rows, st = groups.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, [b, d])
     assert {r["group"][0] for r in rows} == {a["id"]} and st["informative"] == [0.5] and st["refilled"] == [0.0]
     # off: every group, unanimous ones included, and no round but the first
     args.dynamic_sampling = False
-    plain, st = stepgrpo.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, pool)
+    plain, st = groups.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, pool)
     assert len(plain) > len(rows) and {r["group"][0] for r in plain} == {q["id"] for q in mine} and st["refilled"] == []
 
 def test_overlong_steps_are_masked_or_penalised(tiny_index, encoder):
@@ -888,7 +889,7 @@ def test_overlong_steps_are_masked_or_penalised(tiny_index, encoder):
     got = {}
     for mode in ("none", "mask", "penalty"):
         args.overlong = mode
-        rows, st = stepgrpo.teacher_prefix_batch(Rambles(tok, qs), ret, qs[:2], stepgrpo.rollout_config(args), encoder.encode,
+        rows, st = groups.teacher_prefix_batch(Rambles(tok, qs), ret, qs[:2], stepgrpo.rollout_config(args), encoder.encode,
                                                  steprewards.Weights(), seed=0)
         got[mode] = rows
         assert st["cut"] == [0.0, 1.0] * (len(st["cut"]) // 2)
@@ -988,7 +989,7 @@ def scripted_policy():
 def branch_setup(tiny_index, structure="transcript", mix=False):
     """The teacher-prefix tests' tokenizer, questions and retriever, --rollout branch -n 2 --branch_steps 2 (r - mean,
     no KB balance) in `structure`, and the scripted policy; the base trajectories, the picks and the branches as
-    stepgrpo.branch_batch makes them."""
+    groups.branch_batch makes them."""
     import rollout
     tok, qs, ret, args, _ = teacher_setup(tiny_index)
     args.rollout, args.structure, args.adv_std = "branch", structure, False
@@ -1027,7 +1028,7 @@ def test_branch_groups_share_their_prefix_token_for_token(tiny_index, encoder, s
         assert y["steps"][:len([e for e in x["steps"] if e["step"] < x["spans"][b]["step"]])] == \
             [e for e in x["steps"] if e["step"] < x["spans"][b]["step"]]
     assert any(y["ids"] != trajs[y["base"]]["ids"] for y in ys)  # the continuations went elsewhere
-    rows, st = stepgrpo.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
+    rows, st = groups.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
     assert len(rows) == len(picks) and st["kb_mixed"] and 0 < np.mean(st["kb_mixed"]) < 1
     for row, (j, b) in zip(rows, picks):
         prefix, _ = rollout.span_prefix(trajs[j], trajs[j]["spans"][b])
@@ -1051,7 +1052,7 @@ def test_branch_advantage_follows_the_outcome_of_the_continuation(tiny_index, en
     tok, qs, ret, args, policy, *_ = branch_setup(tiny_index)
     for mode in ("step", "outcome"):
         args.reward = mode
-        rows, st = stepgrpo.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
+        rows, st = groups.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
         assert st["outcome"] == [1.0, 0.0] * len(rows) and st["format_ok"] == [1.0] * 2 * len(rows)
         assert st["kb_acc"] == [1.0] * len(st["kb_acc"]) and st["kb_entropy"] == [0.0] * len(st["kb_entropy"])
         assert st["route_r"] == pytest.approx([1.2] * len(st["route_r"])) and st["route_r"]
@@ -1073,7 +1074,7 @@ def test_branch_rows_train_the_branched_step_alone(tiny_index, encoder):
     # on each branch's repeated last prompt token; the continuation is not in the row; a VL (mrope) policy's group is a
     # row per completion with the same masks
     tok, qs, ret, args, policy, s, trajs, picks, ys = branch_setup(tiny_index, mix=True)
-    rows, st = stepgrpo.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
+    rows, st = groups.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
     assert sum(sum(r["mask"]) for r in rows) == sum(st["tokens"]) == sum(
         y["spans"][y["branch"]]["end"] - y["spans"][y["branch"]]["start"] for y in ys)
     for g, row in enumerate(rows):
