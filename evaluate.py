@@ -324,8 +324,8 @@ def run_methods(plan, engine, ret, qs, settings, shots, model, name, out, judge=
         if judge:
             judge_answers(judge, trajs, out)
         label = row_label(method, plan.few_shot if shots else 0, plan.protocol)
-        seconds = round(time.perf_counter() - t, 1)
-        row = {f"{name}/{label}": dict(metrics.score(trajs), seconds=seconds)}
+        scores = metrics.score(trajs)
+        row = {f"{name}/{label}": dict(scores, seconds=round(time.perf_counter() - t, 1))}
         results.update(row)
         dataio.write_jsonl(out / f"trajectories-{method}.jsonl", [without_tokens(x) for x in trajs])
         mark = {"signature": signature, "results": row}  # after its trajectories: a finished method

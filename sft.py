@@ -225,6 +225,7 @@ class Trainer:
     fmt: object  # the transcript.format_meta the policy trains on (None: unknown)
 
 def make_optimizer(params, optim, lr, weight_decay):
+    """--optim over params: AdamW (betas 0.9, 0.95) or plain SGD."""
     if optim == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
@@ -232,6 +233,7 @@ def make_optimizer(params, optim, lr, weight_decay):
 #### checkpoints
 
 def save_checkpoint(t, r, step, steps_per_epoch):
+    """step_<step>/ (trainutil.save_checkpoint) with the data position a resume continues from."""
     state = dict(epoch=step // steps_per_epoch, position=step % steps_per_epoch, args=r.flags,
                  global_batch=r.batch_size * r.grad_accum * dist.get_world_size())
     trainutil.save_checkpoint(t.model, t.opt, t.processor, r.out, step, state, t.rank, r.keep,
