@@ -283,20 +283,20 @@ def test_a_finished_method_is_reused_only_under_the_same_weights_questions_and_f
     (model / "model.safetensors").write_bytes(b"w")
     args = argparse.Namespace(model=[str(model)], name=None, topk=3, seed=0, out=[str(tmp_path / "ev")], methods=["routed"])
     qs = [{"id": "q1"}, {"id": "q2"}]
-    sig = evaluate.run_signature(args, qs, model, "m")
+    sig = evaluate.run_signature(vars(args), qs, model, "m")
     row = {"m/routed": score(SET)}
     assert evaluate.method_done(tmp_path / "ev", "routed", sig) is None  # nothing finished yet
     dataio.write_atomic(tmp_path / "ev" / "method-routed.json", json.dumps({"signature": sig, "results": row}))
-    assert evaluate.method_done(tmp_path / "ev", "routed", evaluate.run_signature(args, qs, model, "m")) == json.loads(json.dumps(row))
+    assert evaluate.method_done(tmp_path / "ev", "routed", evaluate.run_signature(vars(args), qs, model, "m")) == json.loads(json.dumps(row))
     args.methods, args.out = ["routed", "oracle"], [str(tmp_path / "ev2")]  # which methods run is not in the signature
-    assert evaluate.run_signature(args, qs, model, "m") == sig
+    assert evaluate.run_signature(vars(args), qs, model, "m") == sig
     # nor the other checkpoints scored in the same process
-    assert evaluate.run_signature(argparse.Namespace(**{**vars(args), "model": [str(model), "x"]}), qs, model, "m") == sig
-    assert evaluate.run_signature(argparse.Namespace(**{**vars(args), "topk": 5}), qs, model, "m") != sig  # another flag
-    assert evaluate.run_signature(args, qs[:1], model, "m") != sig  # other questions
-    assert evaluate.run_signature(args, qs, model, "m2") != sig  # another row name
+    assert evaluate.run_signature({**vars(args), "model": [str(model), "x"]}, qs, model, "m") == sig
+    assert evaluate.run_signature({**vars(args), "topk": 5}, qs, model, "m") != sig  # another flag
+    assert evaluate.run_signature(vars(args), qs[:1], model, "m") != sig  # other questions
+    assert evaluate.run_signature(vars(args), qs, model, "m2") != sig  # another row name
     os.utime(model / "model.safetensors", ns=(1, 1))  # the checkpoint rewritten
-    assert evaluate.run_signature(args, qs, model, "m") != sig
+    assert evaluate.run_signature(vars(args), qs, model, "m") != sig
     (tmp_path / "ev" / "method-routed.json").write_text('{"signature": ')  # half a file: run the method again
     assert evaluate.method_done(tmp_path / "ev", "routed", sig) is None
 

@@ -587,4 +587,4 @@ def test_a_vl_engine_is_built_for_as_many_pictures_as_a_prompt_can_hold():
     assert rollout.Settings().max_images == 10 and rollout.Settings(max_steps=4, topk=5).max_images == 21
     assert rollout.Settings(max_pairs=2, max_rets=2).max_images == 37
     args = evaluate.get_args(["--max_steps", "4", "--topk", "2", "--protocol", "released"])  # released: top-5 evidence
-    assert evaluate.settings_of(args).max_images == 21
+    assert evaluate.settings_of(args.protocol, max_steps=args.max_steps, topk=args.topk).max_images == 21

@@ -127,12 +127,13 @@ def test_lr_schedule_by_hand():
     """Warm-up, cosine to lr * min_lr_ratio at the last step; with --decay_steps D the cosine ends at step D - 1 and
     the LR stays there: a 36-step run resumed at a constant lr * min_lr_ratio is one run of --decay_steps 36."""
     import math
-    a = sft.get_args(["--lr", "2e-4", "--warmup_steps", "2", "--min_lr_ratio", "0.1"])
+    schedule = lambda args: sft.Schedule(args.lr, args.warmup_steps, args.min_lr_ratio, args.decay_steps)
+    a = schedule(sft.get_args(["--lr", "2e-4", "--warmup_steps", "2", "--min_lr_ratio", "0.1"]))
     assert [sft.lr_at(k, a, 36) for k in (0, 1)] == pytest.approx([2e-4 / 3, 2 * 2e-4 / 3])
     assert sft.lr_at(2, a, 36) == pytest.approx(2e-4) and sft.lr_at(35, a, 36) == pytest.approx(2e-5)
     mid = 2 + 33 / 2  # progress 1/2: the LR halfway between lr and lr * min_lr_ratio
     assert sft.lr_at(mid, a, 36) == pytest.approx(2e-5 + 1.8e-4 * 0.5 * (1 + math.cos(math.pi / 2)))
-    d = sft.get_args(["--lr", "2e-4", "--warmup_steps", "2", "--min_lr_ratio", "0.1", "--decay_steps", "36"])
+    d = schedule(sft.get_args(["--lr", "2e-4", "--warmup_steps", "2", "--min_lr_ratio", "0.1", "--decay_steps", "36"]))
     assert [sft.lr_at(k, d, 216) for k in range(36)] == [sft.lr_at(k, a, 36) for k in range(36)]
     assert [sft.lr_at(k, d, 216) for k in (36, 100, 215)] == pytest.approx([2e-5] * 3)
 
