@@ -25,7 +25,9 @@ import retrievers
 import rollout
 import serve
 import transcript
-from test_serve import server, serving  # noqa: F401 - the shared server fixture (a module-scoped one here)
+import test_serve
+
+server, serving = test_serve.server, test_serve.serving  # the shared server fixture
 
 #### helpers
 

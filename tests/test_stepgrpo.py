@@ -529,8 +529,8 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
     for spans in ("all", "route"):
         tok, qs, ret, args, prefixes = teacher_setup(tiny_index, spans)
         n_route = sum(sp["kind"] == "route" for _, sp, _, _ in prefixes)
-        seqs, st = groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode,
-                                                 steprewards.Weights(), seed=0)
+        seqs, st = stepgrpo.groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args),
+                                                        encoder.encode, steprewards.Weights(), seed=0)
         groups = len(prefixes) if spans == "all" else n_route
         assert len(seqs) == groups and sum(1 + s["seg"][-1] for s in seqs) == 2 * groups
         assert st["kb_acc"] == [1.0] * 2 * n_route and st["route_r"] == pytest.approx([1.2] * 2 * n_route)
