@@ -89,12 +89,16 @@ def get_args(argv=None):
     arg("--entropy_coef", type=float, default=0.0, help="entropy bonus in the loss")
     arg("--old_logprobs", default="sampler", choices=["sampler", "trainer"],
         help="the ratio's old logprobs: the engine's, or the trainer's recomputed")
+    arg("--clip_low", type=float, default=grpo.CLIP_LOW,
+        help="the ratio's clip below 1 (GSPO: 3e-4)")
     arg("--clip_high", type=float, default=0.2, help="the ratio's clip above 1 (DAPO: 0.28)")
     arg("--ratio", default="token", choices=["token", "sequence"],
         help="importance ratio per token (PPO) or per step (GSPO)")
     arg("--tis_cap", type=float, default=0.0, help="truncated importance sampling's cap (0: off)")
     arg("--minibatches", type=int, default=1, help="optimizer steps a rollout")
     arg("--micro_batch", type=int, default=2, help="rows a forward/backward")
+    arg("--max_nonfinite", type=int, default=3,
+        help="steps in a row skipped for a non-finite gradient before the run stops")
     arg("--train_steps", type=int, default=12)
     arg("--save_every", type=int, default=6)
     arg("--eval_questions", type=int, default=100,
@@ -131,9 +135,9 @@ def rollout_config(args):
                                 args.dynamic_sampling)
 
 def update_config(args):
-    return learner.UpdateConfig(args.micro_batch, args.minibatches, args.clip_high, args.kl_coef,
-                                args.entropy_coef, args.ratio, args.tis_cap, args.old_logprobs,
-                                args.kl_in_reward, args.adv_estimator == "gae")
+    return learner.UpdateConfig(args.micro_batch, args.minibatches, args.clip_low, args.clip_high,
+                                args.kl_coef, args.entropy_coef, args.ratio, args.tis_cap,
+                                args.old_logprobs, args.kl_in_reward, args.adv_estimator == "gae")
 
 def reward_weights(args, questions, judge=None):
     """steprewards.Weights of --w_format, --w_hit, --w_rag with its judge; with --balance_kb the
@@ -255,8 +259,9 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     return Policy(model, ref, opt, crit, engine), step, dev_hist
 
 def load_inputs(args, weights, device, print0):
-    """The training questions (a --prefixes store's alone), the dev questions, the retriever, the
-    tokenizer and the --prefixes store (None: gold prefixes); exits with one line on bad data."""
+    """The training questions (a --prefixes store's alone), the dev questions, the retriever, what
+    is saved beside the weights (a VL processor, else the tokenizer), the pad id and the --prefixes
+    store (None: gold prefixes); exits with one line on bad data."""
     import retrievers
     from transformers import AutoTokenizer
     try:
@@ -274,7 +279,10 @@ def load_inputs(args, weights, device, print0):
         print0(f"--prefixes {args.prefixes}: {len(questions)} of its {len(store)} trajectories' "
                "questions are in --split")
     check_questions(questions, args)
-    return questions, dev_qs, ret, tok, store
+    vis = vision.VisionIO.load(weights, args.max_pixels)
+    files = vis.proc if vis else tok  # saved beside the weights: a VL processor, else the tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return questions, dev_qs, ret, files, pad_id, store
 
 def main(argv=None, close=True):
     """close: shut the engine and the process group down at the end, for a caller in the same
@@ -288,13 +296,10 @@ def main(argv=None, close=True):
     out = Path(args.out)
     start, weights, resuming = trainutil.resolve_start(args.model, out, args.resume,
                                                        lora is not None)
-    questions, dev_qs, ret, tok, store = load_inputs(args, weights, device, print0)
+    questions, dev_qs, ret, files, pad_id, store = load_inputs(args, weights, device, print0)
     own_group = trainutil.init_group(world, device=device)
     judge = load_judge(args, out / f"judge-{rank}.jsonl") if any(args.w_rag) else None
     encode = retrievers.Encoder(device=device).encode  # the sub-question cosine's encoder
-    vis = vision.VisionIO.load(weights, args.max_pixels)
-    files = vis.proc if vis else tok  # saved beside the weights: a VL processor, else the tokenizer
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     p, step, dev_hist = setup_policy(args, start, weights, resuming, lora, rank, world, device,
@@ -313,6 +318,7 @@ def main(argv=None, close=True):
         log(dict(step=0, **scores))
         print0(f"dev ({len(dev_qs)} questions) at the start: F1-Recall "
                f"{scores['dev_f1_recall']:.1f}, routing acc {scores['dev_routing_acc']:.1f}")
+    bad = 0  # steps in a row whose update was skipped for a non-finite gradient norm
 
     #### training loop
     while step < args.train_steps:
@@ -337,6 +343,7 @@ def main(argv=None, close=True):
         lengths = [n for m in micro for n in m.lengths]
         timing.update(update_rows=len(lengths), update_tokens=sum(lengths),  # (bench/flops.py)
                       update_policy=sum(len(m.logp_sampler) for m in micro if m.weight))
+        bad = check_finite(bad, timing["nonfinite"], step, args.max_nonfinite)
         # the weight sync: the engine samples from the updated policy
         timing.update(sync_weights(p.model, p.engine, rows, pad_id, peak, saving, args.dtype))
         # the log (with the dev score at a checkpoint) and the checkpoint
@@ -359,6 +366,16 @@ def main(argv=None, close=True):
         p.engine.close()  # vLLM's teardown destroys the default process group too (it shares it)
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
+
+def check_finite(bad, skipped, step, limit):
+    """Steps in a row with an optimizer step skipped for a non-finite gradient norm (learner.update,
+    as verl skips them), and one line to stop at `limit` (--max_nonfinite) of them."""
+    bad = bad + 1 if skipped else 0
+    if bad >= limit:
+        sys.exit(f"error: step {step}: the gradient norm was not finite in {bad} steps in a row "
+                 f"(--max_nonfinite {limit}), each update skipped: lower --lr, or look for inf or "
+                 "NaN in the rows' logprobs and advantages")
+    return bad
 
 def step_questions(questions, step, batch_questions, seed, rank, world):
     """(epoch, this rank's share of the questions of step `step` + 1): an epoch's shuffle seeded by
@@ -465,9 +482,12 @@ def check_args(args, world):
     if args.group_size < 1 or (args.group_size < 2 and args.adv_estimator != "gae"):
         sys.exit(f"error: -n {args.group_size}: a group needs at least 2 samples to have a "
                  "relative advantage (--adv_estimator gae: 1 is enough)")
-    if not (args.clip_high >= 0 and args.tis_cap >= 0 and args.minibatches >= 1):
-        sys.exit(f"error: --clip_high {args.clip_high} --tis_cap {args.tis_cap} --minibatches "
-                 f"{args.minibatches}: clip_high >= 0, tis_cap >= 0, minibatches >= 1")
+    if not (0 <= args.clip_low < 1 and args.clip_high >= 0 and args.tis_cap >= 0
+            and args.minibatches >= 1 and args.max_nonfinite >= 1):
+        sys.exit(f"error: --clip_low {args.clip_low} --clip_high {args.clip_high} --tis_cap "
+                 f"{args.tis_cap} --minibatches {args.minibatches} --max_nonfinite "
+                 f"{args.max_nonfinite}: 0 <= clip_low < 1, clip_high >= 0, tis_cap >= 0, "
+                 "minibatches >= 1, max_nonfinite >= 1")
     if args.adv_estimator == "gae":
         check_ppo(args)
     elif args.kl_in_reward:

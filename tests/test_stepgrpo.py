@@ -1088,3 +1088,82 @@ def test_branch_rows_train_the_branched_step_alone(tiny_index, encoder):
         vl = grpo.group_rows(prefix, group, [1.0, -1.0], images, mrope=True)
         assert [r["ids"] for r in vl] == [prefix + ids for ids, _ in group]
         assert [r["mask"] for r in vl] == [[0] * len(prefix) + [1] * len(ids) for ids, _ in group]
+
+#### the trainer's guards (found by reading verl's actor and GSPO)
+
+def test_gspo_clip_range_is_reachable_from_the_command_line(tiny_model_dir):
+    # GSPO clips its sequence ratio at about [1 - 3e-4, 1 + 4e-4]: --clip_low and --clip_high set both ends, and
+    # a sequence whose ratio is 0.990 with a negative advantage is clipped there, never under the default [0.8, 1.2]
+    import trainutil
+    gspo = stepgrpo.update_config(stepgrpo.get_args(["--ratio", "sequence", "--clip_low", "3e-4",
+                                                     "--clip_high", "4e-4"]))
+    default = stepgrpo.update_config(stepgrpo.get_args(["--ratio", "sequence"]))
+    assert (gspo.clip_low, gspo.clip_high, gspo.ratio) == (3e-4, 4e-4, "sequence") and default.clip_low == 0.2
+    cpu, own = torch.device("cpu"), trainutil.init_group(1)
+    try:
+        model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False)
+        rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0] * 4, adv=[0.0, -1.0, -1.0, -1.0])]
+        ids, attn, pos, sel, _, _ = grpo.collate(rows, 0, cpu)
+        with torch.no_grad():
+            logp = grpo.token_logprobs(model, ids, attn, sel, pos)[0]
+        rows[0]["old"] = [0.0] + (logp + 0.01).tolist()  # the ratio exp(-0.01) = 0.990 on every token
+
+        def clipped_below(cfg):
+            micro, denom, _ = learner.micro_batches(rows, cfg, 0, cpu)
+            sums, _ = learner.update(model, torch.optim.SGD(model.parameters(), lr=0.0), micro,
+                                     [m.logp_sampler for m in micro], [None], denom, cfg)
+            return sums["clip_low"].item()
+        assert clipped_below(gspo) == 3 and clipped_below(default) == 0
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+    with pytest.raises(SystemExit, match="0 <= clip_low < 1"):
+        stepgrpo.check_args(stepgrpo.get_args(["--clip_low", "1.5"]), 1)
+
+def test_a_non_finite_gradient_skips_the_step_and_a_run_of_them_stops(tiny_model_dir):
+    # as verl's actor: an optimizer step whose gradient norm is not finite is skipped (the weights and AdamW's state
+    # stay as they were) and counted (nonfinite); --max_nonfinite of them in a row stop the run with one line
+    import trainutil
+    rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, float("inf"), 0.5, 0.5]),
+            dict(ids=[5, 9, 9], mask=[0, 1, 1], old=[0.0, -4.1, -4.3], adv=[0.0, -1.0, -1.0])]
+    cpu, own = torch.device("cpu"), trainutil.init_group(1)
+    try:
+        model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        weights = lambda: {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        before, timing = weights(), {}
+        cfg = stepgrpo.update_config(stepgrpo.get_args(["--dtype", "fp32"]))
+        learner.learn(model, None, opt, None, rows, cfg, 0, cpu, None, 0, False, memory.PeakMemory(), timing)
+        after = weights()
+        fine = {}
+        learner.learn(model, None, opt, None, rows[1:], cfg, 0, cpu, None, 0, False, memory.PeakMemory(), fine)
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+    assert timing["nonfinite"] == 1 and all(torch.equal(before[n], after[n]) for n in before) and fine["nonfinite"] == 0
+    assert stepgrpo.check_finite(0, 1, 5, 3) == 1 and stepgrpo.check_finite(2, 0, 6, 3) == 0
+    with pytest.raises(SystemExit, match="^error: step 7: the gradient norm was not finite in 3 steps in a row"):
+        stepgrpo.check_finite(2, 1, 7, 3)
+
+def test_fewer_rows_than_minibatches_take_one_step_a_row(tiny_model_dir):
+    # 3 rows and --minibatches 4: three optimizer steps of a row each; a fourth share would hold no row, and AdamW
+    # would step on its momentum alone
+    import trainutil
+    rows = [dict(ids=[5, 6 + i, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4],
+                 adv=[0.0, 0.5 - 0.5 * i, 0.5, 0.5]) for i in range(3)]
+    steps = []
+
+    class Counting(torch.optim.AdamW):
+        def step(self, *a, **k):
+            steps.append(1)
+            return super().step(*a, **k)
+    cpu, own = torch.device("cpu"), trainutil.init_group(1)
+    try:
+        model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False)
+        cfg = dataclasses.replace(stepgrpo.update_config(stepgrpo.get_args([])), minibatches=4)
+        sums = learner.learn(model, None, Counting(model.parameters(), lr=1e-3), None, rows, cfg, 0, cpu, None, 0,
+                             False, memory.PeakMemory(), {})[1]
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+    assert len(steps) == 3 and sums["tokens"].item() == 9
