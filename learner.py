@@ -1,8 +1,9 @@
 """
-learner.py: the update phase of stepgrpo.py. One step's training rows -> the policy's (and PPO's critic's)
-optimizer steps: the rows in --minibatches shares, each in micro-batches that every rank runs in equal number (FSDP2
-gathers inside each forward); the old and reference logprobs of every micro-batch before any step; GAE and the
-critic's steps (critic.py); then one pass of the clipped loss a minibatch (grpo.grpo_loss), the global token mean.
+learner.py: the update phase of stepgrpo.py. One step's training rows -> the policy's (and PPO's
+critic's) optimizer steps: the rows in --minibatches shares, each in micro-batches that every rank
+runs in equal number (FSDP2 gathers inside each forward); the old and reference logprobs of every
+micro-batch before any step; GAE and the critic's steps (critic.py); then one pass of the clipped
+loss a minibatch (grpo.grpo_loss), the global token mean.
 """
 import math
 import time
@@ -16,29 +17,34 @@ import critic
 import trainutil
 from grpo import CLIP_LOW, collate, grpo_loss, spans_of, tis_weights, token_logprobs
 
-TEMPERATURE = 1.0  # rollouts sample from softmax(logits / T); the trainer's logprobs are of that distribution
+TEMPERATURE = 1.0  # rollouts sample from softmax(logits / T);
+                   # the trainer's logprobs are of that distribution
 GRAD_CLIP = 1.0    # global gradient norm
 
 @dataclass(frozen=True)
 class UpdateConfig:
     """The update's settings (stepgrpo.py's flags; docs/stepgrpo.md gives each one's source)."""
     micro_batch: int = 2            # rows a forward/backward
-    minibatches: int = 1            # optimizer steps a rollout, each over a shuffled share of its rows
+    minibatches: int = 1            # optimizer steps a rollout,
+                                    # each over a shuffled share of its rows
     clip_high: float = 0.2          # the ratio's clip above 1 (below: CLIP_LOW)
     kl_coef: float = 0.0            # k3 KL to the reference in the loss
     entropy_coef: float = 0.0       # entropy bonus
     ratio: str = "token"            # token (PPO) | sequence (GSPO)
     tis_cap: float = 0.0            # truncated importance sampling's cap (0: off)
-    old_logprobs: str = "sampler"   # the ratio's old logprobs: the sampler's, or the trainer's recomputed
+    old_logprobs: str = "sampler"   # the ratio's old logprobs: the sampler's,
+                                    # or the trainer's recomputed
     kl_in_reward: float = 0.0       # PPO: -beta (logp_old - logp_ref) in the token rewards
-    gae: bool = False               # PPO: advantages from the critic in the update (every row counts)
+    gae: bool = False               # PPO: advantages from the critic in the update
+                                    # (every row counts)
 
 @dataclass
 class Micro:
-    """One micro-batch (grpo.collate): ids [B, T]; attn [B, T] padding or [B, 1, T, T] tree mask; pos [B, T] or None;
-    sel [B, T-1] the positions predicting a policy token; logp_sampler, adv [N] over those N tokens (the engine's
-    logprob, the advantage); pix the image inputs of a VL policy ({} else); weight 0 for a stand-in (no rows);
-    lengths: the rows' tokens without padding (what the update computes usefully: bench/flops.py)."""
+    """One micro-batch (grpo.collate): ids [B, T]; attn [B, T] padding or [B, 1, T, T] tree mask;
+    pos [B, T] or None; sel [B, T-1] the positions predicting a policy token; logp_sampler, adv [N]
+    over those N tokens (the engine's logprob, the advantage); pix the image inputs of a VL policy
+    ({} else); weight 0 for a stand-in (no rows); lengths: the rows' tokens without padding (what
+    the update computes usefully: bench/flops.py)."""
     ids: torch.Tensor
     attn: torch.Tensor
     pos: torch.Tensor | None
@@ -48,19 +54,23 @@ class Micro:
     pix: dict
     weight: float
     lengths: tuple = ()
-    reward: torch.Tensor | None = None   # [N] PPO's token rewards (gae), then the critic's values and the returns
+    reward: torch.Tensor | None = None   # [N] PPO's token rewards (gae),
+                                         # then the critic's values and the returns
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
 def micro_batches(rows, cfg, pad_id, device, vis=None):
-    """The rows that carry a gradient, collated in micro-batches with their image inputs (vis: a VL policy), and the
-    global loss denominator. Without a KL or an entropy term a row whose policy tokens all have advantage 0 (a
-    unanimous group) has zero gradient: it is skipped, but `denom` still counts it, so the update is exactly the one
-    over every row. Every rank runs the same number of micro-batches (FSDP all-gathers inside each forward), at least
-    one: a rank with none left runs a copy of its first row with weight 0; a VL policy's micro-batch without images
-    a dummy picture (VisionIO.pixels always), since another rank's may have some and run the vision blocks.
+    """The rows that carry a gradient, collated in micro-batches with their image inputs (vis: a VL
+    policy), and the global loss denominator. Without a KL or an entropy term a row whose policy
+    tokens all have advantage 0 (a unanimous group) has zero gradient: it is skipped, but `denom`
+    still counts it, so the update is exactly the one over every row. Every rank runs the same
+    number of micro-batches (FSDP all-gathers inside each forward), at least one: a rank with none
+    left runs a copy of its first row with weight 0; a VL policy's micro-batch without images a
+    dummy picture (VisionIO.pixels always), since another rank's may have some and run the vision
+    blocks.
     Returns [Micro], denom (the global count of policy tokens), the fraction of rows skipped."""
-    rows = sorted(rows, key=lambda s: len(s["ids"]))  # similar lengths pad less; the loss is a global sum
+    rows = sorted(rows, key=lambda s: len(s["ids"]))  # similar lengths pad less;
+                                                      # the loss is a global sum
     live = [s for s in rows if cfg.gae or cfg.kl_coef > 0 or cfg.entropy_coef > 0
             or any(a for a, m in zip(s["adv"], s["mask"]) if m)]
     n_micro = torch.tensor([max(1, math.ceil(len(live) / cfg.micro_batch))], device=device)
@@ -72,18 +82,21 @@ def micro_batches(rows, cfg, pad_id, device, vis=None):
     micro = []
     for m in chunks:
         c = collate(m or stand_in, pad_id, device, keys)
-        pix = vis.pixels([s.get("images", []) for s in m or stand_in], device, c[0], always=True) if vis else {}
-        micro.append(Micro(*c[:6], pix=pix, weight=float(bool(m)), lengths=tuple(len(s["ids"]) for s in m),
+        pix = (vis.pixels([s.get("images", []) for s in m or stand_in], device, c[0], always=True)
+               if vis else {})
+        micro.append(Micro(*c[:6], pix=pix, weight=float(bool(m)),
+                           lengths=tuple(len(s["ids"]) for s in m),
                            reward=c[6] if cfg.gae else None))
     denom = torch.tensor([sum(sum(s["mask"]) for s in rows)], dtype=torch.float64, device=device)
     dist.all_reduce(denom)
     return micro, denom.clamp(min=1).item(), 1 - len(live) / max(1, len(rows))
 
 def score_old(model, ref, micro, cfg, suppress=()):
-    """Before the update: each micro-batch's old logprobs (the sampler's; --old_logprobs trainer: the trainer's own,
-    R1-Router's released code via EasyR1, summing |sampler - trainer| into old_gap), the reference's (None without a
-    KL term; ref None: the policy is LoRA and its adapters go off, trainutil.reference) and the trainer's own where
-    --old_logprobs trainer or --kl_in_reward asks for them (None else). suppress: token ids the engines never sample
+    """Before the update: each micro-batch's old logprobs (the sampler's; --old_logprobs trainer:
+    the trainer's own, R1-Router's released code via EasyR1, summing |sampler - trainer| into
+    old_gap), the reference's (None without a KL term; ref None: the policy is LoRA and its adapters
+    go off, trainutil.reference) and the trainer's own where --old_logprobs trainer or
+    --kl_in_reward asks for them (None else). suppress: token ids the engines never sample
     (token_logprobs). Returns [old], [ref], [trainer's], old_gap."""
     olds, refs, trainers = [], [], []
     old_gap = torch.zeros((), dtype=torch.float64, device=micro[0].ids.device)
@@ -92,11 +105,11 @@ def score_old(model, ref, micro, cfg, suppress=()):
             old, logp_ref, logp_trainer = m.logp_sampler, None, None
             if cfg.kl_coef > 0 or cfg.kl_in_reward > 0:
                 with trainutil.reference(model, ref) as r:
-                    logp_ref = token_logprobs(r, m.ids, m.attn, m.sel, m.pos, TEMPERATURE, pix=m.pix,
-                                              suppress=suppress)[0]
+                    logp_ref = token_logprobs(r, m.ids, m.attn, m.sel, m.pos, TEMPERATURE,
+                                              pix=m.pix, suppress=suppress)[0]
             if cfg.old_logprobs == "trainer" or cfg.kl_in_reward > 0:
-                logp_trainer = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, TEMPERATURE, pix=m.pix,
-                                              suppress=suppress)[0]  # [N]
+                logp_trainer = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, TEMPERATURE,
+                                              pix=m.pix, suppress=suppress)[0]  # [N]
             if cfg.old_logprobs == "trainer":
                 old_gap += m.weight * (logp_trainer - old).abs().sum().double()
                 old = logp_trainer
@@ -105,56 +118,64 @@ def score_old(model, ref, micro, cfg, suppress=()):
             trainers.append(logp_trainer)
     return olds, refs, trainers, old_gap
 
-SUMS = ("loss", "kl", "clip_low", "clip_high", "entropy", "tokens", "tis", "tis_capped")  # per policy token
+SUMS = ("loss", "kl", "clip_low", "clip_high", "entropy", "tokens", "tis",
+        "tis_capped")  # per policy token
 
 def add_stats(sums, weight, loss, kl, low, high, entropy, tis=None, cap=0.0):
-    """sums[k] += weight x a micro-batch's logged loss and its per-token sums (float64 on the data's device)."""
-    vals = dict(loss=loss.detach(), kl=kl.sum(), clip_low=low.sum(), clip_high=high.sum(), entropy=entropy.sum(),
-                tokens=torch.ones_like(kl).sum())
+    """sums[k] += weight x a micro-batch's logged loss and its per-token sums (float64 on the data's
+    device)."""
+    vals = dict(loss=loss.detach(), kl=kl.sum(), clip_low=low.sum(), clip_high=high.sum(),
+                entropy=entropy.sum(), tokens=torch.ones_like(kl).sum())
     if tis is not None:
         vals.update(tis=tis.sum(), tis_capped=(tis >= cap).sum())
     for k, v in vals.items():
         sums[k] += weight * v.double()
 
 def minibatch_rows(rows, k, seed):
-    """--minibatches k: the rollout's rows shuffled (seeded by the step: an exact resume) into k shares of near-equal
-    size, an optimizer step each (Search-R1's and verl's ppo_mini_batch_size); k = 1: [rows] as they are."""
+    """--minibatches k: the rollout's rows shuffled (seeded by the step: an exact resume) into k
+    shares of near-equal size, an optimizer step each (Search-R1's and verl's ppo_mini_batch_size);
+    k = 1: [rows] as they are."""
     if k == 1:
         return [rows]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     return [[rows[i] for i in order[j::k]] for j in range(k)]
 
 def update(model, opt, micro, olds, refs, denom, cfg, suppress=()):
-    """One pass of the clipped loss over one minibatch's micro-batches, one optimizer step. The loss of a micro-batch
-    is its per-token sum over denom / world (denom: the minibatch's global count of policy tokens; FSDP averages the
-    gradients over ranks), so the step follows the gradient of the global mean per policy token. With --tis_cap C
-    each token's loss is weighted by min(exp(old - sampler), C) (grpo.tis_weights). Returns this rank's sums (SUMS
-    over its policy tokens; loss / world summed over ranks is the global mean) and the global grad norm."""
+    """One pass of the clipped loss over one minibatch's micro-batches, one optimizer step. The loss
+    of a micro-batch is its per-token sum over denom / world (denom: the minibatch's global count of
+    policy tokens; FSDP averages the gradients over ranks), so the step follows the gradient of the
+    global mean per policy token. With --tis_cap C each token's loss is weighted by
+    min(exp(old - sampler), C) (grpo.tis_weights). Returns this rank's sums (SUMS over its policy
+    tokens; loss / world summed over ranks is the global mean) and the global grad norm."""
     world = dist.get_world_size()
     sums = {k: torch.zeros((), dtype=torch.float64, device=micro[0].ids.device) for k in SUMS}
     for m, old, logp_ref in zip(micro, olds, refs):
-        logp, ent = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, TEMPERATURE, cfg.entropy_coef > 0, m.pix,
-                                   suppress)  # [N] each
+        logp, ent = token_logprobs(model, m.ids, m.attn, m.sel, m.pos, TEMPERATURE,
+                                   cfg.entropy_coef > 0, m.pix, suppress)  # [N] each
         if logp_ref is None or cfg.kl_coef == 0:  # no reference: KL term 0
             logp_ref = logp.detach()
         tis = tis_weights(old, m.logp_sampler, cfg.tis_cap) if cfg.tis_cap else None  # [N] or None
-        seq = spans_of(m.sel) if cfg.ratio == "sequence" else None  # GSPO: a completion or a span, one sequence
-        loss, kl, low, high = grpo_loss(logp, old, logp_ref, m.adv, (CLIP_LOW, cfg.clip_high), cfg.kl_coef,
-                                        denom / world, ent, cfg.entropy_coef, seq, tis)
+        # GSPO: a completion or a span, one sequence
+        seq = spans_of(m.sel) if cfg.ratio == "sequence" else None
+        loss, kl, low, high = grpo_loss(logp, old, logp_ref, m.adv, (CLIP_LOW, cfg.clip_high),
+                                        cfg.kl_coef, denom / world, ent, cfg.entropy_coef, seq, tis)
         (loss * m.weight).backward()
-        add_stats(sums, m.weight, loss.detach() / world, kl, low, high, ent.detach(), tis, cfg.tis_cap)
+        add_stats(sums, m.weight, loss.detach() / world, kl, low, high, ent.detach(), tis,
+                  cfg.tis_cap)
     grad_norm = trainutil.clip_grad_norm(model, GRAD_CLIP)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return sums, grad_norm
 
 def learn(model, ref, opt, crit, rows, cfg, pad_id, device, vis, seed, warmup, peak, timing):
-    """The update phase of one step: the rows in --minibatches shares (micro_batches each), every micro-batch's old
-    and reference logprobs before any step, PPO's GAE and critic steps (crit: (critic, its optimizer)), then one
-    policy step a minibatch (none while the critic warms up). Fills timing; returns the micro-batches, the sums
-    (SUMS, old_gap, PPO's critic sums) over the minibatches (loss and value loss: their mean), the mean grad norm."""
+    """The update phase of one step: the rows in --minibatches shares (micro_batches each), every
+    micro-batch's old and reference logprobs before any step, PPO's GAE and critic steps
+    (crit: (critic, its optimizer)), then one policy step a minibatch (none while the critic warms
+    up). Fills timing; returns the micro-batches, the sums (SUMS, old_gap, PPO's critic sums) over
+    the minibatches (loss and value loss: their mean), the mean grad norm."""
     t = time.perf_counter()
-    shares = [micro_batches(c, cfg, pad_id, device, vis) for c in minibatch_rows(rows, cfg.minibatches, seed)]
+    shares = [micro_batches(c, cfg, pad_id, device, vis)
+              for c in minibatch_rows(rows, cfg.minibatches, seed)]
     timing["skipped"] = float(np.mean([sk for *_, sk in shares]))
     flat, sup, K = [m for mb, *_ in shares for m in mb], vis.special_ids if vis else (), len(shares)
     cuts = np.cumsum([0] + [len(mb) for mb, *_ in shares])  # shares[j]'s: flat[cuts[j]:cuts[j + 1]]
@@ -164,14 +185,16 @@ def learn(model, ref, opt, crit, rows, cfg, pad_id, device, vis, seed, warmup, p
     if crit:
         t_c = time.perf_counter()
         with peak("critic"):
-            critic.advantages(crit[0], flat, trainers, refs, cfg.kl_in_reward)  # whitened over the rollout
+            # whitened over the rollout
+            critic.advantages(crit[0], flat, trainers, refs, cfg.kl_in_reward)
             out = [critic.update(*crit, mb, denom) for mb, denom, _ in shares]
         sums["critic"] = critic.combine([c for c, _ in out])
         timing["critic_grad_norm"] = float(np.mean([g for _, g in out]))
         timing["critic_s"] = time.perf_counter() - t_c
     norms = []
     with peak("update"):
-        for j, (mb, denom, _) in enumerate(shares if not warmup else []):  # warm-up: the critic alone
+        # warm-up: the critic alone
+        for j, (mb, denom, _) in enumerate(shares if not warmup else []):
             a, b = cuts[j], cuts[j + 1]
             part, g = update(model, opt, mb, olds[a:b], refs[a:b], denom, cfg, sup)
             norms.append(g)
