@@ -12,6 +12,7 @@ rates (Search-R1: 1e-6 and 1e-5), and the critic can warm up alone (--critic_war
 second model's shards, gradients and Adam state (docs/gpu.md).
 """
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -82,7 +83,8 @@ def update(critic, opt, micro, denom):
                                         clipped.sum().double(), R.sum(), (R ** 2).sum(), err.sum(),
                                         (err ** 2).sum()])
     grad_norm = trainutil.clip_grad_norm(critic, 1.0)
-    opt.step()
+    if math.isfinite(grad_norm):  # else skipped, as the policy's (learner.update)
+        opt.step()
     opt.zero_grad(set_to_none=True)
     return sums, grad_norm
 

@@ -27,7 +27,8 @@ class UpdateConfig:
     micro_batch: int = 2            # rows a forward/backward
     minibatches: int = 1            # optimizer steps a rollout,
                                     # each over a shuffled share of its rows
-    clip_high: float = 0.2          # the ratio's clip above 1 (below: CLIP_LOW)
+    clip_low: float = CLIP_LOW      # the ratio's clip below 1
+    clip_high: float = 0.2          # the ratio's clip above 1
     kl_coef: float = 0.0            # k3 KL to the reference in the loss
     entropy_coef: float = 0.0       # entropy bonus
     ratio: str = "token"            # token (PPO) | sequence (GSPO)
@@ -157,13 +158,14 @@ def update(model, opt, micro, olds, refs, denom, cfg, suppress=()):
         tis = tis_weights(old, m.logp_sampler, cfg.tis_cap) if cfg.tis_cap else None  # [N] or None
         # GSPO: a completion or a span, one sequence
         seq = spans_of(m.sel) if cfg.ratio == "sequence" else None
-        loss, kl, low, high = grpo_loss(logp, old, logp_ref, m.adv, (CLIP_LOW, cfg.clip_high),
+        loss, kl, low, high = grpo_loss(logp, old, logp_ref, m.adv, (cfg.clip_low, cfg.clip_high),
                                         cfg.kl_coef, denom / world, ent, cfg.entropy_coef, seq, tis)
         (loss * m.weight).backward()
         add_stats(sums, m.weight, loss.detach() / world, kl, low, high, ent.detach(), tis,
                   cfg.tis_cap)
-    grad_norm = trainutil.clip_grad_norm(model, GRAD_CLIP)
-    opt.step()
+    grad_norm = trainutil.clip_grad_norm(model, GRAD_CLIP)  # global: every rank skips alike
+    if math.isfinite(grad_norm):  # else skipped, as verl's actor does (the caller counts it)
+        opt.step()
     opt.zero_grad(set_to_none=True)
     return sums, grad_norm
 
@@ -174,8 +176,11 @@ def learn(model, ref, opt, crit, rows, cfg, pad_id, device, vis, seed, warmup, p
     up). Fills timing; returns the micro-batches, the sums (SUMS, old_gap, PPO's critic sums) over
     the minibatches (loss and value loss: their mean), the mean grad norm."""
     t = time.perf_counter()
-    shares = [micro_batches(c, cfg, pad_id, device, vis)
-              for c in minibatch_rows(rows, cfg.minibatches, seed)]
+    fewest = torch.tensor([len(rows)], device=device)
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+    k = max(1, min(cfg.minibatches, int(fewest)))  # a share holds a row on every rank: an empty
+    # one would step AdamW on its momentum alone
+    shares = [micro_batches(c, cfg, pad_id, device, vis) for c in minibatch_rows(rows, k, seed)]
     timing["skipped"] = float(np.mean([sk for *_, sk in shares]))
     flat, sup, K = [m for mb, *_ in shares for m in mb], vis.special_ids if vis else (), len(shares)
     cuts = np.cumsum([0] + [len(mb) for mb, *_ in shares])  # shares[j]'s: flat[cuts[j]:cuts[j + 1]]
@@ -203,5 +208,7 @@ def learn(model, ref, opt, crit, rows, cfg, pad_id, device, vis, seed, warmup, p
     if warmup:
         sums["tokens"] += sum(m.weight * len(m.logp_sampler) for m in flat)
     sums["old_gap"] = old_gap
+    timing["nonfinite"] = sum(not math.isfinite(g) for g in norms)  # optimizer steps skipped
     timing["update_s"] = time.perf_counter() - t - timing.get("critic_s", 0.0)
-    return flat, sums, float(np.mean(norms)) if norms else 0.0
+    finite = [g for g in norms if math.isfinite(g)]
+    return flat, sums, float(np.mean(finite)) if finite else 0.0
