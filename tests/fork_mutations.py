@@ -4,6 +4,7 @@ fork test that should catch it run there: a mutation its test passes is MISSED, 
 
     .venv/bin/python tests/fork_mutations.py         # all of them, one after another (~5 min on 2 cores)
     .venv/bin/python tests/fork_mutations.py 5 13    # some, by number
+    .venv/bin/python tests/fork_mutations.py --trainer   # the trainer's, listed in test_stepgrpo.py's docstring
 
 Each mutation is a real edit a fork could make by mistake (or an earlier version of this code had), as one exact
 string replaced in one file; the list is the one in test_fork.py's docstring, in its order.
@@ -80,6 +81,37 @@ MUTATIONS = [
      "adv = grpo.norm(rs, std=run.adv_std) * scale\n        rows += [dict(r, group=(group[0]", RECIPE4),
 ]
 
+CLIPS = "tests/test_stepgrpo.py::test_clip_higher_gspos_ratio_and_tis_each_change_the_update"
+MINI = "tests/test_stepgrpo.py::test_minibatches_split_the_rows_once_and_one_is_the_whole_batch_bit_for_bit"
+# the trainer's (--trainer), listed in test_stepgrpo.py's docstring: each test must fail under its mutation
+TRAINER = [
+    ("the ratio's high clip fixed at 0.2 whatever --clip_high", "learner.py",
+     "(cfg.clip_low, cfg.clip_high)", "(cfg.clip_low, 0.2)", CLIPS),
+    ("the ratio's low clip fixed at 0.2 whatever --clip_low", "learner.py",
+     "(cfg.clip_low, cfg.clip_high)", "(CLIP_LOW, cfg.clip_high)",
+     "tests/test_stepgrpo.py::test_gspo_clip_range_is_reachable_from_the_command_line"),
+    ("GSPO's sequence ratio dropped (every ratio per token)", "learner.py",
+     'seq = spans_of(m.sel) if cfg.ratio == "sequence" else None', "seq = None", CLIPS),
+    ("the TIS weights dropped from the loss", "grpo.py",
+     "pg = pg * tis if tis is not None else pg", "pg = pg", CLIPS),
+    ("the sampler's logprobs as old under --old_logprobs trainer", "learner.py",
+     "                old = logp_trainer", "                pass",
+     "tests/test_stepgrpo.py::test_entropy_bonus_gradient_and_trainer_old_logprobs"),
+    ("the first minibatch share run in place of every other", "learner.py",
+     "part, g = update(model, opt, mb, olds[a:b], refs[a:b], denom, cfg, sup)",
+     "part, g = update(model, opt, *shares[0][:1], olds[:cuts[1]], refs[:cuts[1]], shares[0][1], cfg, sup)",
+     MINI),
+    ("a share's old logprobs taken from the front of the list", "learner.py",
+     "part, g = update(model, opt, mb, olds[a:b], refs[a:b], denom, cfg, sup)",
+     "part, g = update(model, opt, mb, olds[:b - a], refs[:b - a], denom, cfg, sup)", MINI),
+    ("an optimizer step taken on a non-finite gradient", "learner.py",
+     "    if math.isfinite(grad_norm):  # else skipped", "    if True:  # else skipped",
+     "tests/test_stepgrpo.py::test_a_non_finite_gradient_skips_the_step_and_a_run_of_them_stops"),
+    ("an empty minibatch share where a rank has fewer rows", "learner.py",
+     "    k = max(1, min(cfg.minibatches, int(fewest)))", "    k = cfg.minibatches",
+     "tests/test_stepgrpo.py::test_fewer_rows_than_minibatches_take_one_step_a_row"),
+]
+
 def checkout_copy(dest):
     """The tracked files (as they are in the working tree), the venv and the model folder linked."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -89,14 +121,18 @@ def checkout_copy(dest):
     (dest / ".venv").symlink_to(ROOT / ".venv")
     (dest / "models").symlink_to(ROOT / "models")
 
-def run(i):
-    what, path, old, new, test = MUTATIONS[i - 1]
+def node(test):
+    """A mutation's test as pytest's node id: a bare name is test_fork.py's."""
+    return test if "::" in test else f"tests/test_fork.py::{test}"
+
+def run(i, mutations=MUTATIONS):
+    what, path, old, new, test = mutations[i - 1]
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp)
         checkout_copy(copy)
         (copy / path).write_text((copy / path).read_text().replace(old, new))
         r = subprocess.run([str(copy / ".venv/bin/python"), "-m", "pytest", "-q", "-x", "-n", "0", "-p",
-                            "no:cacheprovider", f"tests/test_fork.py::{test}"], cwd=copy, capture_output=True, text=True)
+                            "no:cacheprovider", node(test)], cwd=copy, capture_output=True, text=True)
     caught = r.returncode == 1  # a test failed (2-5: an error of the run itself, not a catch)
     print(f"{i:2d}. {'caught' if caught else 'MISSED'}  {what}  ({path}; {test}, rc {r.returncode})", flush=True)
     if r.returncode not in (0, 1):
@@ -104,22 +140,26 @@ def run(i):
     return caught
 
 def stale(root=ROOT):
-    """What keeps a mutation from meaning what it says in the checkout at root: not listed in test_fork.py's
-    docstring, its string not exactly once in its file (the code moved on), or its test gone."""
-    tests = (root / "tests" / "test_fork.py").read_text()
+    """What keeps a mutation from meaning what it says in the checkout at root: not listed in its test file's
+    docstring (test_fork.py's, test_stepgrpo.py's), its string not exactly once in its file (the code moved on), or
+    its test gone."""
     out = []
-    for i, (what, path, old, new, test) in enumerate(MUTATIONS, 1):
-        n = (root / path).read_text().count(old)
-        out += [f"mutation {i}: not in test_fork.py's docstring"] if f"{i:2d}. {what}\n" not in tests else []
-        out += [f"mutation {i}: {path} holds its string {n} times, not once"] if n != 1 else []
-        out += [f"mutation {i}: no test {test}"] if f"def {test}(" not in tests else []
+    for name, mutations in (("", MUTATIONS), ("trainer ", TRAINER)):
+        for i, (what, path, old, new, test) in enumerate(mutations, 1):
+            file, fn = node(test).split("::")
+            tests, n = (root / file).read_text(), (root / path).read_text().count(old)
+            out += [f"{name}mutation {i}: not in {file}'s docstring"] if f"{i:2d}. {what}\n" not in tests else []
+            out += [f"{name}mutation {i}: {path} holds its string {n} times, not once"] if n != 1 else []
+            out += [f"{name}mutation {i}: no test {fn}"] if f"def {fn}(" not in tests else []
     return out
 
 if __name__ == "__main__":
     problems = stale()
     if problems:
         sys.exit("\n".join(problems))
-    picks = [int(a) for a in sys.argv[1:]] or range(1, len(MUTATIONS) + 1)
-    missed = [i for i in picks if not run(i)]
+    trainer = "--trainer" in sys.argv
+    mutations = TRAINER if trainer else MUTATIONS
+    picks = [int(a) for a in sys.argv[1:] if a != "--trainer"] or range(1, len(mutations) + 1)
+    missed = [i for i in picks if not run(i, mutations)]
     print(f"{len(picks) - len(missed)} of {len(picks)} caught" + (f"; missed: {missed}" if missed else ""))
     sys.exit(1 if missed else 0)

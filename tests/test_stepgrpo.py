@@ -1,5 +1,16 @@
 """stepgrpo.py: per-step advantages on hand-made rewards, the loss against a direct computation, masking, and
-2-rank torchrun runs with vLLM sync, exact resume and dev-picked checkpoints."""
+2-rank torchrun runs with vLLM sync, exact resume and dev-picked checkpoints. Each of these mutations of the trainer
+makes one of its tests fail (tests/fork_mutations.py --trainer applies each to a copy and runs that test):
+   1. the ratio's high clip fixed at 0.2 whatever --clip_high
+   2. the ratio's low clip fixed at 0.2 whatever --clip_low
+   3. GSPO's sequence ratio dropped (every ratio per token)
+   4. the TIS weights dropped from the loss
+   5. the sampler's logprobs as old under --old_logprobs trainer
+   6. the first minibatch share run in place of every other
+   7. a share's old logprobs taken from the front of the list
+   8. an optimizer step taken on a non-finite gradient
+   9. an empty minibatch share where a rank has fewer rows
+"""
 import dataclasses
 import json
 import math
@@ -169,7 +180,8 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
     own = trainutil.init_group(1)
     try:
         model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
-        rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, 0.5, 0.5, 0.5])]
+        # A < 0: against the sampler's logprobs (ratio ~exp(-6)) every token would be clipped below
+        rows = [dict(ids=[5, 6, 7, 8], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4], adv=[0.0, -0.5, -0.5, -0.5])]
         ids, attn, pos, sel, old, adv = grpo.collate(rows, 0, torch.device("cpu"))
 
         def grad(coef, only_entropy=False):
@@ -902,19 +914,28 @@ def test_overlong_steps_are_masked_or_penalised(tiny_index, encoder):
     assert gap(got["penalty"]) > gap(got["none"])
 
 def test_minibatches_split_the_rows_once_and_one_is_the_whole_batch_bit_for_bit(tiny_model_dir):
+    # rows of different lengths (a share run twice would count other tokens) whose old logprobs are the trainer's
+    # own, each row's its own (a share scored against another share's old logprobs would not have ratio 1)
     import trainutil
-    rows = [dict(ids=[5, 6 + i, 7, 8 + i], mask=[0, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4],
-                 adv=[0.0, 0.5 - 0.25 * i, 0.5, 0.5]) for i in range(6)]
+    rows = [dict(ids=[5, 6 + i, 7, 8 + i] + [9] * i, mask=[0, 1, 1, 1] + [1] * i, old=[0.0] * (4 + i),
+                 adv=[0.0, 0.5 - 0.25 * i, 0.5, 0.5] + [-0.5] * i) for i in range(6)]
     assert learner.minibatch_rows(rows, 1, 0) == [rows]
     shares = learner.minibatch_rows(rows, 4, 3)
     assert sorted(id(r) for s in shares for r in s) == sorted(map(id, rows)) and [len(s) for s in shares] == [2, 2, 1, 1]
     args = stepgrpo.get_args(["--dtype", "fp32", "--lr", "1e-2", "--micro_batch", "2"])
     own = trainutil.init_group(1)
     try:
-        def weights(k, direct=False):
+        start = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
+        for r in rows:  # the sampler's logprobs: the starting policy's own, so every ratio starts at 1
+            c = grpo.collate([r], 0, torch.device("cpu"))
+            with torch.no_grad():
+                r["old"] = [0.0] + grpo.token_logprobs(start, c[0], c[1], c[3], c[2])[0].tolist()
+
+        def weights(k, direct=False, opt_of=None):
             torch.manual_seed(0)
             model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
-            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+            opt = (opt_of or (lambda ps: torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)))(
+                model.parameters())
             cfg = dataclasses.replace(stepgrpo.update_config(args), minibatches=k)
             if direct:  # one update over every row: what a step ran before minibatches
                 micro, denom, _ = learner.micro_batches(rows, cfg, 0, torch.device("cpu"))
@@ -926,12 +947,15 @@ def test_minibatches_split_the_rows_once_and_one_is_the_whole_batch_bit_for_bit(
                                      memory.PeakMemory(), {})[1]
             return {n: p.full_tensor().clone() for n, p in model.named_parameters()}, sums
         one, direct, two = weights(1)[0], weights(1, direct=True)[0], weights(2)
+        frozen = weights(2, opt_of=lambda ps: torch.optim.SGD(ps, lr=0.0))[1]  # no step moves the policy
     finally:
         if own:
             torch.distributed.destroy_process_group()
     assert all(torch.equal(one[n], direct[n]) for n in one)
     assert any(not torch.equal(one[n], two[0][n]) for n in one)
-    assert two[1]["tokens"].item() == sum(sum(r["mask"]) for r in rows)  # each row once
+    assert two[1]["tokens"].item() == frozen["tokens"].item() == sum(sum(r["mask"]) for r in rows)  # each row once
+    # each share against its own rows' old logprobs: ratio 1 everywhere while the policy stands still
+    assert frozen["clip_low"].item() == frozen["clip_high"].item() == 0
     # the second minibatch's ratio is against the rollout's logprobs, after one step at lr 1e-2: the clip can act
     assert two[1]["clip_low"].item() + two[1]["clip_high"].item() > 0
 
@@ -1167,3 +1191,39 @@ def test_fewer_rows_than_minibatches_take_one_step_a_row(tiny_model_dir):
         if own:
             torch.distributed.destroy_process_group()
     assert len(steps) == 3 and sums["tokens"].item() == 9
+
+def test_clip_higher_gspos_ratio_and_tis_each_change_the_update(tiny_model_dir):
+    # each of the field's loss options is seen in the update's own sums (learner.update over the parsed flags):
+    # clip-higher: ratio 1.25 with A > 0 is clipped under --clip_high 0.2, not under 0.28;
+    # GSPO: token ratios exp(+-0.3) around a sequence mean of 1 are clipped per token, never as a sequence;
+    # TIS: each token's loss is weighted by min(exp(trainer - sampler), cap), the sum of the weights logged
+    import trainutil
+    cpu, own = torch.device("cpu"), trainutil.init_group(1)
+    try:
+        model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False)
+        ids = [5, 6, 7, 8, 9]
+        rows = [dict(ids=ids, mask=[0, 1, 1, 1, 1], old=[0.0] * 5, adv=[0.0, 1.0, 1.0, 1.0, 1.0])]
+        c = grpo.collate(rows, 0, cpu)
+        with torch.no_grad():
+            logp = grpo.token_logprobs(model, c[0], c[1], c[3], c[2])[0]  # [4] the trainer's
+
+        def sums(flags, shift):  # the update's sums with the sampler's logprobs = the trainer's - shift
+            rows[0]["old"] = [0.0] + (logp - torch.tensor(shift)).tolist()
+            args = stepgrpo.get_args(flags)
+            stepgrpo.check_args(args, 1)  # --tis_cap: --old_logprobs trainer
+            cfg = stepgrpo.update_config(args)
+            micro, denom, _ = learner.micro_batches(rows, cfg, 0, cpu)
+            olds, refs, _, _ = learner.score_old(model, None, micro, cfg)
+            return learner.update(model, torch.optim.SGD(model.parameters(), lr=0.0), micro, olds, refs, denom,
+                                  cfg)[0]
+        up = [math.log(1.25)] * 4
+        assert sums([], up)["clip_high"].item() == 4 and sums(["--clip_high", "0.28"], up)["clip_high"].item() == 0
+        wave = [0.3, -0.3, 0.3, -0.3]
+        assert sums([], wave)["clip_high"].item() == 2 and sums(["--ratio", "sequence"], wave)["clip_high"].item() == 0
+        tis = sums(["--tis_cap", "2"], [0.5, -0.5, 1.0, 0.0])  # old: the trainer's (ratio 1), weights from the sampler
+        w = [min(math.exp(d), 2.0) for d in (0.5, -0.5, 1.0, 0.0)]
+        assert tis["tis"].item() == pytest.approx(sum(w)) and tis["tis_capped"].item() == 1
+        assert tis["loss"].item() == pytest.approx(-sum(w) / 4)  # -ratio x A x w_t, token mean
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
