@@ -109,14 +109,14 @@ class VLLMEngine:
         # so a GPU run takes the code paths (sampling logprobs, prompt logprobs, reload_weights) that were tested
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         on_cpu = not torch.cuda.is_available()
-        if on_cpu:  # bind OMP threads to all cores (the default binds one: ~30% slower)
+        if on_cpu:  # bind OMP threads to all cores (the default binds one)
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
-            # enforce_eager still leaves one op of vLLM's sampler (the logprob ranks) under torch.compile: inductor
-            # builds it in C++, ~20 s on a fresh machine and ~2 s each engine start after; eager computes the same
+            # enforce_eager still leaves one op of vLLM's sampler (the logprob ranks) under torch.compile, which
+            # inductor would build in C++ at every engine start; eager computes the same
             torch.compiler.set_stance("force_eager")
         import torch.distributed as dist
-        gc.disable()  # vLLM's import makes millions of objects that live as long as the process: the collector's
-        try:  # passes over them as they come were ~0.6 s of a start on CPU (its start-up below collects once, freezes)
+        gc.disable()  # vLLM's import makes millions of objects that live as long as the process: no collector
+        try:  # passes over them as they come (its start-up below collects once and freezes them)
             from vllm import LLM
         finally:
             gc.enable()
@@ -136,7 +136,7 @@ class VLLMEngine:
         self.can_sleep, self.asleep = not on_cpu, False  # sleep mode frees GPU memory for the update; not on CPU
         # vLLM's start-up collects garbage five times over the whole heap, then freezes it (gc.freeze: never scanned
         # again); freezing what already lives (torch, transformers, the trainer's model) first makes each of those
-        # passes skip it: ~1.3 s less a start on CPU, the same heap frozen after
+        # passes skip it, the same heap frozen after
         gc.collect()
         gc.freeze()
         self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len, enforce_eager=on_cpu, seed=seed,
