@@ -3,7 +3,8 @@
 # on-policy with the field's tricks, outcome GRPO with dynamic sampling and GSPO, branch, PPO with a critic), 2 steps
 # each, run from the code at REV (a git worktree) and from this checkout, from one short SFT so that rewards and
 # advantages are not all 0; every log.jsonl field but the timings and the final weights compared, bit for bit.
-# Needs data/mini (make's world, index and traj-top1 stages). Each run takes minutes on 2 cores; run it alone.
+# Needs data/mini (make's world, index and traj-top1 stages); REV's code is checked out at out/same_steps/code (`git
+# worktree remove out/same_steps/code` when done). ~15 min for all six on 2 cores, alone.
 #   bash runs/same_steps.sh 833f8d7            # all six
 #   bash runs/same_steps.sh 833f8d7 1 3        # some, by number
 set -euo pipefail
