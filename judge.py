@@ -1,24 +1,29 @@
 """
-judge.py: an LLM as a judge, through the engines (a local model folder in-process, or the same model on any
-OpenAI-compatible server): the judged RAG reward of Agentic RAG-R1 (stepgrpo.py --w_rag) and an LLM-judge metric
-(evaluate.py --judge). The prompts and the scoring are ragas' NVIDIA metrics (src/ragas/metrics/_nv_metrics.py,
-Apache-2.0), the ones Agentic RAG-R1 calls through ragas:
-    accuracy(question, reference, response)  AnswerAccuracy: two prompts rate the response 0 / 2 / 4 against the
-                                             reference (the second with the two swapped), each / 4, averaged
-    relevance(question, contexts)            ContextRelevance (Agentic RAG-R1's rag_reward): two prompts rate whether
-                                             the evidence holds what the question needs, 0 / 1 / 2, each / 2, averaged
-    groundedness(response, contexts)         ResponseGroundedness: two prompts rate how far the evidence supports the
-                                             response (faithfulness), 0 / 1 / 2, each / 2, averaged
-A rating is the first of the scale's digits found in the judge's reply (ragas' process_score); one prompt with no
-rating leaves the other's; neither: None. ragas' own shortcuts are kept (empty evidence: relevance 0; a response
-found verbatim in its evidence: grounded, 1). Deviations, each for determinism or a stated bug: temperature 0 (ragas
-0.1, with up to 5 retries of an unparsable reply: at temperature 0 a retry returns the same reply, so there is one
-try), and ContextRelevance's second prompt is its template_relevance2 (the ragas version read formats
-template_relevance1 twice). Every rating is cached by the sha256 of (judge, metric, prompt, its inputs) in a JSONL
-file, so a rerun, a resumed run and the other arms ask the judge nothing twice.
+judge.py: an LLM as a judge, through the engines (a local model folder in-process, or the same model
+on any OpenAI-compatible server): the judged RAG reward of Agentic RAG-R1 (stepgrpo.py --w_rag) and
+an LLM-judge metric (evaluate.py --judge). The prompts and the scoring are ragas' NVIDIA metrics
+(src/ragas/metrics/_nv_metrics.py, Apache-2.0), the ones Agentic RAG-R1 calls through ragas:
+    accuracy(question, reference, response)  AnswerAccuracy: two prompts rate the response 0 / 2 / 4
+                                             against the reference (the second with the two
+                                             swapped), each / 4, averaged
+    relevance(question, contexts)            ContextRelevance (Agentic RAG-R1's rag_reward): two
+                                             prompts rate whether the evidence holds what the
+                                             question needs, 0 / 1 / 2, each / 2, averaged
+    groundedness(response, contexts)         ResponseGroundedness: two prompts rate how far the
+                                             evidence supports the response (faithfulness),
+                                             0 / 1 / 2, each / 2, averaged
+A rating is the first of the scale's digits found in the judge's reply (ragas' process_score); one
+prompt with no rating leaves the other's; neither: None. ragas' own shortcuts are kept (empty
+evidence: relevance 0; a response found verbatim in its evidence: grounded, 1). Deviations, each for
+determinism or a stated bug: temperature 0 (ragas 0.1, with up to 5 retries of an unparsable reply:
+at temperature 0 a retry returns the same reply, so there is one try), and ContextRelevance's second
+prompt is its template_relevance2 (the ragas version read formats template_relevance1 twice). Every
+rating is cached by the sha256 of (judge, metric, prompt, its inputs) in a JSONL file, so a rerun, a
+resumed run and the other arms ask the judge nothing twice.
 
     from judge import Judge
-    j = Judge.load("models/Qwen2.5-72B-Instruct", url="http://localhost:8000/v1", cache="out/judge.jsonl")
+    j = Judge.load("models/Qwen2.5-72B-Instruct", url="http://localhost:8000/v1",
+                   cache="out/judge.jsonl")
     j.accuracy([("Where was Ulla born?", "Selstoa", "in Selstoa")])      # -> [1.0]
 """
 import hashlib
@@ -27,25 +32,32 @@ from pathlib import Path
 
 from dataio import DataError
 
-ACCURACY = (  # AnswerAccuracy's template_accuracy1 and template_accuracy2, verbatim (the missing spaces too)
+# AnswerAccuracy's template_accuracy1 and template_accuracy2, verbatim (the missing spaces too)
+ACCURACY = (
     "Instruction: You are a world class state of the art assistant for rating "
     "a User Answer given a Question. The Question is completely answered by the Reference Answer.\n"
     "Say 4, if User Answer is full contained and equivalent to Reference Answer"
     "in all terms, topics, numbers, metrics, dates and units.\n"
     "Say 2, if User Answer is partially contained and almost equivalent to Reference Answer"
     "in all terms, topics, numbers, metrics, dates and units.\n"
-    "Say 0, if User Answer is not contained in Reference Answer or not accurate in all terms, topics,"
+    "Say 0, if User Answer is not contained in Reference Answer or not accurate in all terms, "
+    "topics,"
     "numbers, metrics, dates and units or the User Answer do not answer the question.\n"
-    "Do not explain or justify your rating. Your rating must be only 4, 2 or 0 according to the instructions above.\n"
+    "Do not explain or justify your rating. Your rating must be only 4, 2 or 0 according to the "
+    "instructions above.\n"
     "### Question: {query}\n"
     "### {answer0}: {sentence_inference}\n"
     "### {answer1}: {sentence_true}\n"
     "The rating is:\n",
     "I will rate the User Answer in comparison to the Reference Answer for a given Question.\n"
-    "A rating of 4 indicates that the User Answer is entirely consistent with the Reference Answer, covering all aspects, topics, numbers, metrics, dates, and units.\n"
-    "A rating of 2 signifies that the User Answer is mostly aligned with the Reference Answer, with minor discrepancies in some areas.\n"
-    "A rating of 0 means that the User Answer is either inaccurate, incomplete, or unrelated to the Reference Answer, or it fails to address the Question.\n"
-    "I will provide the rating without any explanation or justification, adhering to the following scale: 0 (no match), 2 (partial match), 4 (exact match).\n"
+    "A rating of 4 indicates that the User Answer is entirely consistent with the Reference "
+    "Answer, covering all aspects, topics, numbers, metrics, dates, and units.\n"
+    "A rating of 2 signifies that the User Answer is mostly aligned with the Reference Answer, "
+    "with minor discrepancies in some areas.\n"
+    "A rating of 0 means that the User Answer is either inaccurate, incomplete, or unrelated to "
+    "the Reference Answer, or it fails to address the Question.\n"
+    "I will provide the rating without any explanation or justification, adhering to the following "
+    "scale: 0 (no match), 2 (partial match), 4 (exact match).\n"
     "Do not explain or justify my rating. My rating must be only 4, 2 or 0 only.\n\n"
     "Question: {query}\n\n"
     "{answer0}: {sentence_inference}\n\n"
@@ -68,19 +80,24 @@ RELEVANCE = (  # ContextRelevance's template_relevance1 and template_relevance2,
     "### Context: {context}\n\n"
     "Do not try to explain.\n"
     "Analyzing Context and Question, the Relevance score is ",
-    "As a specially designed expert to assess the relevance score of a given Context in relation to a Question, "
-    "my task is to determine the extent to which the Context provides information necessary to answer the Question. "
-    "I will rely solely on the information provided in the Context and Question, and not on any prior knowledge.\n\n"
+    "As a specially designed expert to assess the relevance score of a given Context in relation "
+    "to a Question, my task is to determine the extent to which the Context provides information "
+    "necessary to answer the Question. I will rely solely on the information provided in the "
+    "Context and Question, and not on any prior knowledge.\n\n"
     "Here are the instructions I will follow:\n"
-    "* If the Context does not contain any relevant information to answer the Question, I will respond with a relevance score of 0.\n"
-    "* If the Context partially contains relevant information to answer the Question, I will respond with a relevance score of 1.\n"
-    "* If the Context contains any relevant information to answer the Question, I will respond with a relevance score of 2.\n\n"
+    "* If the Context does not contain any relevant information to answer the Question, I will "
+    "respond with a relevance score of 0.\n"
+    "* If the Context partially contains relevant information to answer the Question, I will "
+    "respond with a relevance score of 1.\n"
+    "* If the Context contains any relevant information to answer the Question, I will respond "
+    "with a relevance score of 2.\n\n"
     "### Question: {query}\n\n"
     "### Context: {context}\n\n"
     "Do not try to explain.\n"
     "Based on the provided Question and Context, the Relevance score is  [",
 )
-GROUNDEDNESS = (  # ResponseGroundedness's template_groundedness1 and template_groundedness2, verbatim
+# ResponseGroundedness's template_groundedness1 and template_groundedness2, verbatim
+GROUNDEDNESS = (
     "### Instruction\n\n"
     "You are a world class expert designed to evaluate the groundedness of an assertion.\n"
     "You will be provided with an assertion and a context.\n"
@@ -96,9 +113,11 @@ GROUNDEDNESS = (  # ResponseGroundedness's template_groundedness1 and template_g
     "### Assertion:\n"
     "<{response}>\n\n"
     "Analyzing Context and Response, the Groundedness score is ",
-    "As a specialist in assessing the strength of connections between statements and their given contexts, "
-    "I will evaluate the level of support an assertion receives from the provided context. Follow these guidelines:\n\n"
-    "* If the assertion is not supported or context is empty or assertion is empty, assign a score of 0.\n"
+    "As a specialist in assessing the strength of connections between statements and their given "
+    "contexts, I will evaluate the level of support an assertion receives from the provided "
+    "context. Follow these guidelines:\n\n"
+    "* If the assertion is not supported or context is empty or assertion is empty, assign a "
+    "score of 0.\n"
     "* If the assertion is partially supported, assign a score of 1.\n"
     "* If the assertion is fully supported, assign a score of 2.\n\n"
     "I will provide a rating of 0, 1, or 2, without any additional information.\n\n"
@@ -110,21 +129,22 @@ GROUNDEDNESS = (  # ResponseGroundedness's template_groundedness1 and template_g
 REPLY_TOKENS = 8  # a rating is a digit; a few tokens leave room for the judge's "**" or "[" first
 
 def rating(reply, scale):
-    """ragas' process_score: the first digit of `scale` (in its order) found anywhere in the reply, over its maximum;
-    None when none is there."""
+    """ragas' process_score: the first digit of `scale` (in its order) found anywhere in the reply,
+    over its maximum; None when none is there."""
     for i in scale:
         if str(i) in reply:
             return i / max(scale)
     return None
 
 def mean_valid(a, b):
-    """ragas' average_scores as its docstring says: the mean of the two ratings, the one that parsed, or None."""
+    """ragas' average_scores as its docstring says: the mean of the two ratings, the one that
+    parsed, or None."""
     ok = [s for s in (a, b) if s is not None]
     return sum(ok) / len(ok) if ok else None
 
 class Judge:
-    """Ratings from a judge engine (engines.make_engine: its tokenizer renders each prompt as one user turn), cached
-    in `cache` (a JSONL file, or None)."""
+    """Ratings from a judge engine (engines.make_engine: its tokenizer renders each prompt as one
+    user turn), cached in `cache` (a JSONL file, or None)."""
     def __init__(self, engine, name, cache=None):
         self.engine, self.name, self.cache, self.cache_path = engine, name, {}, None
         self.asked = 0  # prompts sent to the judge (not answered from the cache)
@@ -132,59 +152,73 @@ class Judge:
             self.use_cache(cache)
 
     def use_cache(self, path):
-        """Ratings from now on are read from and written to the JSONL file `path` (those already read are kept)."""
+        """Ratings from now on are read from and written to the JSONL file `path` (those already
+        read are kept)."""
         self.cache_path = Path(path)
         self.cache.update(load_cache(self.cache_path))
 
     @classmethod
     def load(cls, model, url=None, api_key=None, cache=None, **engine_kw):
-        """A judge from a model folder: in-process (vLLM), or with url the same model on an OpenAI-compatible server
-        (the folder gives its tokenizer and chat template, as evaluate.py --backend openai)."""
+        """A judge from a model folder: in-process (vLLM), or with url the same model on an
+        OpenAI-compatible server (the folder gives its tokenizer and chat template, as evaluate.py
+        --backend openai)."""
         import engines
-        if not url:  # beside the policy's engine (half of a GPU): a 72B judge belongs on a server of its own
+        # beside the policy's engine (half of a GPU): a 72B judge belongs on a server of its own
+        if not url:
             engine_kw["gpu_memory_utilization"] = 0.3
-        engine = engines.make_engine("openai" if url else "vllm", model, base_url=url, api_key=api_key, **engine_kw)
+        engine = engines.make_engine("openai" if url else "vllm", model, base_url=url,
+                                     api_key=api_key, **engine_kw)
         return cls(engine, Path(model).name, cache)
 
     def accuracy(self, items):
-        """items: (question, reference, response) -> AnswerAccuracy in [0, 1] (None: no rating parsed)."""
-        fields = [[dict(query=q, answer0="User Answer", answer1="Reference Answer", sentence_inference=r, sentence_true=ref),
-                   dict(query=q, answer0="Reference Answer", answer1="User Answer", sentence_inference=ref, sentence_true=r)]
+        """items: (question, reference, response) -> AnswerAccuracy in [0, 1] (None: no rating
+        parsed)."""
+        fields = [[dict(query=q, answer0="User Answer", answer1="Reference Answer",
+                        sentence_inference=r, sentence_true=ref),
+                   dict(query=q, answer0="Reference Answer", answer1="User Answer",
+                        sentence_inference=ref, sentence_true=r)]
                   for q, ref, r in items]
         return self.rate("accuracy", ACCURACY, fields, range(5), [None] * len(items))
 
     def relevance(self, items):
         """items: (question, [context passages]) -> ContextRelevance in [0, 1]."""
         fixed = []
-        for q, ctx in items:  # ragas' shortcuts: no evidence, or evidence that only repeats the question
+        # ragas' shortcuts: no evidence, or evidence that only repeats the question
+        for q, ctx in items:
             c = "\n".join(ctx).strip()
-            fixed.append(0.0 if not q.strip() or not c or c == q.strip() or c in q.strip() else None)
+            fixed.append(0.0 if not q.strip() or not c or c == q.strip() or c in q.strip()
+                         else None)
         fields = [[dict(query=q, context="\n".join(ctx)[:4192])] * 2 for q, ctx in items]
         return self.rate("relevance", RELEVANCE, fields, (2, 1, 0), fixed)
 
     def groundedness(self, items):
-        """items: (response, [context passages]) -> ResponseGroundedness in [0, 1] (faithfulness to the evidence)."""
+        """items: (response, [context passages]) -> ResponseGroundedness in [0, 1] (faithfulness to
+        the evidence)."""
         fixed = []
-        for r, ctx in items:  # ragas' shortcuts: nothing to judge (0); the response found in its evidence (1)
+        # ragas' shortcuts: nothing to judge (0); the response found in its evidence (1)
+        for r, ctx in items:
             c = "\n".join(ctx).strip()
             fixed.append(0.0 if not r.strip() or not c else 1.0 if r.strip() in c else None)
         fields = [[dict(context="\n".join(ctx)[:8192], response=r)] * 2 for r, ctx in items]
         return self.rate("groundedness", GROUNDEDNESS, fields, (2, 1, 0), fixed)
 
     def rate(self, metric, templates, fields, scale, fixed):
-        """Each item's two prompts (templates[k] filled with fields[i][k]) rated by the judge at temperature 0, or
-        read from the cache; the item's score is mean_valid of the two (fixed[i] where it is not None)."""
+        """Each item's two prompts (templates[k] filled with fields[i][k]) rated by the judge at
+        temperature 0, or read from the cache; the item's score is mean_valid of the two (fixed[i]
+        where it is not None)."""
         keys = [[self.key(metric, k, f) for k, f in enumerate(two)] for two in fields]
         todo = {}  # key -> prompt, for what the cache does not hold (each distinct prompt once)
         for i, (two, ks) in enumerate(zip(fields, keys)):
             if fixed[i] is None:
-                todo.update({key: templates[k].format(**f) for k, (f, key) in enumerate(zip(two, ks))
-                             if key not in self.cache})
+                todo.update({key: templates[k].format(**f)
+                             for k, (f, key) in enumerate(zip(two, ks)) if key not in self.cache})
         if todo:
             tok = self.engine.tok
-            ids = [tok.apply_chat_template([dict(role="user", content=p)], add_generation_prompt=True, tokenize=True)
+            ids = [tok.apply_chat_template([dict(role="user", content=p)],
+                                           add_generation_prompt=True, tokenize=True)
                    for p in todo.values()]
-            outs = self.engine.generate([list(getattr(x, "input_ids", x)) for x in ids], REPLY_TOKENS, temperature=0.0)
+            outs = self.engine.generate([list(getattr(x, "input_ids", x)) for x in ids],
+                                        REPLY_TOKENS, temperature=0.0)
             self.asked += len(todo)
             for key, (out, _) in zip(todo, outs):
                 self.remember(key, rating(tok.decode(out, skip_special_tokens=True), scale))
@@ -192,18 +226,20 @@ class Judge:
                 for i, ks in enumerate(keys)]
 
     def key(self, metric, k, f):
-        return hashlib.sha256(json.dumps([self.name, metric, k, f], sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps([self.name, metric, k, f],
+                                         sort_keys=True).encode()).hexdigest()
 
     def remember(self, key, score):
         self.cache[key] = score
         if self.cache_path:
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.cache_path, "a") as f:  # one line a rating, written whole: a kill loses that line at most
+            # one line a rating, written whole: a kill loses that line at most
+            with open(self.cache_path, "a") as f:
                 f.write(json.dumps(dict(key=key, score=score)) + "\n")
 
 def load_cache(path):
-    """A judge cache file -> {key: score}. A last line cut short (a run killed mid-write) is dropped and asked again;
-    any other bad line is an error naming it."""
+    """A judge cache file -> {key: score}. A last line cut short (a run killed mid-write) is dropped
+    and asked again; any other bad line is an error naming it."""
     if not path.is_file():
         return {}
     lines, cache = path.read_text().split("\n"), {}

@@ -1,8 +1,11 @@
 """
-memory.py: what a rank's device must hold, checked before the run starts, and what it held, measured as it ran.
-    check_gpu_budget  at start-up: exit in one line naming the phase (rollout beside the engine, or the update) and the
-                      parts that do not fit on this GPU (gpu_budget's sums; docs/gpu.md)
-    PeakMemory        `with peak("update"):` the phase's peak (CUDA's allocator, or this process's resident memory)
+memory.py: what a rank's device must hold, checked before the run starts, and what it held,
+measured as it ran.
+    check_gpu_budget  at start-up: exit in one line naming the phase (rollout beside the engine, or
+                      the update) and the parts that do not fit on this GPU (gpu_budget's sums;
+                      docs/gpu.md)
+    PeakMemory        `with peak("update"):` the phase's peak (CUDA's allocator, or this process's
+                      resident memory)
 Shared by sft.py and stepgrpo.py.
 """
 import os
@@ -13,88 +16,112 @@ import torch.distributed as dist
 
 from trainutil import GIB, compute_device
 
-# What a rank's GPU holds outside torch's allocator, in every phase (estimates; torch.cuda.memory_allocated sees neither):
-CUDA_CONTEXT = GIB // 2  # the process's CUDA context, one for the trainer and its in-process engine: 287 MB bare with
-                         # CUDA's lazy module loading, 667 MB without (pytorch/pytorch#86509), more as kernels load
-NCCL_BUFFERS = GIB  # the trainer's NCCL communicator on 2+ ranks (FSDP2's 1-D mesh reuses the default group:
-                    # torch/distributed/device_mesh.py, "Append the default pg"): 688 MB for one over 4 A100s' NVLink
-                    # (NVIDIA/nccl#964), linear in the channels, which NCCL opens more of on H100s (NVIDIA/nccl#986)
-LOSS_COPIES = 5  # fp32 [N, V] tensors alive at once in grpo.token_logprobs' forward: logits / temperature,
-                 # log_softmax, and the entropy's exp, masked_fill and their product (a backward holds 3; measured
-                 # by tests/test_gpu_path.py)
+# What a rank's GPU holds outside torch's allocator, in every phase (estimates;
+# torch.cuda.memory_allocated sees neither):
+CUDA_CONTEXT = GIB // 2  # the process's CUDA context, one for the trainer and its in-process
+                         # engine: 287 MB bare with CUDA's lazy module loading, 667 MB without
+                         # (pytorch/pytorch#86509), more as kernels load
+NCCL_BUFFERS = GIB  # the trainer's NCCL communicator on 2+ ranks (FSDP2's 1-D mesh reuses the
+                    # default group: torch/distributed/device_mesh.py, "Append the default pg"):
+                    # 688 MB for one over 4 A100s' NVLink (NVIDIA/nccl#964), linear in the
+                    # channels, which NCCL opens more of on H100s (NVIDIA/nccl#986)
+LOSS_COPIES = 5  # fp32 [N, V] tensors alive at once in grpo.token_logprobs' forward: logits /
+                 # temperature, log_softmax, and the entropy's exp, masked_fill and their product
+                 # (a backward holds 3; measured by tests/test_gpu_path.py)
 
 def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab, offload=False):
-    """{phase: {part: bytes}} of one rank's GPU of `total` bytes in Step-GRPO beside an in-process vLLM engine.
-    rollout: the engine's share (gpu_memory_utilization: its weights, KV cache and CUDA graphs, whose pool vLLM 0.32
-    estimates into the share: model_budget_error) beside what the trainer keeps: what is `allocated` at start-up (the
-    policy's fp32 shards, a reference) and the Adam state of the `trainable` shard bytes. update (the engine asleep,
-    its graph pool offloaded too: vllm/device_allocator/sleep_mode_backend.py, CuMemBackend.suspend): that, the fp32
-    gradients and the loss's LOSS_COPIES fp32 [tokens, vocab] logits (tokens: a micro-batch's policy tokens); the
-    layers' activations and FSDP2's gathered bf16 units are not counted. Both: the CUDA context and NCCL's buffers, in
-    use before the engine starts, so outside its share (vLLM counts what it allocates after its start-up snapshot:
-    vllm/v1/worker/gpu_worker.py, init_device). offload (--offload): the shards, gradients and Adam state are in host
-    memory, `allocated` is what stays on the GPU (the buffers), and neither Adam nor the gradients count."""
+    """{phase: {part: bytes}} of one rank's GPU of `total` bytes in Step-GRPO beside an in-process
+    vLLM engine. rollout: the engine's share (gpu_memory_utilization: its weights, KV cache and
+    CUDA graphs, whose pool vLLM 0.32 estimates into the share: model_budget_error) beside what the
+    trainer keeps: what is `allocated` at start-up (the policy's fp32 shards, a reference) and the
+    Adam state of the `trainable` shard bytes. update (the engine asleep, its graph pool offloaded
+    too: vllm/device_allocator/sleep_mode_backend.py, CuMemBackend.suspend): that, the fp32
+    gradients and the loss's LOSS_COPIES fp32 [tokens, vocab] logits (tokens: a micro-batch's
+    policy tokens); the layers' activations and FSDP2's gathered bf16 units are not counted. Both:
+    the CUDA context and NCCL's buffers, in use before the engine starts, so outside its share
+    (vLLM counts what it allocates after its start-up snapshot: vllm/v1/worker/gpu_worker.py,
+    init_device). offload (--offload): the shards, gradients and Adam state are in host memory,
+    `allocated` is what stays on the GPU (the buffers), and neither Adam nor the gradients
+    count."""
     outside = {"CUDA context": CUDA_CONTEXT, "NCCL buffers": NCCL_BUFFERS if world > 1 else 0}
     kept = {"policy shards and reference": allocated, "Adam state": 0 if offload else 2 * trainable}
-    return {"rollout": {f"vLLM engine ({engine_fraction:.0%})": engine_fraction * total, **kept, **outside},
+    return {"rollout": {f"vLLM engine ({engine_fraction:.0%})": engine_fraction * total, **kept,
+                        **outside},
             "update": {**kept, "gradients": 0 if offload else trainable,
-                       f"fp32 logits ({LOSS_COPIES} x {tokens} tokens x {vocab})": LOSS_COPIES * 4 * tokens * vocab,
+                       f"fp32 logits ({LOSS_COPIES} x {tokens} tokens x {vocab})":
+                           LOSS_COPIES * 4 * tokens * vocab,
                        **outside}}
 
-def gpu_budget_error(total, allocated, trainable, engine_fraction, world, tokens, vocab, device=0, offload=False):
-    """The one-line error naming a phase of gpu_budget that does not fit and its parts, else None."""
+def gpu_budget_error(total, allocated, trainable, engine_fraction, world, tokens, vocab, device=0,
+                     offload=False):
+    """The one-line error naming a phase of gpu_budget that does not fit and its parts, else
+    None."""
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
-    for phase, parts in gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab, offload).items():
+    for phase, parts in gpu_budget(total, allocated, trainable, engine_fraction, world, tokens,
+                                   vocab, offload).items():
         if sum(parts.values()) > total:
-            return (f"error: GPU {device} ({gib(total)}) cannot hold the {phase} phase ({gib(sum(parts.values()))}: " +
-                    ", ".join(f"{k} {gib(v)}" for k, v in parts.items() if v) + "); use more GPUs (the shards shrink "
-                    "with the world size)" + ("" if offload else ", --offload") +
+            return (f"error: GPU {device} ({gib(total)}) cannot hold the {phase} phase "
+                    f"({gib(sum(parts.values()))}: " +
+                    ", ".join(f"{k} {gib(v)}" for k, v in parts.items() if v) +
+                    "); use more GPUs (the shards shrink with the world size)" +
+                    ("" if offload else ", --offload") +
                     (" or a smaller --micro_batch" if phase == "update" else ""))
     return None
 
 def optimizer_bytes(opt):
-    """Bytes of the optimizer state already allocated: 0 before the first step, Adam's two moments after a resume."""
+    """Bytes of the optimizer state already allocated: 0 before the first step, Adam's two moments
+    after a resume."""
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    return sum(local(v).numel() * local(v).element_size() for st in opt.state.values() for v in st.values()
-               if torch.is_tensor(v))
+    return sum(local(v).numel() * local(v).element_size()
+               for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
 
-def model_budget_error(model, opt, total, allocated, engine_fraction, world, tokens, device=0, crit=None):
-    """gpu_budget_error for this rank's sharded `model` and its `opt` on a GPU of `total` bytes of which torch has
-    `allocated` (check_gpu_budget reads both from CUDA). The Adam state a resume has loaded is taken out of
-    `allocated`, since the budget adds it: the same verdict fresh and resumed. Adam is kept for the trainable weights
-    alone (LoRA: the adapters). The budget counts vLLM's CUDA graphs inside its share, where vLLM 0.32 puts them by
-    default (vllm/envs.py: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1; gpu_worker.py takes the estimate
-    out of the KV cache's room); with the variable 0 their pool would come on top, of a size known only once captured.
-    A model loaded with --offload (its shards on the CPU, computing on the GPU) keeps its Adam state and gradients in
-    host memory: the budget leaves them out."""
+def model_budget_error(model, opt, total, allocated, engine_fraction, world, tokens, device=0,
+                       crit=None):
+    """gpu_budget_error for this rank's sharded `model` and its `opt` on a GPU of `total` bytes of
+    which torch has `allocated` (check_gpu_budget reads both from CUDA). The Adam state a resume has
+    loaded is taken out of `allocated`, since the budget adds it: the same verdict fresh and
+    resumed. Adam is kept for the trainable weights alone (LoRA: the adapters). The budget counts
+    vLLM's CUDA graphs inside its share, where vLLM 0.32 puts them by default (vllm/envs.py:
+    VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1; gpu_worker.py takes the estimate out of
+    the KV cache's room); with the variable 0 their pool would come on top, of a size known only
+    once captured. A model loaded with --offload (its shards on the CPU, computing on the GPU)
+    keeps its Adam state and gradients in host memory: the budget leaves them out."""
     if not int(os.environ.get("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "1")):
-        return ("error: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 puts vLLM's CUDA graphs outside its share of the GPU, "
-                "where the trainer's memory is: unset it")
-    pairs = [(model, opt)] + ([crit] if crit else [])  # PPO: the critic's gradients and Adam state beside the policy's
-    trainable = sum(p.to_local().numel() * p.element_size() for m, _ in pairs for p in m.parameters() if p.requires_grad)
+        return ("error: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 puts vLLM's CUDA graphs outside "
+                "its share of the GPU, where the trainer's memory is: unset it")
+    # PPO: the critic's gradients and Adam state beside the policy's
+    pairs = [(model, opt)] + ([crit] if crit else [])
+    trainable = sum(p.to_local().numel() * p.element_size()
+                    for m, _ in pairs for p in m.parameters() if p.requires_grad)
     vocab = model.get_output_embeddings().weight.shape[0]
     offload = next(model.parameters()).device != compute_device(model)
-    resumed = 0 if offload else sum(optimizer_bytes(o) for _, o in pairs)  # offload: the loaded Adam state is on the host
-    return gpu_budget_error(total, allocated - resumed, trainable, engine_fraction, world, tokens, vocab, device, offload)
+    # offload: the loaded Adam state is on the host
+    resumed = 0 if offload else sum(optimizer_bytes(o) for _, o in pairs)
+    return gpu_budget_error(total, allocated - resumed, trainable, engine_fraction, world, tokens,
+                            vocab, device, offload)
 
 def check_gpu_budget(model, opt, engine_fraction, world, tokens, crit=None):
-    """At start-up, before the engine exists: exit with model_budget_error's line if this rank's GPU is too small.
-    Only for a policy on a GPU (--device cpu on a GPU host: nothing to check). crit: PPO's (critic, optimizer), whose
-    shards are in memory already and whose Adam state comes on top."""
+    """At start-up, before the engine exists: exit with model_budget_error's line if this rank's
+    GPU is too small. Only for a policy on a GPU (--device cpu on a GPU host: nothing to check).
+    crit: PPO's (critic, optimizer), whose shards are in memory already and whose Adam state comes
+    on top."""
     device = compute_device(model)
     if device.type == "cuda":
-        error = model_budget_error(model, opt, torch.cuda.mem_get_info(device)[1], torch.cuda.memory_allocated(device),
+        error = model_budget_error(model, opt, torch.cuda.mem_get_info(device)[1],
+                                   torch.cuda.memory_allocated(device),
                                    engine_fraction, world, tokens, device.index, crit)
         if error:
             sys.exit(error)
 
 class PeakMemory:
-    """`with peak("update"):` records the phase's peak memory in GiB, in self.gib[phase]: on CUDA the peak of
-    torch's allocated bytes (reset when the phase starts); on CPU this process's peak resident memory sampled every
-    10 ms by a thread (it includes the in-process vLLM engine, whose memory on CPU is this process's)."""
+    """`with peak("update"):` records the phase's peak memory in GiB, in self.gib[phase]: on CUDA
+    the peak of torch's allocated bytes (reset when the phase starts); on CPU this process's peak
+    resident memory sampled every 10 ms by a thread (it includes the in-process vLLM engine, whose
+    memory on CPU is this process's)."""
     def __init__(self, device=None):
         self.gib, self.phase = {}, None
-        self.cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+        self.cuda = (torch.cuda.is_available() if device is None
+                     else torch.device(device).type == "cuda")
 
     def __call__(self, phase):
         self.phase = phase
@@ -124,7 +151,8 @@ class PeakMemory:
             self.gib[self.phase] = self.peak / 2**30
 
 def gather_peaks(gib, world):
-    """{phase: [GiB on rank 0, rank 1, ...]} from every rank's PeakMemory readings (checkpoint: the last save's)."""
+    """{phase: [GiB on rank 0, rank 1, ...]} from every rank's PeakMemory readings (checkpoint: the
+    last save's)."""
     parts = [None] * world
     dist.all_gather_object(parts, dict(gib))
     return {k: [p.get(k, 0.0) for p in parts] for k in parts[0]}
