@@ -203,15 +203,19 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     value_head: PPO's critic, the model with its LM head swapped for a scalar head (to_critic; trained with LoRA too).
     With a quantised base every rank reads the checkpoint and quantises it itself (bitsandbytes quantises on load),
     and keeps the quantised weights whole (4.5 GiB at 7B in nf4); the rest is sharded as above.
-    offload (--offload): FSDP2's CPUOffloadPolicy, the shards, their gradients and so the optimizer step in host
-    memory (pinned on CUDA), each unit copied to `device` for its forward and backward only (the buffers stay on
-    `device`); loaded as verl's fsdp2_load_full_state_dict: broadcast on `device` (NCCL needs it), then moved."""
+    offload (--offload): FSDP2's CPUOffloadPolicy (offload_policy), the shards, their gradients and
+    so the optimizer step in host memory (pinned on CUDA), each unit copied to `device` for its
+    forward and backward only (the buffers stay on `device`). The shards are in host memory before
+    they are filled: to_empty makes each unit's on `device`, and FSDP2 copies them to pinned host
+    memory at once (FSDPParam.reset_sharded_param, torch 2.13); the broadcast then sends each whole
+    parameter on `device` (NCCL needs it), and every rank copies it to host memory, then its slice
+    into its shard (torch/distributed/_state_dict_utils.py, _broadcast_tensors)."""
     if offload and lora and lora.quant != "none":
         sys.exit("error: --offload moves FSDP2's shards to host memory, and a quantised base (--quant) is kept whole "
                  "on each GPU, not sharded: use one or the other")
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, BitsAndBytesConfig
     auto, attn = auto_model(path), attention(device, bf16, tree_mask)
     quant = lora.quant if lora else "none"
@@ -242,7 +246,7 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     mesh, whole = init_device_mesh(device.type, (world,)), {p for p in model.parameters() if is_quantized(p)}
     kw = dict(mesh=mesh, mp_policy=mp, ignored_params=whole,
-              offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy())
+              offload_policy=offload_policy(device, offload))
     for block in blocks(model):
         fully_shard(block, **kw)
     # the root (embeddings, final norm, head) stays gathered after a forward until a backward reshards it; a frozen
@@ -257,14 +261,21 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
             dist.broadcast(b, src=0)
         if dist.get_rank() == 0:
             model.generation_config = generation_config
-    if offload:  # the shards to host memory (FSDP2's _apply re-pads them and pins them), the buffers back
-        model.to("cpu")
+    if offload:  # no-op for shards to_empty pinned (above); any an unpinned policy left on `device`
+        model.to("cpu")  # go to host memory, and the buffers, moved with them, back to `device`
         for b in model.buffers():
             b.data = b.data.to(device)
     model.train(train)
     if not train:
         model.requires_grad_(False)
     return model
+
+def offload_policy(device, offload):
+    """FSDP2's offload policy for units that compute on `device`: with offload CPUOffloadPolicy,
+    pinned on CUDA (asynchronous copies to and from the GPU, and the shards moved to host memory as
+    soon as to_empty makes them), unpinned on the CPU (pinning needs an accelerator); else none."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
 
 def to_critic(model):
     """The causal LM with its LM head replaced by a scalar value head (untied from the embeddings), initialised as

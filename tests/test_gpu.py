@@ -199,6 +199,42 @@ def test_offload_keeps_the_shards_on_the_host_and_trains_as_without(tmp_path, ti
     a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("plain", "offload"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
+def offloaded_steps_keep_their_state_on_the_host(model_dir):
+    """load_sharded(offload=True) on this GPU, then bf16 AdamW steps: every FSDP unit with the
+    pinned CPUOffloadPolicy; each forward's logits on the GPU; after each backward every gradient in
+    host memory; after each step every shard in pinned host memory, the Adam moments in host memory,
+    the buffers on the GPU, and the weights changed."""
+    import trainutil
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    cuda = torch.device("cuda", 0)
+    trainutil.init_group(1, device=cuda)
+    model = trainutil.load_sharded(model_dir, cuda, 1, bf16=True, offload=True)
+    found = [m._get_fsdp_state()._fsdp_param_group for m in model.modules()
+             if isinstance(m, FSDPModule)]
+    assert len(found) == len(trainutil.blocks(model)) + 1
+    assert all(g.offload_policy == CPUOffloadPolicy(pin_memory=True) for g in found)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(5, 4000, (2, 24), generator=torch.Generator().manual_seed(0)).to(cuda)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}  # a world of one
+    for _ in range(2):
+        out = model(ids, labels=ids)
+        assert out.logits.device == cuda
+        out.loss.backward()
+        assert all(p.grad.to_local().device.type == "cpu" for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        shards = [p.to_local() for p in model.parameters()]
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in shards)
+        adam = [v for st in opt.state.values() for k, v in st.items()
+                if k in ("exp_avg", "exp_avg_sq")]
+        assert len(adam) == 2 * len(shards) and all(v.to_local().device.type == "cpu" for v in adam)
+        assert all(b.device == cuda for b in model.buffers())
+        assert trainutil.compute_device(model) == cuda
+    assert all(not torch.equal(before[n], p.to_local()) for n, p in model.named_parameters())
+
+def test_offloaded_steps_keep_the_shards_and_adam_state_in_host_memory(tiny_model_dir):
+    in_own_process(offloaded_steps_keep_their_state_on_the_host, tiny_model_dir)
+
 def vl_engine_sleeps_and_syncs(model_dir, index_dir, vl):
     """a bf16 VL engine with images asleep and woken around a sync, scoring a prompt with pictures like the new
     weights (vision tower included) at bf16 tolerance; the VL policy is made at `vl`"""
