@@ -1,15 +1,19 @@
 """
-report.py: evaluate.py's report (results.json, table.md, PNG charts) and the side-by-side view of one question's
-trajectories beside its gold steps. Imports nothing of evaluate.py: it reads score dicts and trajectory rows.
+report.py: evaluate.py's report (results.json, table.md, PNG charts) and the side-by-side view of
+one question's trajectories beside its gold steps. Imports nothing of evaluate.py: it reads score
+dicts and trajectory rows.
 
-    python report.py --show out/demo/eval/sft/trajectories-routed.jsonl out/demo/eval/stepgrpo/trajectories-routed.jsonl \
-        --data data/mini                        # the first question whose gold steps use the most KBs (--qid: another)
+    python report.py --show out/demo/eval/sft/trajectories-routed.jsonl \
+        out/demo/eval/stepgrpo/trajectories-routed.jsonl \
+        --data data/mini                        # the first question whose gold steps use the most
+                                                  KBs (--qid: another)
 
     from metrics import score
     from report import write_report
     md = write_report({"sft/routed": score(trajs)}, "out/eval/x", title="mini-world dev")
 
-Outline: display orders -> tables -> charts -> write_report -> learning curves -> the trajectory view.
+Outline: display orders -> tables -> charts -> write_report -> learning curves -> the trajectory
+view.
 """
 import argparse
 import io
@@ -24,8 +28,10 @@ import dataio
 import reward
 from dataio import KBS  # ("text", "table", "image")
 
-TYPES = ("none", "1hop", "2hop", "3hop", "comparison", "visual")  # display order; other types follow, sorted
-FAILURES = ("format", "route", "retrieval", "step_answer", "final", "unattributed")  # metrics.failure's, in order
+TYPES = ("none", "1hop", "2hop", "3hop", "comparison", "visual")  # display order; other types
+                                                                   # follow, sorted
+# metrics.failure's, in order
+FAILURES = ("format", "route", "retrieval", "step_answer", "final", "unattributed")
 
 
 def type_order(types):
@@ -42,63 +48,80 @@ def _table(header, rows):
 
 
 def markdown(results, title):
-    """The report as markdown: main table, routing details, F1-Recall and answer words per question type."""
-    main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "answer words", "routing acc", "steps/q",
-                   "retrievals/q", "s/q", "format fail %", "overflow %"],
-                  [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc")), _fmt(s.get("answer_words"), 2),
+    """The report as markdown: main table, routing details, F1-Recall and answer words per question
+    type."""
+    main = _table(["method", "n", "F1-Recall", "EM", "F1", "Acc", "answer words", "routing acc",
+                   "steps/q", "retrievals/q", "s/q", "format fail %", "overflow %"],
+                  [[m, s["n"], *(_fmt(s[k]) for k in ("f1_recall", "em", "f1", "acc")),
+                    _fmt(s.get("answer_words"), 2),
                     _fmt(s["routing_acc"]), _fmt(s.get("steps"), 2),
-                    _fmt(s["retrievals"], 2), _fmt(s["seconds"] / s["n"] if "seconds" in s else None, 3),
+                    _fmt(s["retrievals"], 2),
+                    _fmt(s["seconds"] / s["n"] if "seconds" in s else None, 3),
                     _fmt(s["format_fail"]), _fmt(s.get("overflow"))] for m, s in results.items()])
-    # .get: --combine may read a results.json written before answer_words, routing_macro and reask existed
-    routing = _table(["method", "routing macro", "macro, step 1", "info, step 1", "route exact %", "gold-doc hit %",
-                      *(f"{kb}/q" for kb in KBS), "re-ask %", "policy tokens/q"],
-                     [[m, _fmt(s.get("routing_macro")), _fmt(s.get("routing_macro0")), _fmt(s.get("route_info0")),
-                       _fmt(s["route_exact"]), _fmt(s["gold_hit"]),
+    # .get: --combine may read a results.json written before answer_words, routing_macro and reask
+    # existed
+    routing = _table(["method", "routing macro", "macro, step 1", "info, step 1", "route exact %",
+                      "gold-doc hit %", *(f"{kb}/q" for kb in KBS), "re-ask %", "policy tokens/q"],
+                     [[m, _fmt(s.get("routing_macro")), _fmt(s.get("routing_macro0")),
+                       _fmt(s.get("route_info0")), _fmt(s["route_exact"]), _fmt(s["gold_hit"]),
                        *(_fmt(s["retrievals_by_kb"][kb], 2) for kb in KBS), _fmt(s.get("reask")),
                        _fmt(s["policy_tokens"], 0)]
                       for m, s in results.items()])
-    lost = _table(["method", *FAILURES],  # only rows with "lost": --combine may read older results.json
-                  [[m, *(_fmt(s["lost"].get(k, 0.0)) for k in FAILURES)] for m, s in results.items() if "lost" in s])
-    judged = _table(["method", "LLM judge", "EM", "judge = EM %", "rated"],  # evaluate.py --judge's rows only
-                    [[m, _fmt(s["judge"]), _fmt(s["em"]), _fmt(s["judge_em_agree"]), f"{s['judge_n']} of {s['n']}"]
+    # only rows with "lost": --combine may read older results.json
+    lost = _table(["method", *FAILURES],
+                  [[m, *(_fmt(s["lost"].get(k, 0.0)) for k in FAILURES)] for m, s in results.items()
+                   if "lost" in s])
+    # evaluate.py --judge's rows only
+    judged = _table(["method", "LLM judge", "EM", "judge = EM %", "rated"],
+                    [[m, _fmt(s["judge"]), _fmt(s["em"]), _fmt(s["judge_em_agree"]),
+                      f"{s['judge_n']} of {s['n']}"]
                      for m, s in results.items()
                      if s.get("judge") is not None])
-    judge = ["## LLM judge (ragas' AnswerAccuracy of the final answer; its agreement with EM)", "", *judged, ""] \
+    judge = ["## LLM judge (ragas' AnswerAccuracy of the final answer; its agreement with EM)", "",
+             *judged, ""] \
         if len(judged) > 2 else []
-    acted = _table(["method", "backtracks/q", "summaries/q", "retrievals/q"],  # a policy with --actions only
+    # a policy with --actions only
+    acted = _table(["method", "backtracks/q", "summaries/q", "retrievals/q"],
                    [[m, _fmt(s["backtracks"], 2), _fmt(s["summaries"], 2), _fmt(s["retrievals"], 2)]
                     for m, s in results.items() if "backtracks" in s])
-    actions = ["## Actions (backtrack, summary: Agentic RAG-R1's; routing is scored on the steps that stayed)", "",
-               *acted, ""] if len(acted) > 2 else []
+    actions = ["## Actions (backtrack, summary: Agentic RAG-R1's; routing is scored on the steps "
+               "that stayed)", "", *acted, ""] if len(acted) > 2 else []
     types = type_order({ty for s in results.values() for ty in s["by_type"]})
-    by_type = lambda k, digits: _table(["method", *types], [[m, *(_fmt(s["by_type"][ty].get(k), digits)
-                                                                  if ty in s["by_type"] else "-" for ty in types)]
-                                                            for m, s in results.items()])
-    return "\n".join([f"# {title}", "", "All rates in %; answer metrics count a format failure as 0; answer words: "
-                      "the mean length of the final answer in words (a format failure's: 0).", "", *main, "",
+    by_type = lambda k, digits: _table(["method", *types],
+                                       [[m, *(_fmt(s["by_type"][ty].get(k), digits)
+                                              if ty in s["by_type"] else "-" for ty in types)]
+                                        for m, s in results.items()])
+    return "\n".join([f"# {title}", "",
+                      "All rates in %; answer metrics count a format failure as 0; answer words: "
+                      "the mean length of the final answer in words (a format failure's: 0).", "",
+                      *main, "",
                       "## Routing", "", *routing, "",
-                      *judge, *actions, "## Where F1-Recall is lost (points, the first failure of each question)", "", *lost, "",
+                      *judge, *actions,
+                      "## Where F1-Recall is lost (points, the first failure of each question)", "",
+                      *lost, "",
                       "## F1-Recall by question type", "", *by_type("f1_recall", 1), "",
                       "## Answer words by question type", "", *by_type("answer_words", 2), ""])
 
 
 def seed_table(results):
-    """Rows named '<row>@s<seed>/<method>' (one training seed each) -> markdown of mean +- sample std over seeds."""
+    """Rows named '<row>@s<seed>/<method>' (one training seed each) -> markdown of mean +- sample
+    std over seeds."""
     groups = defaultdict(list)
     for name, s in results.items():
         groups[re.sub(r"@s\d+", "", name)].append(s)
     rows = []
     for name, ss in groups.items():
         cells = []
-        for k, digits in (("f1_recall", 1), ("em", 1), ("f1", 1), ("answer_words", 2), ("routing_acc", 1), ("steps", 2),
-                          ("retrievals", 2), ("s/q", 3)):
-            v = [x["seconds"] / x["n"] if k == "s/q" else x.get(k) for x in ss if k != "s/q" or "seconds" in x]
+        for k, digits in (("f1_recall", 1), ("em", 1), ("f1", 1), ("answer_words", 2),
+                          ("routing_acc", 1), ("steps", 2), ("retrievals", 2), ("s/q", 3)):
+            v = [x["seconds"] / x["n"] if k == "s/q" else x.get(k) for x in ss
+                 if k != "s/q" or "seconds" in x]
             v = [y for y in v if y is not None]
             sd = f" ± {_fmt(statistics.stdev(v), digits)}" if len(v) > 1 else ""
             cells.append(_fmt(statistics.mean(v), digits) + sd if v else "-")
         rows.append([name, len(ss), *cells])
-    return _table(["row", "seeds", "F1-Recall", "EM", "F1", "answer words", "routing acc", "steps/q", "retrievals/q",
-                   "s/q"], rows)
+    return _table(["row", "seeds", "F1-Recall", "EM", "F1", "answer words", "routing acc",
+                   "steps/q", "retrievals/q", "s/q"], rows)
 
 
 def _png(fig, tight=True):
@@ -108,7 +131,8 @@ def _png(fig, tight=True):
 
 
 def _figure(figsize):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, no pyplot state: safe in any process
+    # Agg, no pyplot state: safe in any process
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     fig = Figure(figsize=figsize, dpi=120)
     FigureCanvasAgg(fig)
@@ -119,17 +143,19 @@ CHART_METRICS = [("f1_recall", "F1-Recall"), ("em", "EM"), ("routing_acc", "rout
 
 
 def metrics_chart(results, title):
-    """Grouped bars: one group per method, one bar per metric of CHART_METRICS, value on each bar."""
+    """Grouped bars: one group per method, one bar per metric of CHART_METRICS, value on each
+    bar."""
     import numpy as np
     methods = list(results)
     fig, ax = _figure((max(6.0, 1.9 * len(methods) + 2), 4.8))
     x, width = np.arange(len(methods)), 0.8 / len(CHART_METRICS)
     for i, (key, label) in enumerate(CHART_METRICS):
-        bars = ax.bar(x + (i - (len(CHART_METRICS) - 1) / 2) * width, [results[m][key] or 0 for m in methods],
-                      width, label=label)
+        bars = ax.bar(x + (i - (len(CHART_METRICS) - 1) / 2) * width,
+                      [results[m][key] or 0 for m in methods], width, label=label)
         ax.bar_label(bars, fmt="%.1f", padding=2, fontsize=8)
     long_names = max(map(len, methods)) > 12
-    ax.set_xticks(x, methods, rotation=20 if long_names else 0, ha="right" if long_names else "center")
+    ax.set_xticks(x, methods, rotation=20 if long_names else 0,
+                  ha="right" if long_names else "center")
     ax.set_ylim(0, 112)
     ax.set_ylabel("score (%)")
     ax.set_xlabel("method")
@@ -141,7 +167,8 @@ def metrics_chart(results, title):
 
 
 def confusion_chart(conf, method, title):
-    """Heatmap of the routing confusion matrix: colour = share of the gold row, text = count and share."""
+    """Heatmap of the routing confusion matrix: colour = share of the gold row, text = count and
+    share."""
     import numpy as np
     counts = np.array(conf["counts"], dtype=float)
     totals = counts.sum(axis=1, keepdims=True)
@@ -149,10 +176,11 @@ def confusion_chart(conf, method, title):
     fig, ax = _figure((7.5, 5.2))
     im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
     for i, j in np.ndindex(counts.shape):
-        ax.text(j, i, f"{int(counts[i, j])}\n{100 * share[i, j]:.0f}%", ha="center", va="center", fontsize=9,
-                color="white" if share[i, j] > 0.55 else "black")
+        ax.text(j, i, f"{int(counts[i, j])}\n{100 * share[i, j]:.0f}%", ha="center", va="center",
+                fontsize=9, color="white" if share[i, j] > 0.55 else "black")
     ax.set_xticks(range(len(conf["cols"])), conf["cols"])
-    ax.set_yticks(range(len(conf["rows"])), [f"{r} (n={int(t)})" for r, t in zip(conf["rows"], totals[:, 0])])
+    ax.set_yticks(range(len(conf["rows"])),
+                  [f"{r} (n={int(t)})" for r, t in zip(conf["rows"], totals[:, 0])])
     ax.set_xlabel("predicted decision  (missing = format failure or trajectory already ended)")
     ax.set_ylabel("gold decision")
     ax.set_title(f"{title}\nrouting confusion: {method}  (count, % of gold row)")
@@ -165,63 +193,75 @@ def slug(name):
 
 
 def write_report(results, out_dir, title="R1-Router evaluation"):
-    """Write results.json, table.md, metrics.png and routing_confusion_<method>.png (for each method that made at
-    least one retrieval) into out_dir, each atomically; return the markdown."""
+    """Write results.json, table.md, metrics.png and routing_confusion_<method>.png (for each method
+    that made at least one retrieval) into out_dir, each atomically; return the markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(results, title)
     if any(re.search(r"@s\d+", name) for name in results):  # training seeds: mean +- std first
-        md = "\n".join([f"# {title}: mean ± std over training seeds", "", *seed_table(results), "", md])
+        md = "\n".join([f"# {title}: mean ± std over training seeds", "", *seed_table(results), "",
+                        md])
     dataio.write_atomic(out / "results.json", json.dumps(results, indent=2, allow_nan=False) + "\n")
     dataio.write_atomic(out / "table.md", md)
     dataio.write_atomic(out / "metrics.png", metrics_chart(results, title))
     for method, s in results.items():
         if s["retrievals"] > 0:
-            dataio.write_atomic(out / f"routing_confusion_{slug(method)}.png", confusion_chart(s["confusion"], method, title))
+            dataio.write_atomic(out / f"routing_confusion_{slug(method)}.png",
+                                confusion_chart(s["confusion"], method, title))
     return md
 
 
-# the learning curves of a training log (stepgrpo.py's log.jsonl: a record a step, dev scores at step 0 too): a fixed
-# set of panels, each (title, its keys, the y label), a line a key; a panel none of whose keys the log holds a number
-# for is left out (kl without --kl_coef; the critic's, which a PPO trainer logs)
+# the learning curves of a training log (stepgrpo.py's log.jsonl: a record a step, dev scores at
+# step 0 too): a fixed set of panels, each (title, its keys, the y label), a line a key; a panel
+# none of whose keys the log holds a number for is left out (kl without --kl_coef; the critic's,
+# which a PPO trainer logs)
 CURVE_PANELS = [("rewards", ("route_r", "answer_r", "outcome"), "mean reward"),
                 ("KB choice", ("kb_acc", "kb_entropy", "kb_mixed"), ""),
                 ("entropy", ("entropy",), "nats / token"),
                 ("clip fraction", ("clip_frac",), "share of tokens"),
                 ("KL to reference (k3)", ("kl",), "per token"),
-                ("dev (greedy; dev_score picks best)", ("dev_score", "dev_f1_recall", "dev_routing_acc"), "%"),
-                ("seconds a step", ("rollout_s", "update_s", "critic_s", "sync_s", "retrieve_s", "dev_s"), "s"),
+                ("dev (greedy; dev_score picks best)",
+                 ("dev_score", "dev_f1_recall", "dev_routing_acc"), "%"),
+                ("seconds a step",
+                 ("rollout_s", "update_s", "critic_s", "sync_s", "retrieve_s", "dev_s"), "s"),
                 ("critic", ("value_loss", "explained_var"), "")]
 CURVE_LABELS = dict(kb_acc="kb_acc (= gold's)", kb_entropy="kb_entropy (bits, in a group)",
-                    kb_mixed="kb_mixed (groups of mixed choices)")  # a legend's line: its key, what it counts
+                    # a legend's line: its key, what it counts
+                    kb_mixed="kb_mixed (groups of mixed choices)")
 
 
 def paired_text(p, pairs, keys):
-    """evaluate.py --paired's printout of metrics.paired's result p: NEW - BASE for each metric in keys, overall and
-    per question type, with the question-level and two-level (seeds, then questions) intervals; pairs: 'NEW - BASE'."""
+    """evaluate.py --paired's printout of metrics.paired's result p: NEW - BASE for each metric in
+    keys, overall and per question type, with the question-level and two-level (seeds, then
+    questions) intervals; pairs: 'NEW - BASE'."""
     lines = [f"{'; '.join(pairs)}, {p['n']} questions (paired bootstrap, 10000 resamples"
              f"{f', averaged over {len(pairs)} pairs' if len(pairs) > 1 else ''}):",
-             "  question-level: resamples the questions, each question's difference averaged over the pairs (not the "
-             "spread between seeds)\n  two-level: resamples the pairs (seeds), then the questions within each drawn pair"
-             + (" (one pair: the question-level interval, in distribution)" if len(pairs) == 1 else "")]
+             "  question-level: resamples the questions, each question's difference averaged over "
+             "the pairs (not the spread between seeds)\n  two-level: resamples the pairs (seeds), "
+             "then the questions within each drawn pair"
+             + (" (one pair: the question-level interval, in distribution)" if len(pairs) == 1
+                else "")]
     for k in keys:
-        each = f"; per pair {', '.join(f'{x:+.2f}' for x in p[k]['per_pair'])}" if len(pairs) > 1 else ""
+        each = (f"; per pair {', '.join(f'{x:+.2f}' for x in p[k]['per_pair'])}" if len(pairs) > 1
+                else "")
         two = p[k]["two_level"]
-        lines.append(f"  {k}: {p[k]['diff']:+.2f} (question-level 95% interval {p[k]['lo']:+.2f} .. {p[k]['hi']:+.2f}; "
+        lines.append(f"  {k}: {p[k]['diff']:+.2f} (question-level 95% interval "
+                     f"{p[k]['lo']:+.2f} .. {p[k]['hi']:+.2f}; "
                      f"not above base in {100 * p[k]['p_not_above']:.1f}% of resamples{each})\n"
-                     f"      two-level 95% interval {two['lo']:+.2f} .. {two['hi']:+.2f}; not above base in "
-                     f"{100 * two['p_not_above']:.1f}% of resamples")
+                     f"      two-level 95% interval {two['lo']:+.2f} .. {two['hi']:+.2f}; "
+                     f"not above base in {100 * two['p_not_above']:.1f}% of resamples")
     lines.append("  per question type: difference (question-level interval | two-level interval)")
     for ty, q in p["by_type"].items():
         lines.append(f"  {ty} ({q['n']}): " + ", ".join(
-            f"{k} {q[k]['diff']:+.2f} ({q[k]['lo']:+.2f} .. {q[k]['hi']:+.2f} | {q[k]['two_level']['lo']:+.2f} .. "
-            f"{q[k]['two_level']['hi']:+.2f})" for k in keys))
+            f"{k} {q[k]['diff']:+.2f} ({q[k]['lo']:+.2f} .. {q[k]['hi']:+.2f} | "
+            f"{q[k]['two_level']['lo']:+.2f} .. {q[k]['two_level']['hi']:+.2f})" for k in keys))
     return "\n".join(lines)
 
 
 def curve_panels(recs):
-    """[(title, y label, [(key, [(step, value)])])]: CURVE_PANELS' panels that have a number in recs, each with the
-    keys that do, a point at each step whose record holds one (dev scores: only the steps that were scored)."""
+    """[(title, y label, [(key, [(step, value)])])]: CURVE_PANELS' panels that have a number in
+    recs, each with the keys that do, a point at each step whose record holds one (dev scores: only
+    the steps that were scored)."""
     panels = []
     for title, keys, ylabel in CURVE_PANELS:
         lines = [(k, [(r["step"], r[k]) for r in recs if isinstance(r.get(k), (int, float))
@@ -233,7 +273,8 @@ def curve_panels(recs):
 
 
 def curves_chart(log_path, title, cols=3):
-    """PNG bytes: one panel per curve_panels of the JSONL log at log_path, a line a key, against whole-number steps."""
+    """PNG bytes: one panel per curve_panels of the JSONL log at log_path, a line a key, against
+    whole-number steps."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -242,8 +283,10 @@ def curves_chart(log_path, title, cols=3):
     height = 3.3 * rows + 0.6  # inches: the panels, and a band for the title
     fig = Figure(figsize=(14, height), dpi=90)
     FigureCanvasAgg(fig)
-    # laid out by hand: tight_layout and a tight bounding box each lay out every panel's ticks once more
-    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.5 / height, top=1 - 1.0 / height, wspace=0.2, hspace=0.55)
+    # laid out by hand: tight_layout and a tight bounding box each lay out every panel's ticks once
+    # more
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.5 / height, top=1 - 1.0 / height,
+                        wspace=0.2, hspace=0.55)
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
@@ -257,18 +300,20 @@ def curves_chart(log_path, title, cols=3):
         if ylabel:
             ax.set_ylabel(ylabel, fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 4), useMathText=True)  # 0.0014: 1.4 x 10^-3
+        # 0.0014: 1.4 x 10^-3
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 4), useMathText=True)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{title} ({log_path})", y=1 - 0.3 / height)
     return _png(fig, tight=False)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the trajectory view
 
 
 def pick_question(trajs, qid=None):
-    """qid, or the first question whose gold steps search the most KBs (routing decisions to see)."""
+    """qid, or the first question whose gold steps search the most KBs (routing decisions to
+    see)."""
     if qid is None:
         return max(trajs, key=lambda x: len({g["kb"] for g in x.get("gold_steps") or []}))["qid"]
     if qid not in {x["qid"] for x in trajs}:
@@ -277,7 +322,8 @@ def pick_question(trajs, qid=None):
 
 
 def step_lines(steps, titles, gold=None):
-    """One line per lookup: its sub-question, KB (x where it is not the gold step's), evidence titles, answer."""
+    """One line per lookup: its sub-question, KB (x where it is not the gold step's), evidence
+    titles, answer."""
     lines = []
     for t, st in enumerate(steps):
         g = gold[t] if gold is not None and t < len(gold) else None
@@ -290,7 +336,8 @@ def step_lines(steps, titles, gold=None):
 
 
 def show(paths, data, qid=None):
-    """The question's gold steps, then each file's trajectory for it: the routed steps and the final answer."""
+    """The question's gold steps, then each file's trajectory for it: the routed steps and the final
+    answer."""
     try:
         files = [{x["qid"]: x for x in dataio.read_jsonl(p)} for p in paths]
         qid = pick_question(list(files[0].values()), qid)
@@ -301,19 +348,25 @@ def show(paths, data, qid=None):
     except (dataio.DataError, OSError, ValueError) as e:
         sys.exit(f"error: --show: {e}")
     x0 = xs[0]
-    out = [f"question {qid} ({x0['type']}): {x0['question']}   gold answer: {' | '.join(x0['answers'])}",
+    out = [f"question {qid} ({x0['type']}): {x0['question']}   gold answer: "
+           f"{' | '.join(x0['answers'])}",
            "gold steps:", *step_lines(x0["gold_steps"], titles)]
     for p, x in zip(paths, xs):
         f1r = reward.f1_recall(x["final_answer"] or "", x["answers"])
         out += [f"{p}:", *step_lines(x["steps"], titles, x["gold_steps"]),
-                f"  final answer: {x['final_answer']}   (F1-Recall {100 * f1r:.0f}{'' if x['format_ok'] else ', ' + x['error']})"]
+                f"  final answer: {x['final_answer']}   (F1-Recall {100 * f1r:.0f}"
+                f"{'' if x['format_ok'] else ', ' + x['error']})"]
     return "\n".join(out)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--show", nargs="+", required=True, metavar="TRAJECTORIES", help="evaluate.py's trajectories-*.jsonl")
-    ap.add_argument("--data", default="data/mini", help="the world the questions come from (its KB titles)")
-    ap.add_argument("--qid", default=None, help="the question (default: the first whose gold steps search the most KBs)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--show", nargs="+", required=True, metavar="TRAJECTORIES",
+                    help="evaluate.py's trajectories-*.jsonl")
+    ap.add_argument("--data", default="data/mini",
+                    help="the world the questions come from (its KB titles)")
+    ap.add_argument("--qid", default=None,
+                    help="the question (default: the first whose gold steps search the most KBs)")
     args = ap.parse_args()
     print(show(args.show, args.data, args.qid))

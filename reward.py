@@ -6,24 +6,29 @@ The step format (R1-Router), one model turn per step:
     routing step  <think>T</think>\n<sub-question>Q</sub-question>\n<ret>R</ret>
     answer step   <think>T</think>\n<answer>A</answer>
 
-R is a KB's retriever name (dataio.KB_TABLE: "Text Retriever", "Table Retriever", "Text Image Retriever") or "None".
+R is a KB's retriever name (dataio.KB_TABLE: "Text Retriever", "Table Retriever", "Text Image
+Retriever") or "None".
 
-Actions (Agentic RAG-R1's Backtrack and Summary on its memory stack), off by default: with actions on, a routing
-step may instead be
+Actions (Agentic RAG-R1's Backtrack and Summary on its memory stack), off by default: with actions
+on, a routing step may instead be
 
-    backtrack     <think>T</think>\n<backtrack>why</backtrack>    the last routing step and its evidence leave the context
-    summary       <think>T</think>\n<summary>S</summary>          the steps so far are replaced by S in the context
+    backtrack     <think>T</think>\n<backtrack>why</backtrack>    the last routing step and its
+                                                                  evidence leave the context
+    summary       <think>T</think>\n<summary>S</summary>          the steps so far are replaced
+                                                                  by S in the context
 
-(parse_route's Route.action; rollout.StepLoop carries them out). Without actions these tags are plain text, as in
-R1-Router's format.
+(parse_route's Route.action; rollout.StepLoop carries them out). Without actions these tags are
+plain text, as in R1-Router's format.
 
-Multi-query steps (RAG-R1's parallel queries, R1-Router's multi-retriever mode), off by default: with
-max_pairs K > 1 a routing step may hold up to K sub-question / retriever pairs, retrieved in parallel,
+Multi-query steps (RAG-R1's parallel queries, R1-Router's multi-retriever mode), off by default:
+with max_pairs K > 1 a routing step may hold up to K sub-question / retriever pairs, retrieved in
+parallel,
 
-    <think>T</think>\n<sub-question>Q1</sub-question>\n<ret>R1</ret>\n<sub-question>Q2</sub-question>\n<ret>R2</ret>
+    <think>T</think>\n<sub-question>Q1</sub-question>\n<ret>R1</ret>\n
+        <sub-question>Q2</sub-question>\n<ret>R2</ret>
 
-and with max_rets R > 1 a <ret> may name up to R retrievers, comma-separated ("Text Retriever, Table Retriever").
-K = R = 1 is R1-Router's format, exactly.
+and with max_rets R > 1 a <ret> may name up to R retrievers, comma-separated ("Text Retriever, Table
+Retriever"). K = R = 1 is R1-Router's format, exactly.
 <ret>None</ret> (with <sub-question>None</sub-question>) means "stop retrieving
 and give the final answer"; here that is kb=None, stop=True. Inside this repo
 the knowledge bases are dataio.KBS, "text", "table", "image" (KB_TO_RET).
@@ -96,7 +101,8 @@ _CANONICAL_RET = {name.lower(): name for name in [*KB_TO_RET.values(), STOP_RET]
 
 ROUTE_TAGS = ("think", "sub-question", "ret")
 ANSWER_TAGS = ("think", "answer")
-ACTIONS = ("backtrack", "summary")  # a routing step's other moves (actions on): the tag is the action's name
+# a routing step's other moves (actions on): the tag is the action's name
+ACTIONS = ("backtrack", "summary")
 STEP_TAGS = ("think", "sub-question", "ret", "answer")
 _TAG = re.compile(r"<(/?)(think|sub-question|ret|answer|backtrack|summary)>", re.IGNORECASE)
 
@@ -112,8 +118,10 @@ class Route:
     kb: str | None = None  # "text" | "image" | "table"; None when stopping
     stop: bool = False
     error: str = ""
-    pairs: list = field(default_factory=list)  # [(sub_question, (kb, ...))] all pairs; sub_question, kb: the first
-    action: str = ""  # "backtrack" | "summary" (actions on), with its text in note; "" for a route or the stop
+    # [(sub_question, (kb, ...))] all pairs; sub_question, kb: the first
+    pairs: list = field(default_factory=list)
+    # "backtrack" | "summary" (actions on), with its text in note; "" for a route or the stop
+    action: str = ""
     note: str = ""
 
 
@@ -126,11 +134,12 @@ class Answer:
 
 
 def _tag_values(text, tags, repeat=1, known=STEP_TAGS):
-    """Stripped contents of `tags` (which must appear once each, in order; the group tags[1:] up to `repeat` times),
-    or an error. Tags outside `known` are plain text."""
+    """Stripped contents of `tags` (which must appear once each, in order; the group tags[1:] up to
+    `repeat` times), or an error. Tags outside `known` are plain text."""
     if not isinstance(text, str):
         return None, f"expected a str, got {type(text).__name__}"
-    found = [(m.group(1) == "/", m.group(2).lower(), m) for m in _TAG.finditer(text) if m.group(2).lower() in known]
+    found = [(m.group(1) == "/", m.group(2).lower(), m) for m in _TAG.finditer(text)
+             if m.group(2).lower() in known]
     for name in known:
         n_open = sum(1 for close, tag, _ in found if tag == name and not close)
         n_close = sum(1 for close, tag, _ in found if tag == name and close)
@@ -142,7 +151,8 @@ def _tag_values(text, tags, repeat=1, known=STEP_TAGS):
         elif max(n_open, n_close) > (repeat if name in tags[1:] else 1):
             n = max(n_open, n_close)
             if name in tags[1:] and repeat > 1:
-                return None, f"{n} <{name}> tags, at most {repeat} sub-question/retriever pairs allowed"
+                return None, (f"{n} <{name}> tags, at most {repeat} sub-question/retriever pairs "
+                              f"allowed")
             return None, f"{'two' if n == 2 else n} <{name}> tags, expected one"
         elif n_close == 0:
             return None, f"unclosed <{name}>"
@@ -150,12 +160,15 @@ def _tag_values(text, tags, repeat=1, known=STEP_TAGS):
             return None, f"</{name}> without <{name}>"
     n = sum(1 for close, tag, _ in found if tag == tags[-1] and not close)
     expected = [tags[0], *tags[1:] * max(1, n)]
-    if [(close, tag) for close, tag, _ in found] != [(c, t) for t in expected for c in (False, True)]:
-        return None, "tags nested or out of order, expected " + "".join(f"<{t}>...</{t}>" for t in tags)
+    if ([(close, tag) for close, tag, _ in found]
+            != [(c, t) for t in expected for c in (False, True)]):
+        return None, ("tags nested or out of order, expected "
+                      + "".join(f"<{t}>...</{t}>" for t in tags))
     for (_, prev, m_close), (_, nxt, m_open) in zip(found[1::2], found[2::2]):
         if text[m_close.end():m_open.start()].strip():
             return None, f"text between </{prev}> and <{nxt}>"
-    return [text[o.end():c.start()].strip() for (_, _, o), (_, _, c) in zip(found[::2], found[1::2])], ""
+    return [text[o.end():c.start()].strip()
+            for (_, _, o), (_, _, c) in zip(found[::2], found[1::2])], ""
 
 
 def _retrievers(raw, max_rets):
@@ -174,10 +187,11 @@ def _retrievers(raw, max_rets):
 
 
 def parse_route(text: str, max_pairs: int = 1, max_rets: int = 1, actions: bool = False) -> Route:
-    """A routing step; with actions, a backtrack or a summary instead (the first action tag found decides which:
-    <think> then that tag alone, with non-empty contents)."""
+    """A routing step; with actions, a backtrack or a summary instead (the first action tag found
+    decides which: <think> then that tag alone, with non-empty contents)."""
     if actions and isinstance(text, str):
-        kind = next((m.group(2).lower() for m in _TAG.finditer(text) if m.group(2).lower() in ACTIONS), None)
+        kind = next((m.group(2).lower() for m in _TAG.finditer(text)
+                     if m.group(2).lower() in ACTIONS), None)
         if kind:
             values, error = _tag_values(text, ("think", kind), known=STEP_TAGS + ACTIONS)
             if error:
@@ -196,17 +210,20 @@ def parse_route(text: str, max_pairs: int = 1, max_rets: int = 1, actions: bool 
         stop = kbs == (None,)
         says_none = sub_question.lower() == "none"
         if stop and not says_none:
-            return Route(ok=False, error=f"<ret>None</ret> but sub-question is {sub_question!r}, expected 'None'")
+            return Route(ok=False, error=f"<ret>None</ret> but sub-question is {sub_question!r}, "
+                                         f"expected 'None'")
         if not stop and not sub_question:
             return Route(ok=False, error="empty <sub-question>")
         if not stop and says_none:
             return Route(ok=False, error=f"sub-question is 'None' but <ret> is {raw_ret!r}")
         pairs.append((sub_question, kbs))
     if len(pairs) > 1 and any(kbs == (None,) for _, kbs in pairs):
-        return Route(ok=False, error="<ret>None</ret> next to other sub-questions: a stop is the step's only pair")
+        return Route(ok=False, error="<ret>None</ret> next to other sub-questions: a stop is the "
+                                     "step's only pair")
     if pairs[0][1] == (None,):
         return Route(ok=True, think=think, sub_question=pairs[0][0], kb=None, stop=True)
-    return Route(ok=True, think=think, sub_question=pairs[0][0], kb=pairs[0][1][0], stop=False, pairs=pairs)
+    return Route(ok=True, think=think, sub_question=pairs[0][0], kb=pairs[0][1][0], stop=False,
+                 pairs=pairs)
 
 
 def parse_answer(text: str) -> Answer:
@@ -297,42 +314,46 @@ def acc(pred: str, golds: list[str]) -> float:
 # matters for a "." that survived periodStrip.
 
 _CONTRACTIONS = {
-    "aint": "ain't", "arent": "aren't", "cant": "can't", "couldve": "could've", "couldnt": "couldn't",
-    "couldn'tve": "couldn't've", "couldnt've": "couldn't've", "didnt": "didn't", "doesnt": "doesn't",
-    "dont": "don't", "hadnt": "hadn't", "hadnt've": "hadn't've", "hadn'tve": "hadn't've", "hasnt": "hasn't",
-    "havent": "haven't", "hed": "he'd", "hed've": "he'd've", "he'dve": "he'd've", "hes": "he's",
-    "howd": "how'd", "howll": "how'll", "hows": "how's", "Id've": "I'd've", "I'dve": "I'd've", "Im": "I'm",
-    "Ive": "I've", "isnt": "isn't", "itd": "it'd", "itd've": "it'd've", "it'dve": "it'd've", "itll": "it'll",
-    "let's": "let's", "maam": "ma'am", "mightnt": "mightn't", "mightnt've": "mightn't've",
-    "mightn'tve": "mightn't've", "mightve": "might've", "mustnt": "mustn't", "mustve": "must've",
-    "neednt": "needn't", "notve": "not've", "oclock": "o'clock", "oughtnt": "oughtn't",
-    "ow's'at": "'ow's'at", "'ows'at": "'ow's'at", "'ow'sat": "'ow's'at", "shant": "shan't",
-    "shed've": "she'd've", "she'dve": "she'd've", "she's": "she's", "shouldve": "should've",
-    "shouldnt": "shouldn't", "shouldnt've": "shouldn't've", "shouldn'tve": "shouldn't've",
-    "somebody'd": "somebodyd", "somebodyd've": "somebody'd've", "somebody'dve": "somebody'd've",
-    "somebodyll": "somebody'll", "somebodys": "somebody's", "someoned": "someone'd",
-    "someoned've": "someone'd've", "someone'dve": "someone'd've", "someonell": "someone'll",
-    "someones": "someone's", "somethingd": "something'd", "somethingd've": "something'd've",
+    "aint": "ain't", "arent": "aren't", "cant": "can't", "couldve": "could've",
+    "couldnt": "couldn't", "couldn'tve": "couldn't've", "couldnt've": "couldn't've",
+    "didnt": "didn't", "doesnt": "doesn't", "dont": "don't", "hadnt": "hadn't",
+    "hadnt've": "hadn't've", "hadn'tve": "hadn't've", "hasnt": "hasn't", "havent": "haven't",
+    "hed": "he'd", "hed've": "he'd've", "he'dve": "he'd've", "hes": "he's", "howd": "how'd",
+    "howll": "how'll", "hows": "how's", "Id've": "I'd've", "I'dve": "I'd've", "Im": "I'm",
+    "Ive": "I've", "isnt": "isn't", "itd": "it'd", "itd've": "it'd've", "it'dve": "it'd've",
+    "itll": "it'll", "let's": "let's", "maam": "ma'am", "mightnt": "mightn't",
+    "mightnt've": "mightn't've", "mightn'tve": "mightn't've", "mightve": "might've",
+    "mustnt": "mustn't", "mustve": "must've", "neednt": "needn't", "notve": "not've",
+    "oclock": "o'clock", "oughtnt": "oughtn't", "ow's'at": "'ow's'at", "'ows'at": "'ow's'at",
+    "'ow'sat": "'ow's'at", "shant": "shan't", "shed've": "she'd've", "she'dve": "she'd've",
+    "she's": "she's", "shouldve": "should've", "shouldnt": "shouldn't",
+    "shouldnt've": "shouldn't've", "shouldn'tve": "shouldn't've", "somebody'd": "somebodyd",
+    "somebodyd've": "somebody'd've", "somebody'dve": "somebody'd've", "somebodyll": "somebody'll",
+    "somebodys": "somebody's", "someoned": "someone'd", "someoned've": "someone'd've",
+    "someone'dve": "someone'd've", "someonell": "someone'll", "someones": "someone's",
+    "somethingd": "something'd", "somethingd've": "something'd've",
     "something'dve": "something'd've", "somethingll": "something'll", "thats": "that's",
-    "thered": "there'd", "thered've": "there'd've", "there'dve": "there'd've", "therere": "there're",
-    "theres": "there's", "theyd": "they'd", "theyd've": "they'd've", "they'dve": "they'd've",
-    "theyll": "they'll", "theyre": "they're", "theyve": "they've", "twas": "'twas", "wasnt": "wasn't",
-    "wed've": "we'd've", "we'dve": "we'd've", "weve": "we've", "werent": "weren't", "whatll": "what'll",
-    "whatre": "what're", "whats": "what's", "whatve": "what've", "whens": "when's", "whered": "where'd",
-    "wheres": "where's", "whereve": "where've", "whod": "who'd", "whod've": "who'd've",
-    "who'dve": "who'd've", "wholl": "who'll", "whos": "who's", "whove": "who've", "whyll": "why'll",
-    "whyre": "why're", "whys": "why's", "wont": "won't", "wouldve": "would've", "wouldnt": "wouldn't",
-    "wouldnt've": "wouldn't've", "wouldn'tve": "wouldn't've", "yall": "y'all", "yall'll": "y'all'll",
-    "y'allll": "y'all'll", "yall'd've": "y'all'd've", "y'alld've": "y'all'd've", "y'all'dve": "y'all'd've",
-    "youd": "you'd", "youd've": "you'd've", "you'dve": "you'd've", "youll": "you'll", "youre": "you're",
-    "youve": "you've",
+    "thered": "there'd", "thered've": "there'd've", "there'dve": "there'd've",
+    "therere": "there're", "theres": "there's", "theyd": "they'd", "theyd've": "they'd've",
+    "they'dve": "they'd've", "theyll": "they'll", "theyre": "they're", "theyve": "they've",
+    "twas": "'twas", "wasnt": "wasn't", "wed've": "we'd've", "we'dve": "we'd've", "weve": "we've",
+    "werent": "weren't", "whatll": "what'll", "whatre": "what're", "whats": "what's",
+    "whatve": "what've", "whens": "when's", "whered": "where'd", "wheres": "where's",
+    "whereve": "where've", "whod": "who'd", "whod've": "who'd've", "who'dve": "who'd've",
+    "wholl": "who'll", "whos": "who's", "whove": "who've", "whyll": "why'll", "whyre": "why're",
+    "whys": "why's", "wont": "won't", "wouldve": "would've", "wouldnt": "wouldn't",
+    "wouldnt've": "wouldn't've", "wouldn'tve": "wouldn't've", "yall": "y'all",
+    "yall'll": "y'all'll", "y'allll": "y'all'll", "yall'd've": "y'all'd've",
+    "y'alld've": "y'all'd've", "y'all'dve": "y'all'd've", "youd": "you'd", "youd've": "you'd've",
+    "you'dve": "you'd've", "youll": "you'll", "youre": "you're", "youve": "you've",
 }
-_MANUAL_MAP = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5",
-               "six": "6", "seven": "7", "eight": "8", "nine": "9", "ten": "10"}
+_MANUAL_MAP = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4",
+               "five": "5", "six": "6", "seven": "7", "eight": "8", "nine": "9", "ten": "10"}
 _ARTICLES = ("an", "the")
 _PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
 _COMMA_STRIP = re.compile(r"(\d)(,)(\d)")
-_PUNCT = [";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",", "?", "!"]
+_PUNCT = [";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`",
+          ",", "?", "!"]
 
 
 def _vqa_normalize(text):
@@ -372,7 +393,8 @@ _TREEBANK_POST = [  # ENDING_QUOTES, CONTRACTIONS2, CONTRACTIONS3
 
 
 def _vqa_tokens(text):
-    """process_string_en: lower-case, word_tokenize, drop tokens found in ,.?!:;'" (a substring test)."""
+    """process_string_en: lower-case, word_tokenize, drop tokens found in ,.?!:;'" (a substring
+    test)."""
     text = str(text).lower()
     for pattern, repl in _TREEBANK_PRE:
         text = pattern.sub(repl, text)
@@ -383,7 +405,8 @@ def _vqa_tokens(text):
 
 
 def vqa_prf(pred: str, golds: list[str]) -> tuple[float, float, float]:
-    """(precision, recall, F1) of the first gold with the highest token F1 (reference `evaluate`)."""
+    """(precision, recall, F1) of the first gold with the highest token F1 (reference
+    `evaluate`)."""
     pred = _vqa_normalize(pred)
     if pred == "":
         return 0.0, 0.0, 0.0
@@ -414,29 +437,33 @@ def _pairs(pred: Route):
 
 
 def route_reward(pred: Route, golds: list[dict], encode) -> float:
-    """R1-Router's ret_accuracy_reward, 0.5 * cos(E(q_pred), E(q_gold)) + 0.5 * [pred KB == gold KB], over the pairs of
-    a step: golds are the gold steps of this routing step (dicts with sub_question and kb), [] when the gold stops.
+    """R1-Router's ret_accuracy_reward, 0.5 * cos(E(q_pred), E(q_gold))
+    + 0.5 * [pred KB == gold KB], over the pairs of a step: golds are the gold steps of this routing
+    step (dicts with sub_question and kb), [] when the gold stops.
 
-    encode(list[str]) -> np.ndarray [n, d]. The reference embeds with BGE-M3, whose vectors are unit-norm, and uses
-    the raw dot product; we normalise explicitly so any encoder gives the cosine, and like the reference we do not
-    clamp it. Both sides are lower-cased: the reference lower-cases the generation and its teacher data is stored
-    lower-cased. A stop is the sub-question "none" with retriever "none" on both sides, nothing special: when both
-    stop the strings are equal, so the reward is 1.0 (0.5 * cos("none", q) when only one stops). A malformed step
-    gets 0, as the reference's exception handler returns.
+    encode(list[str]) -> np.ndarray [n, d]. The reference embeds with BGE-M3, whose vectors are
+    unit-norm, and uses the raw dot product; we normalise explicitly so any encoder gives the
+    cosine, and like the reference we do not clamp it. Both sides are lower-cased: the reference
+    lower-cases the generation and its teacher data is stored lower-cased. A stop is the
+    sub-question "none" with retriever "none" on both sides, nothing special: when both stop the
+    strings are equal, so the reward is 1.0 (0.5 * cos("none", q) when only one stops). A malformed
+    step gets 0, as the reference's exception handler returns.
 
-    Several pairs (multi-query steps; one pair and one gold step is the formula above exactly): each predicted pair
-    is matched one-to-one with a gold step, the matching with the best total cosine; a matched pair scores
-    0.5 * cos + 0.5 * [gold KB in its KBs] / |its KBs| (a pair naming several retrievers shares the retriever half);
-    the step's reward is the sum over matched pairs / max(#pairs, #golds), so a missing pair (too few) and an extra
-    one (too many) each cost their share. A pair repeating an earlier pair's sub-question (case and outer spaces
-    aside) is never matched: it earns nothing and still counts in #pairs. Matching tries every assignment (fine for
-    the few pairs a step holds).
+    Several pairs (multi-query steps; one pair and one gold step is the formula above exactly): each
+    predicted pair is matched one-to-one with a gold step, the matching with the best total cosine;
+    a matched pair scores 0.5 * cos + 0.5 * [gold KB in its KBs] / |its KBs| (a pair naming several
+    retrievers shares the retriever half); the step's reward is the sum over matched
+    pairs / max(#pairs, #golds), so a missing pair (too few) and an extra one (too many) each cost
+    their share. A pair repeating an earlier pair's sub-question (case and outer spaces aside) is
+    never matched: it earns nothing and still counts in #pairs. Matching tries every assignment
+    (fine for the few pairs a step holds).
     """
     if not pred.ok:
         return 0.0
     preds = _pairs(pred)
     gold = [(g["sub_question"], g["kb"]) for g in golds] or [("none", None)]
-    e = np.asarray(encode([q.lower() for q, _ in preds] + [q.lower() for q, _ in gold]), dtype=np.float64)
+    e = np.asarray(encode([q.lower() for q, _ in preds] + [q.lower() for q, _ in gold]),
+                   dtype=np.float64)
     norms = np.linalg.norm(e, axis=1, keepdims=True)
     e = np.divide(e, norms, out=np.zeros_like(e), where=norms > 0)  # a zero vector: no similarity
     cos = e[:len(preds)] @ e[len(preds):].T  # [P, G]
@@ -446,15 +473,18 @@ def route_reward(pred: Route, golds: list[dict], encode) -> float:
             firsts.append(i)
         seen.add(q.strip().lower())
     m = min(len(firsts), len(gold))
-    best = max(((tuple(p), g) for p in itertools.permutations(firsts, m) for g in itertools.combinations(range(len(gold)), m)),
+    best = max(((tuple(p), g) for p in itertools.permutations(firsts, m)
+                for g in itertools.combinations(range(len(gold)), m)),
                key=lambda pg: sum(cos[i, j] for i, j in zip(*pg)))
-    total = sum(0.5 * cos[i, j] + 0.5 * (gold[j][1] in preds[i][1]) / len(preds[i][1]) for i, j in zip(*best))
+    total = sum(0.5 * cos[i, j] + 0.5 * (gold[j][1] in preds[i][1]) / len(preds[i][1])
+                for i, j in zip(*best))
     return float(total) / max(len(preds), len(gold))
 
 
 def score_route(pred: Route, golds: list[dict], encode, w_format: float = 0.2) -> float:
-    """A routing step's reward against the gold steps there ([]: the gold stops here): w_format [the step parses] +
-    route_reward. The format term is this repo's extension (0 gives the reference's)."""
+    """A routing step's reward against the gold steps there ([]: the gold stops here): w_format [the
+    step parses] + route_reward. The format term is this repo's extension (0 gives the
+    reference's)."""
     return w_format * pred.ok + route_reward(pred, golds, encode)
 
 
@@ -477,7 +507,8 @@ def answer_reward(pred_answer: str, golds: list[str]) -> float:
 
 
 def group_answer(golds: list[dict]) -> str:
-    """The intermediate answer of a routing step whose gold steps are `golds`: their answers joined by "; "."""
+    """The intermediate answer of a routing step whose gold steps are `golds`: their answers joined
+    by "; "."""
     return "; ".join(dict.fromkeys(g["answer"] for g in golds))
 
 
@@ -488,8 +519,8 @@ def retrieval_hit_reward(retrieved_ids, gold_doc_id) -> float:
 
 
 def re_asks(sub_question: str | None, earlier_steps) -> bool:
-    """Whether a sub-question repeats one of earlier_steps' ({"sub_question": ...} dicts; case and outer spaces
-    ignored). evaluate.py's and stepgrpo.py's re-ask rate."""
+    """Whether a sub-question repeats one of earlier_steps' ({"sub_question": ...} dicts; case and
+    outer spaces ignored). evaluate.py's and stepgrpo.py's re-ask rate."""
     key = lambda q: (q or "").strip().lower()
     return key(sub_question) in {key(s["sub_question"]) for s in earlier_steps}
 
@@ -500,15 +531,17 @@ def re_asks(sub_question: str | None, earlier_steps) -> bool:
 
 def _mentions(text, answer):
     a = normalize_answer(answer)
-    return bool(a) and re.search(rf"(?<!\w){re.escape(a)}(?!\w)", normalize_answer(text)) is not None
+    return bool(a) and re.search(rf"(?<!\w){re.escape(a)}(?!\w)",
+                                 normalize_answer(text)) is not None
 
 
 def group_steps(steps: list[dict], max_pairs: int = 1) -> list[dict]:
-    """Gold steps (one dict per lookup, in order) -> copies with "step", the routing step each is asked in. A step
-    joins the previous one's routing step when it has the same (non-empty) sub-question (one sub-question, several
-    retrievers), or when that routing step holds fewer than max_pairs sub-questions and none of their answers
-    occurs in its sub-question (it does not depend on them: the two lookups of a comparison, not the hops of a
-    chain). max_pairs 1: step t is gold step t."""
+    """Gold steps (one dict per lookup, in order) -> copies with "step", the routing step each is
+    asked in. A step joins the previous one's routing step when it has the same (non-empty)
+    sub-question (one sub-question, several retrievers), or when that routing step holds fewer than
+    max_pairs sub-questions and none of their answers occurs in its sub-question (it does not depend
+    on them: the two lookups of a comparison, not the hops of a chain). max_pairs 1: step t is gold
+    step t."""
     out = []
     for s in steps:
         q, group = s["sub_question"], by_step(out)[-1] if out else []
