@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from rollout import Settings, StepLoop, span_prefix, step_chat, trajectory
+from rollout import Settings, StepLoop, begin, span_prefix, step_chat
 
 
 class Replay:
@@ -27,8 +27,8 @@ class Replay:
         x, b = self.plan[key[0]]
         if key[2] >= b:
             return self.engine.submit(key, prompt, *rest)
-        sp = x["spans"][key[2]]
-        self.done.append((key, x["ids"][sp["start"]:sp["end"]], x["logprobs"][sp["start"]:sp["end"]]))
+        sp = x.spans[key[2]]
+        self.done.append((key, x.ids[sp["start"]:sp["end"]], x.logprobs[sp["start"]:sp["end"]]))
 
     def poll(self):
         """The replayed turns at once; else the engine's finished requests."""
@@ -62,25 +62,25 @@ def branch(engine, retriever, questions, trajs, picks, n, s=Settings(), seed=Non
     """For each (j, b) of picks, n trajectories that replay trajs[j] (rollout() of `questions` with settings s) up to
     its span b, sample that step anew from its prefix and go on to the end (retrieval, the next steps, the final
     answer) through the real step loop: a Replay of `engine`, and `retriever` (a Memo, which rollout() used too, so
-    the replay is token-exact: checked). Returns len(picks) * n trajectory dicts (pick-major), each with base j,
+    the replay is token-exact: checked). Returns len(picks) * n Trajectories (pick-major), each with base j,
     branch b, new_tokens (its tokens from span b on) and generated (the policy tokens among them)."""
     chat, by_id = step_chat(engine, s), {q["id"]: q for q in questions}
     plan = [(trajs[j], b) for j, b in picks for _ in range(n)]
-    ys = [dict(trajectory(by_id[trajs[j]["qid"]], k, chat, s), base=j, branch=b) for j, b in picks for k in range(n)]
+    lives = [begin(by_id[trajs[j].qid], k, chat, s) for j, b in picks for k in range(n)]
     if seed is not None:  # engines sample with torch's default generator (see VLLMEngine.generate)
         torch.manual_seed(seed)
-    ys = StepLoop(Replay(engine, plan), retriever, s, chat).run(ys)
-    for y, (x, b) in zip(ys, plan):
-        start = x["spans"][b]["start"]
-        if y["ids"][:start] != x["ids"][:start] or y["spans"][:b] != x["spans"][:b] or len(y["spans"]) <= b:
-            raise RuntimeError(f"{x['qid']}: the replay of its trajectory up to span {b} is not the trajectory (a "
+    ys = StepLoop(Replay(engine, plan), retriever, s, chat).run(lives)
+    for y, (j, b) in zip(ys, [p for p in picks for _ in range(n)]):
+        x, start = trajs[j], trajs[j].spans[b]["start"]
+        if y.ids[:start] != x.ids[:start] or y.spans[:b] != x.spans[:b] or len(y.spans) <= b:
+            raise RuntimeError(f"{x.qid}: the replay of its trajectory up to span {b} is not the trajectory (a "
                                "retriever that answers a query two ways?)")
-        y.update(new_tokens=len(y["ids"]) - start, generated=sum(y["mask"][start:]))
+        y.base, y.branch, y.new_tokens, y.generated = j, b, len(y.ids) - start, sum(y.mask[start:])
     return ys
 
 def branch_group(group):
     """(prompt ids before the branched span, the images in them, [(the span's ids, logprobs)] a branch) of a group of
     rollout.branch trajectories at one prefix (their tokens before the span are one trajectory's: branch checks)."""
-    spans = [y["spans"][y["branch"]] for y in group]
+    spans = [y.spans[y.branch] for y in group]
     return (*span_prefix(group[0], spans[0]),
-            [(y["ids"][sp["start"]:sp["end"]], y["logprobs"][sp["start"]:sp["end"]]) for y, sp in zip(group, spans)])
+            [(y.ids[sp["start"]:sp["end"]], y.logprobs[sp["start"]:sp["end"]]) for y, sp in zip(group, spans)])
