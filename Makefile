@@ -145,7 +145,7 @@ test-fast: .venv/.stamp $(MODEL)/config.json
 
 # Lines within 100 columns, no unused or undefined names (ruff.toml), in the files brought to that width so far
 LINT_FILES := stepgrpo.py groups.py learner.py critic.py steprewards.py grpo.py serve.py sft.py evaluate.py \
-	synth.py
+	synth.py rollout.py baselines.py branches.py
 lint: .venv/.stamp
 	$(PY) -m ruff --version > /dev/null 2>&1 || .venv/bin/pip install -q ruff==0.17.6
 	$(PY) -m ruff check $(LINT_FILES)

@@ -1,39 +1,48 @@
 """
-rollout.py: step-wise routed reasoning, batched: the step loop and the step structures. The prompts are in prompts.py,
-engines (vLLM, HF) in engines.py, the transcript in transcript.py, image input in vision.py, the baselines without a
-router (single-shot RAG, IterRetGen, IRCoT) in baselines.py.
+rollout.py: step-wise routed reasoning, batched: the step loop and the step structures. The prompts
+are in prompts.py, engines (vLLM, HF) in engines.py, the transcript in transcript.py, image input in
+vision.py, the baselines without a router (single-shot RAG, IterRetGen, IRCoT) in baselines.py.
 
 For a batch of questions x n samples, every trajectory runs its own step loop:
-    route   the policy writes <think>..</think><sub-question>..</sub-question><ret>KB|None</ret> (Settings max_pairs K > 1:
-            up to K sub-question / KB pairs, RAG-R1's parallel queries, and the step ends with the policy's end of turn;
-            max_rets R > 1: a pair may name up to R KBs, R1-Router's multi-retriever mode)
-    search  every lookup (sub-question, KB) routed to one KB goes to retrievers.py in one batch; the top-k come back
-            as a user turn, grouped by sub-question when the step asked several
-    answer  the policy writes <think>..</think><answer>..</answer> (the intermediate answer, covering all lookups)
-... at most --max_steps times (3, as the paper); after <ret>None</ret> (or the last step) the policy writes the final
-<think>..</think><answer>..</answer>. With Settings actions (--actions: Agentic RAG-R1's memory stack), a routing step
-may instead backtrack (<backtrack>why</backtrack>: the last routing step, its evidence and its answer leave the
-context, and its step is asked again) or summarise (<summary>S</summary>: every step so far leaves the context, S
-stays), at most max_actions times; either starts a new chat of what stays, the action's own turn closing it. A step
-that does not parse ends its trajectory with a format failure (or, with Settings route_tries / answer_tries /
+    route   the policy writes <think>..</think><sub-question>..</sub-question><ret>KB|None</ret>
+            (Settings max_pairs K > 1: up to K sub-question / KB pairs, RAG-R1's parallel queries,
+            and the step ends with the policy's end of turn; max_rets R > 1: a pair may name up to R
+            KBs, R1-Router's multi-retriever mode)
+    search  every lookup (sub-question, KB) routed to one KB goes to retrievers.py in one batch; the
+            top-k come back as a user turn, grouped by sub-question when the step asked several
+    answer  the policy writes <think>..</think><answer>..</answer> (the intermediate answer,
+            covering all lookups)
+... at most --max_steps times (3, as the paper); after <ret>None</ret> (or the last step) the policy
+writes the final <think>..</think><answer>..</answer>. With Settings actions (--actions: Agentic
+RAG-R1's memory stack), a routing step may instead backtrack (<backtrack>why</backtrack>: the last
+routing step, its evidence and its answer leave the context, and its step is asked again) or
+summarise (<summary>S</summary>: every step so far leaves the context, S stays), at most max_actions
+times; either starts a new chat of what stays, the action's own turn closing it. A step that does
+not parse ends its trajectory with a format failure (or, with Settings route_tries / answer_tries /
 fallback, R1-Router's released evaluation: tries again, then stops or takes the raw text).
-The loop is event-driven (StepLoop): on vLLM a trajectory's next request enters the running batch as soon as its
-previous one finishes (and its search returns), so short steps never wait for the longest one of a phase. Engines
-that run a batch at a time (HF, GoldPolicy) advance phase by phase through the same code. branches.py runs the same
-loop from a sampled trajectory's own states (stepgrpo.py --rollout branch). What a trajectory holds is
-the Trajectory dataclass (its JSONL row: the same fields); while the loop runs it, a Live holds it with its
-transcript, its phase and the loop's other working state.
+The loop is event-driven (StepLoop): on vLLM a trajectory's next request enters the running batch as
+soon as its previous one finishes (and its search returns), so short steps never wait for the
+longest one of a phase. Engines that run a batch at a time (HF, GoldPolicy) advance phase by phase
+through the same code. branches.py runs the same loop from a sampled trajectory's own states
+(stepgrpo.py --rollout branch). What a trajectory holds is the Trajectory dataclass (its JSONL row:
+the same fields); while the loop runs it, a Live holds it with its transcript, its phase and the
+loop's other working state.
 
-The transcript is a chat: system prompt, question, then alternating assistant turns (the policy's, mask 1) and user
-turns (retrieved evidence and template tokens, mask 0). --structure released is R1-Router's released step structure
-instead: each step is its own single-turn chat (ReleasedSteps), and a trajectory's `segments` mark its chats.
-A VL policy sees a visual question's image in its first user turn and retrieved pictures next to their captions;
-whatever the policy, the question's image goes to the image KB with the trajectory's first image-KB search.
+The transcript is a chat: system prompt, question, then alternating assistant turns (the policy's,
+mask 1) and user turns (retrieved evidence and template tokens, mask 0). --structure released is
+R1-Router's released step structure instead: each step is its own single-turn chat (ReleasedSteps),
+and a trajectory's `segments` mark its chats.
+A VL policy sees a visual question's image in its first user turn and retrieved pictures next to
+their captions; whatever the policy, the question's image goes to the image KB with the trajectory's
+first image-KB search.
 
-    python rollout.py --model models/SmolLM2-135M-Instruct --data data/mini --split dev -n 2 --n_questions 3
-    python rollout.py ... --backend hf                          # plain transformers generate instead of vLLM
-    python rollout.py ... --max_pairs 2                         # multi-query steps (a policy trained on them: synth.py)
-    python rollout.py ... --structure released                  # R1-Router's released structure (a policy trained on it)
+    python rollout.py --model models/SmolLM2-135M-Instruct --data data/mini --split dev \\
+        -n 2 --n_questions 3
+    python rollout.py ... --backend hf          # plain transformers generate instead of vLLM
+    python rollout.py ... --max_pairs 2         # multi-query steps (a policy trained on them:
+                                                  synth.py)
+    python rollout.py ... --structure released  # R1-Router's released structure (a policy trained
+                                                  on it)
 """
 import argparse
 import itertools
@@ -51,8 +60,8 @@ import reward
 from dataio import KB_OF, KBS
 from engines import Batched, make_engine
 from prepare import DEFAULT_MODEL
-from prompts import (ACTIONS_NOTE, LAST_STEP_NOTE, RELEASED_ANSWER_PROMPT, RELEASED_FINAL_PROMPT, RELEASED_REMINDER,
-                     RELEASED_ROUTE_PROMPT, SYSTEM_PROMPT)
+from prompts import (ACTIONS_NOTE, LAST_STEP_NOTE, RELEASED_ANSWER_PROMPT, RELEASED_FINAL_PROMPT,
+                     RELEASED_REMINDER, RELEASED_ROUTE_PROMPT, SYSTEM_PROMPT)
 from transcript import ChatFormat, Transcript, evidence_parts, next_turn, start_transcript
 from vision import Img, images_in
 
@@ -71,8 +80,10 @@ class Trajectory(Mapping):
     image: str | None         # the question's picture (a path), or None
     answers: list             # the gold answers (empty for a served question)
     type: str                 # the question's kind (1hop, 2hop, ...)
-    gold_steps: list          # the gold steps, grouped as the policy writes them (reward.group_steps)
-    steps: list = field(default_factory=list)  # a lookup each: sub_question, kb, retrieved, answer, step
+    gold_steps: list          # the gold steps, grouped as the policy writes them
+                              # (reward.group_steps)
+    steps: list = field(default_factory=list)  # a lookup each: sub_question, kb, retrieved, answer,
+                                               # step
     final_answer: str | None = None
     format_ok: bool = True    # every turn parsed
     error: str = ""           # why it ended without an answer, or what a fallback took
@@ -121,7 +132,8 @@ class Live:
     tr: Transcript
     head: int                 # tokens of the system prompt and the question: every chat starts so
     phase: str = "route"      # route | search | answer | final | done: what it asks for next
-    frames: list = field(default_factory=list)  # the routing steps in the context: step, span, start
+    frames: list = field(default_factory=list)  # the routing steps in the context: step, span,
+                                                # start
     tries: int = 0            # malformed attempts at this turn so far
     image_sent: bool = False  # the question's picture went with an image-KB search
     cancelled: bool = False   # its client left (StepLoop.cancel)
@@ -130,73 +142,85 @@ class Live:
     hits: list = field(default_factory=list)  # this search's (lookup, sub_question, kb, docs)
 
 class GoldPolicy(Batched):
-    """Writes the gold decomposition as policy turns (templated <think>), through the real step loop and retrieval:
-    synth.py's golden trajectories, and a known-good policy for tests. Each request's key says where its trajectory
-    stands: (trajectory, question id, the policy turns it has had) from the step loop, turn_key at a stored prefix;
-    the turns alternate route, answer (R1-Router's order in both structures), the phase asked for is in the stop
-    string (a final answer may follow a route: max_steps reached)."""
-    THINK = "The next fact to look up."  # the routing <think> names no KB: the choice is made at <ret>, after the sub-question
+    """Writes the gold decomposition as policy turns (templated <think>), through the real step loop
+    and retrieval: synth.py's golden trajectories, and a known-good policy for tests. Each request's
+    key says where its trajectory stands: (trajectory, question id, the policy turns it has had)
+    from the step loop, turn_key at a stored prefix; the turns alternate route, answer (R1-Router's
+    order in both structures), the phase asked for is in the stop string (a final answer may follow
+    a route: max_steps reached)."""
+    # the routing <think> names no KB: the choice is made at <ret>, after the sub-question
+    THINK = "The next fact to look up."
 
     def __init__(self, tok, questions, vis=None, max_pairs=1, actions=False):
         self.tok, self.vis, self.max_pairs, self.actions = tok, vis, max_pairs, actions
         self.by_id = {q["id"]: q for q in questions}
 
     def plan(self, q):
-        """The routing steps written for q, grouped by step (reward.by_step): the gold decomposition."""
+        """The routing steps written for q, grouped by step (reward.by_step): the gold
+        decomposition."""
         return reward.by_step(reward.group_steps(q["steps"], self.max_pairs))
 
     def script(self, q):
-        """q's policy turns in order, [(phase, text)]: each gold step's route and intermediate answer, the stop, the
-        final answer. With actions, where they help: a quarter of the questions (by a hash of the id) first ask their
-        first sub-question of a wrong KB, answer that the evidence does not say, and backtrack; a question with a
-        third hop summarises the first two steps' evidence before it."""
+        """q's policy turns in order, [(phase, text)]: each gold step's route and intermediate
+        answer, the stop, the final answer. With actions, where they help: a quarter of the
+        questions (by a hash of the id) first ask their first sub-question of a wrong KB, answer
+        that the evidence does not say, and backtrack; a question with a third hop summarises the
+        first two steps' evidence before it."""
         gold, turns = self.plan(q), []
         for t, g in enumerate(gold):
             if self.actions and t == 0 and zlib.crc32(q["id"].encode()) % 4 == 0:
                 wrong = KBS[(KBS.index(g[0]["kb"]) + 1) % len(KBS)]
-                turns += [("route", reward.format_route(self.THINK, [(g[0]["sub_question"], wrong)])),
-                          ("answer", reward.format_answer("The evidence does not say.", "not found")),
-                          ("route", reward.format_action(f"The {reward.KB_TO_RET[wrong]} did not have it.", "backtrack",
-                                                         f"No answer to: {g[0]['sub_question']}"))]
+                turns += [
+                    ("route", reward.format_route(self.THINK, [(g[0]["sub_question"], wrong)])),
+                    ("answer", reward.format_answer("The evidence does not say.", "not found")),
+                    ("route",
+                     reward.format_action(f"The {reward.KB_TO_RET[wrong]} did not have it.",
+                                          "backtrack", f"No answer to: {g[0]['sub_question']}"))]
             if self.actions and t == 2:
-                facts = " ".join(f"{st['sub_question']} {st['answer']}." for h in gold[:2] for st in h)
+                facts = " ".join(f"{st['sub_question']} {st['answer']}."
+                                 for h in gold[:2] for st in h)
                 turns.append(("route", reward.format_action("The facts so far.", "summary", facts)))
             turns += [("route", reward.format_route(self.THINK, reward.pairs_of(g))),
-                      ("answer", reward.format_answer("From the evidence.", reward.group_answer(g)))]
+                      ("answer", reward.format_answer("From the evidence.",
+                                                      reward.group_answer(g)))]
         return turns + [("route", reward.format_route("I can answer now.", [])),
                         ("answer", reward.format_answer("Combining the answers.", q["answers"][0]))]
 
     def step_text(self, q, turn, phase):
-        """The scripted step's text at policy turn `turn` (0: the first) of question q, phase route or answer: an answer
-        asked where the script routes is the final answer (the loop asks for it at max_steps)."""
+        """The scripted step's text at policy turn `turn` (0: the first) of question q, phase route
+        or answer: an answer asked where the script routes is the final answer (the loop asks for it
+        at max_steps)."""
         turns = self.script(q)
         kind, text = turns[turn] if turn < len(turns) else turns[-2]
         return turns[-1][1] if phase == "answer" and kind == "route" else text
 
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
-                 keys=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0,
+                 images=None, keys=None):
         if keys is None:
-            raise ValueError("GoldPolicy writes from each request's key (trajectory, question id, turn): pass keys")
+            raise ValueError("GoldPolicy writes from each request's key (trajectory, question id, "
+                             "turn): pass keys")
         phase = "answer" if "</answer>" in stop else "route"
         res = []
         for _, qid, turn in keys:
-            ids = self.tok.encode(self.step_text(self.by_id[qid], turn, phase), add_special_tokens=False)
+            ids = self.tok.encode(self.step_text(self.by_id[qid], turn, phase),
+                                  add_special_tokens=False)
             # a multi-query route (max_pairs > 1) ends with the end-of-turn token, ids not text
-            ids = (ids + [self.tok.eos_token_id] * (phase == "route" and self.max_pairs > 1))[:max_tokens]
+            ids = (ids + [self.tok.eos_token_id]
+                   * (phase == "route" and self.max_pairs > 1))[:max_tokens]
             res.append((ids, [0.0] * len(ids)))
         return res
 
 def turn_key(x, sp):
-    """The request key of the prompt before span `sp` of trajectory `x` (a Trajectory or its row), as the step loop
-    names its requests."""
+    """The request key of the prompt before span `sp` of trajectory `x` (a Trajectory or its row),
+    as the step loop names its requests."""
     return (None, x["qid"], x["spans"].index(sp))
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The step loop
 
 class TranscriptSteps:
-    """--structure transcript (default): one chat grows with every step. What follows the policy's turn at each point
-    of the loop (both structures have these five methods)."""
+    """--structure transcript (default): one chat grows with every step. What follows the policy's
+    turn at each point of the loop (both structures have these five methods)."""
     def __init__(self, tok, system_prompt, shots=None, vis=None):
         self.fmt, self.shots, self.vis = ChatFormat(tok, system_prompt), shots, vis
 
@@ -205,8 +229,9 @@ class TranscriptSteps:
         return start_transcript(self.fmt, x.question, self.shots, x.image, self.vis)
 
     def restart(self, live, keep, turn):
-        """An action (backtrack, summary): the chat is closed and a new one holds its tokens up to the absolute
-        position `keep`, then the action's turn `turn` (ids) as context, then the next assistant turn."""
+        """An action (backtrack, summary): the chat is closed and a new one holds its tokens up to
+        the absolute position `keep`, then the action's turn `turn` (ids) as context, then the next
+        assistant turn."""
         tr = live.tr
         a = tr.starts[-1]
         tr.add_context(self.fmt.ids(self.fmt.end_assistant))
@@ -214,8 +239,8 @@ class TranscriptSteps:
         tr.add_context(turn + self.fmt.ids(next_turn(self.fmt)))
 
     def close(self, live, ids, images=()):
-        """Template tokens after a turn; a turn the policy ended itself (a multi-query route stops at its end-of-turn
-        token) does not get the template's end of turn twice."""
+        """Template tokens after a turn; a turn the policy ended itself (a multi-query route stops
+        at its end-of-turn token) does not get the template's end of turn twice."""
         tr = live.tr
         if tr.mask[-1] and ids and tr.ids[-1] == ids[0] == self.fmt.tok.eos_token_id:
             ids, images = ids[1:], [[a - 1, n, path] for a, n, path in images]
@@ -225,33 +250,37 @@ class TranscriptSteps:
         self.close(live, self.fmt.ids(next_turn(self.fmt)))
 
     def after_search(self, live, hits):
-        """hits: [(sub_question, kb, docs)] of the lookups of the last routing step, in the order asked; the evidence is
-        the next user turn (a VL policy sees image documents' pictures too), under a "Sub-question k:" line per
-        sub-question when the step asked several."""
+        """hits: [(sub_question, kb, docs)] of the lookups of the last routing step, in the order
+        asked; the evidence is the next user turn (a VL policy sees image documents' pictures too),
+        under a "Sub-question k:" line per sub-question when the step asked several."""
         subs = list(dict.fromkeys(q for q, _, _ in hits))
         parts = []
         for j, (q, kb, d) in enumerate(hits):
             head = len(subs) > 1 and (j == 0 or q != hits[j - 1][0])
-            parts += ["\n\n"] * (j > 0) + [f"Sub-question {subs.index(q) + 1}: {q}\n"] * head + evidence_parts(kb, d, bool(self.vis))
+            parts += (["\n\n"] * (j > 0) + [f"Sub-question {subs.index(q) + 1}: {q}\n"] * head
+                      + evidence_parts(kb, d, bool(self.vis)))
         self.close(live, *self.fmt.encode(next_turn(self.fmt, parts), self.vis))
 
     def after_answer(self, live, last):
         live.tr.add_context(self.fmt.ids(next_turn(self.fmt, LAST_STEP_NOTE if last else None)))
 
     def after_final(self, live):
-        live.tr.add_context(self.fmt.ids(self.fmt.end_assistant))  # a complete chat, as sft.py trains on
+        # a complete chat, as sft.py trains on
+        live.tr.add_context(self.fmt.ids(self.fmt.end_assistant))
 
     def remind(self, live, text):
         self.close(live, self.fmt.ids(next_turn(self.fmt, text)))
 
 class ReleasedSteps:
-    """--structure released: every step is its own single-turn chat, as R1-Router's released inference code builds
-    it. route: the original question and the earlier sub-question / answer pairs, no passages; answer: the passages
-    and the sub-question only; final: the question and the pairs. A chat ends with the template's end of turn. A VL
-    policy gets a visual question's image at the head of every chat (the released code gives each step the image)."""
+    """--structure released: every step is its own single-turn chat, as R1-Router's released
+    inference code builds it. route: the original question and the earlier sub-question / answer
+    pairs, no passages; answer: the passages and the sub-question only; final: the question and the
+    pairs. A chat ends with the template's end of turn. A VL policy gets a visual question's image
+    at the head of every chat (the released code gives each step the image)."""
     def __init__(self, tok, vis=None):
         self.route, self.answer, self.final = (ChatFormat(tok, p) for p in
-                                               (RELEASED_ROUTE_PROMPT, RELEASED_ANSWER_PROMPT, RELEASED_FINAL_PROMPT))
+                                               (RELEASED_ROUTE_PROMPT, RELEASED_ANSWER_PROMPT,
+                                                RELEASED_FINAL_PROMPT))
         self.vis = vis
 
     def chat(self, fmt, x, *parts):
@@ -262,15 +291,17 @@ class ReleasedSteps:
     @staticmethod
     def history(x):
         return f"Origin question: {x.question}\n" + "".join(
-            f"Sub-question{k + 1}: {st['sub_question']}\nAnswer{k + 1}: {st['answer']}\n" for k, st in enumerate(x.steps))
+            f"Sub-question{k + 1}: {st['sub_question']}\nAnswer{k + 1}: {st['answer']}\n"
+            for k, st in enumerate(x.steps))
 
     def next_chat(self, live, chat):
         live.tr.add_context(self.final.ids(self.final.end_assistant))
         live.tr.new_chat(*chat)
 
     def final_chat(self, x):
-        return self.chat(self.final, x, self.history(x) + "Based on the information above, give me the final answer of "
-                                                          f"the origin question: {x.question}")
+        return self.chat(self.final, x,
+                         self.history(x) + "Based on the information above, give me the final "
+                                           f"answer of the origin question: {x.question}")
 
     def start(self, x):
         tr = Transcript()
@@ -282,17 +313,22 @@ class ReleasedSteps:
 
     def after_search(self, live, hits):
         found = [p for _, kb, docs in hits for i, d in enumerate(docs)
-                 for p in [f"{KB_OF[kb].tag}-{i}: "] + ([Img(d["path"])] if self.vis and d.get("path") else [])
+                 for p in [f"{KB_OF[kb].tag}-{i}: "]
+                 + ([Img(d["path"])] if self.vis and d.get("path") else [])
                  + [f"{d['contents']}\n"]]
         x = live.traj
-        self.next_chat(live, self.chat(self.answer, x, "According to the related information searched, `ter` means this info "
-                                    "is from text retriever, `tir` means this info is from text image retriever, `tar` "
-                                    "means this info is from table retriever:", *found, "\n\n Give me the answer(with the "
-                                    f"format <answer></answer>) to the Question: {x.steps[-1]['sub_question']}"))
+        self.next_chat(live, self.chat(self.answer, x,
+                                       "According to the related information searched, `ter` means "
+                                       "this info is from text retriever, `tir` means this info is "
+                                       "from text image retriever, `tar` means this info is from "
+                                       "table retriever:", *found,
+                                       "\n\n Give me the answer(with the format <answer></answer>) "
+                                       f"to the Question: {x.steps[-1]['sub_question']}"))
 
     def after_answer(self, live, last):
         x = live.traj
-        self.next_chat(live, self.final_chat(x) if last else self.chat(self.route, x, self.history(x)))
+        self.next_chat(live, self.final_chat(x) if last
+                       else self.chat(self.route, x, self.history(x)))
 
     def after_final(self, live):
         live.tr.add_context(self.final.ids(self.final.end_assistant))
@@ -308,23 +344,29 @@ class Settings:
     answer_tokens: int = 96     # max new tokens of an answer step
     temperature: float = 1.0
     top_p: float = 1.0
-    route_mode: str = "model"   # model | oracle (gold KB at each gold step) | all (every KB: evaluate.py every_kb)
-    structure: str = "transcript"  # transcript (one growing chat) | released (a single-turn chat a step: ReleasedSteps)
+    route_mode: str = "model"   # model | oracle (gold KB at each gold step) | all (every KB:
+                                # evaluate.py every_kb)
+    structure: str = "transcript"  # transcript (one growing chat) | released (a single-turn chat a
+                                   # step: ReleasedSteps)
     top_k: int = 0              # sampling top-k (0: off)
     route_tries: int = 1        # attempts at a routing step (R1-Router's released evaluation: 5)
     answer_tries: int = 1       # attempts at an answer step (released: 3)
-    fallback: bool = False      # out of attempts: stop routing / take the raw text as the answer (released), not a
-                                # format failure
-    max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and vLLM then recomputes
-    max_pairs: int = 1          # sub-question / retriever pairs a routing step may hold (RAG-R1's parallel queries)
+    fallback: bool = False      # out of attempts: stop routing / take the raw text as the answer
+                                # (released), not a format failure
+    max_active: int = 64        # trajectories in flight at once: more overflow the KV cache, and
+                                # vLLM then recomputes
+    max_pairs: int = 1          # sub-question / retriever pairs a routing step may hold (RAG-R1's
+                                # parallel queries)
     max_rets: int = 1           # retrievers a pair may name (R1-Router's multi-retriever mode)
-    actions: bool = False       # a routing step may backtrack or summarise (Agentic RAG-R1's memory stack)
+    actions: bool = False       # a routing step may backtrack or summarise (Agentic RAG-R1's memory
+                                # stack)
     max_actions: int = 2        # of them a trajectory
 
     @property
     def max_images(self):
-        """Pictures one prompt can hold: the question's and every evidence document of every step (a VL engine is
-        built for this many: vLLM refuses a prompt with more than its limit_mm_per_prompt)."""
+        """Pictures one prompt can hold: the question's and every evidence document of every step (a
+        VL engine is built for this many: vLLM refuses a prompt with more than its
+        limit_mm_per_prompt)."""
         return 1 + self.max_steps * self.topk * self.max_pairs * self.max_rets
 
 def check_multi_query(max_pairs, max_rets, structure, actions):
@@ -334,20 +376,23 @@ def check_multi_query(max_pairs, max_rets, structure, actions):
     if max_rets > len(KBS):
         sys.exit(f"error: --max_rets {max_rets}: there are {len(KBS)} retrievers")
     if structure == "released" and (max_pairs > 1 or max_rets > 1):
-        sys.exit("error: --max_pairs / --max_rets > 1 (multi-query steps) work with --structure transcript only")
+        sys.exit("error: --max_pairs / --max_rets > 1 (multi-query steps) work with --structure "
+                 "transcript only")
     if structure == "released" and actions:
         sys.exit("error: --actions (backtrack, summary) work with --structure transcript only")
 
 def route_stop(tok, s):
-    """(stop strings, max new tokens) of a routing step: R1-Router's step ends at </ret>; a multi-query step, which
-    may write up to max_pairs pairs, ends when the policy ends its turn (the end-of-turn token)."""
+    """(stop strings, max new tokens) of a routing step: R1-Router's step ends at </ret>; a
+    multi-query step, which may write up to max_pairs pairs, ends when the policy ends its turn (the
+    end-of-turn token)."""
     acts = [f"</{a}>" for a in reward.ACTIONS] if s.actions else []
     if s.max_pairs == 1:
         return ["</ret>", *acts], s.route_tokens
     return [tok.eos_token, *acts], s.route_tokens * s.max_pairs
 
 def fits(engine, ids, max_tokens):
-    """Whether a prompt plus max_tokens new tokens fits the engine's context (engines without max_len: always)."""
+    """Whether a prompt plus max_tokens new tokens fits the engine's context (engines without
+    max_len: always)."""
     return getattr(engine, "max_len", None) is None or len(ids) + max_tokens <= engine.max_len
 
 class StepLoop:
@@ -370,7 +415,8 @@ class StepLoop:
         live.cancelled = True
 
     def cancelled(self, live):
-        """Whether `live` was cancelled; the first time the loop asks, it ends (its event: cancel)."""
+        """Whether `live` was cancelled; the first time the loop asks, it ends (its event:
+        cancel)."""
         if live.cancelled and live.phase != "done":
             live.phase, live.traj.error = "done", "cancelled: the client left"
             self.events(live, "cancel")
@@ -573,7 +619,8 @@ class StepLoop:
                 live.update(zip(range(n, n + len(new)), new))
                 waiting = itertools.chain(waiting, range(n, n + len(new)))
                 n += len(new)
-                ready += list(itertools.islice(waiting, max(0, self.s.max_active - busy - len(ready))))
+                ready += list(itertools.islice(waiting,
+                                               max(0, self.s.max_active - busy - len(ready))))
             if not (ready or busy):
                 break
             t = time.perf_counter()
@@ -609,14 +656,16 @@ class StepLoop:
             lives[0].traj.timings["batch_wall"] = time.perf_counter() - t0
         return [lv.traj for lv in lives]
 
-def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_prompt=SYSTEM_PROMPT, shots=None, bar=None):
-    """questions: rows of dataio.load_questions. Returns len(questions) * n Trajectories (question-major).
-    shots: token ids of worked examples every transcript starts with (few_shot_prefix; prompting baselines); bar: a
-    tqdm bar, advanced as trajectories finish."""
+def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_prompt=SYSTEM_PROMPT,
+            shots=None, bar=None):
+    """questions: rows of dataio.load_questions. Returns len(questions) * n Trajectories
+    (question-major). shots: token ids of worked examples every transcript starts with
+    (few_shot_prefix; prompting baselines); bar: a tqdm bar, advanced as trajectories finish."""
     if s.structure == "released" and shots:
         raise ValueError("few-shot examples are built for the transcript structure only")
     if s.structure == "released" and (s.max_pairs > 1 or s.max_rets > 1 or s.actions):
-        raise ValueError("multi-query steps (max_pairs / max_rets > 1) and actions are built for the transcript structure only")
+        raise ValueError("multi-query steps (max_pairs / max_rets > 1) and actions are built "
+                         "for the transcript structure only")
     chat = step_chat(engine, s, system_prompt, shots)
     lives = [begin(q, k, chat, s) for q in questions for k in range(n)]
     if seed is not None:  # engines sample with torch's default generator (see VLLMEngine.generate)
@@ -624,15 +673,18 @@ def rollout(engine, retriever, questions, n=1, s=Settings(), seed=None, system_p
     return StepLoop(engine, retriever, s, chat, bar).run(lives)
 
 def step_chat(engine, s, system_prompt=SYSTEM_PROMPT, shots=None):
-    """The step structure's chat builder for engine's policy (a VL policy sees the question image and image evidence
-    as pixels)."""
+    """The step structure's chat builder for engine's policy (a VL policy sees the question image
+    and image evidence as pixels)."""
     vis = getattr(engine, "vis", None)
     prompt = system_text(s, system_prompt)
-    return ReleasedSteps(engine.tok, vis) if s.structure == "released" else TranscriptSteps(engine.tok, prompt, shots, vis)
+    return (ReleasedSteps(engine.tok, vis) if s.structure == "released"
+            else TranscriptSteps(engine.tok, prompt, shots, vis))
 
 def system_text(s, system_prompt=SYSTEM_PROMPT):
-    """The transcript's system prompt under settings s: its step budget, and the actions' note when they are on."""
-    return system_prompt.format(max_steps=s.max_steps) + ACTIONS_NOTE.format(max_actions=s.max_actions) * s.actions
+    """The transcript's system prompt under settings s: its step budget, and the actions' note when
+    they are on."""
+    return (system_prompt.format(max_steps=s.max_steps)
+            + ACTIONS_NOTE.format(max_actions=s.max_actions) * s.actions)
 
 def begin(q, k, chat, s):
     """Sample k of question q (a dataio.load_questions row; answers and steps may be empty) as a
@@ -644,40 +696,49 @@ def begin(q, k, chat, s):
     return Live(x, tr, head=len(tr.ids))
 
 def golden_prefixes(tok, retriever, questions, s=Settings(), seed=None, vis=None):
-    """The gold trajectory of each question (GoldPolicy through the real loop and retrieval, whatever its lengths),
-    and span_prefixes of them. Step-GRPO's teacher_prefix groups and evaluate.py's route probe start from these."""
-    golds = rollout(GoldPolicy(tok, questions, vis, s.max_pairs, s.actions), retriever, questions, 1, replace(s, route_tokens=1024, answer_tokens=1024,
-                                                                                        route_mode="model"), seed)
+    """The gold trajectory of each question (GoldPolicy through the real loop and retrieval,
+    whatever its lengths), and span_prefixes of them. Step-GRPO's teacher_prefix groups and
+    evaluate.py's route probe start from these."""
+    golds = rollout(GoldPolicy(tok, questions, vis, s.max_pairs, s.actions), retriever, questions,
+                    1, replace(s, route_tokens=1024, answer_tokens=1024, route_mode="model"), seed)
     return golds, span_prefixes(golds)
 
 def span_prefixes(trajs):
-    """Every point where the policy writes a route or an answer in trajectories `trajs` (gold or a teacher's), but for
-    what a backtrack popped: [(trajectory, span, prompt ids up to that span, the images in them)]."""
+    """Every point where the policy writes a route or an answer in trajectories `trajs` (gold or a
+    teacher's), but for what a backtrack popped: [(trajectory, span, prompt ids up to that span, the
+    images in them)]."""
+    # no actions, nothing backtracked
     return [(x, sp, *span_prefix(x, sp)) for x in trajs for sp in x["spans"]
-            if sp["kind"] in ("route", "answer", "final") and not sp.get("popped")]  # no actions, nothing backtracked
+            if sp["kind"] in ("route", "answer", "final") and not sp.get("popped")]
 
 def span_prefix(x, sp):
-    """(prompt ids before span sp of finished trajectory x (a Trajectory or its row), the images in them): its chat's
-    tokens up to the span (released: the step's own chat)."""
+    """(prompt ids before span sp of finished trajectory x (a Trajectory or its row), the images in
+    them): its chat's tokens up to the span (released: the step's own chat)."""
     a = max(a for a, _ in x["segments"] if a <= sp["start"])
     return x["ids"][a:sp["start"]], images_in(x["images"], a, sp["start"])
 
 def gold_steps(engine, retriever, questions, s=Settings(), seed=None):
-    """The ceiling of the steps (evaluate.py's gold_steps): each question's gold trajectory (golden_prefixes: gold
-    sub-questions and KBs, real retrieval, gold intermediate answers) up to its final answer, which the engine writes.
-    Returns the gold Trajectories, final_answer (and format_ok) the engine's."""
-    golds, prefixes = golden_prefixes(engine.tok, retriever, questions, s, seed, getattr(engine, "vis", None))
-    finals = [(x, ids, images, turn_key(x, sp)) for x, sp, ids, images in prefixes if sp["kind"] == "final"]
-    for x in golds:  # a gold trajectory that did not fit the context has no final span: no answer (scored 0)
+    """The ceiling of the steps (evaluate.py's gold_steps): each question's gold trajectory
+    (golden_prefixes: gold sub-questions and KBs, real retrieval, gold intermediate answers) up to
+    its final answer, which the engine writes. Returns the gold Trajectories, final_answer (and
+    format_ok) the engine's."""
+    golds, prefixes = golden_prefixes(engine.tok, retriever, questions, s, seed,
+                                      getattr(engine, "vis", None))
+    finals = [(x, ids, images, turn_key(x, sp)) for x, sp, ids, images in prefixes
+              if sp["kind"] == "final"]
+    # a gold trajectory that did not fit the context has no final span: no answer (scored 0)
+    for x in golds:
         x.final_answer = None
     for x, ids, *_ in finals:
         if not fits(engine, ids, s.answer_tokens):
             x.overflow = True
-            x.error = (f"final answer: {len(ids)} context + {s.answer_tokens} new tokens exceed the engine's "
-                       f"max_len {engine.max_len}")
+            x.error = (f"final answer: {len(ids)} context + {s.answer_tokens} new tokens "
+                       f"exceed the engine's max_len {engine.max_len}")
     finals = [f for f in finals if not f[0].overflow]
-    outs = engine.generate([ids for _, ids, *_ in finals], s.answer_tokens, s.temperature, s.top_p, ["</answer>"], seed,
-                           s.top_k, images=[images for *_, images, _ in finals], keys=[k for *_, k in finals])
+    outs = engine.generate([ids for _, ids, *_ in finals], s.answer_tokens, s.temperature, s.top_p,
+                           ["</answer>"], seed, s.top_k,
+                           images=[images for *_, images, _ in finals],
+                           keys=[k for *_, k in finals])
     for (x, *_), (ids, _) in zip(finals, outs):
         a = reward.parse_answer(engine.tok.decode(ids, skip_special_tokens=True))
         x.final_answer, x.format_ok = a.answer if a.ok else None, a.ok
@@ -685,49 +746,63 @@ def gold_steps(engine, retriever, questions, s=Settings(), seed=None):
     return golds
 
 def few_shot_prefix(tok, retriever, examples, s=Settings(), system_prompt=SYSTEM_PROMPT):
-    """Token ids of a chat that opens with the gold trajectories of `examples` (GoldPolicy through the real loop and
-    retrieval) as earlier exchanges: the system prompt, then each example's question, steps, evidence and answer.
-    rollout(..., shots=...) puts each question after it, so a model never trained on the step format sees it done."""
-    fmt = ChatFormat(tok, system_text(s, system_prompt))  # the examples' own (with --actions they do not act)
-    golds = rollout(GoldPolicy(tok, examples, max_pairs=s.max_pairs), retriever, examples, 1, replace(s, route_mode="model"), 0,
-                    system_prompt)
+    """Token ids of a chat that opens with the gold trajectories of `examples` (GoldPolicy through
+    the real loop and retrieval) as earlier exchanges: the system prompt, then each example's
+    question, steps, evidence and answer. rollout(..., shots=...) puts each question after it, so a
+    model never trained on the step format sees it done."""
+    # the examples' own (with --actions they do not act)
+    fmt = ChatFormat(tok, system_text(s, system_prompt))
+    golds = rollout(GoldPolicy(tok, examples, max_pairs=s.max_pairs), retriever, examples, 1,
+                    replace(s, route_mode="model"), 0, system_prompt)
     ids = []
     for k, (q, x) in enumerate(zip(examples, golds)):
-        head = len(start_transcript(fmt, q["question"]).ids)  # system prompt + question (outside text: encode)
-        ids += x.ids if k == 0 else fmt.encode([fmt.user_open, q["question"], fmt.user_close])[0] + x.ids[head:]
+        # system prompt + question (outside text: encode)
+        head = len(start_transcript(fmt, q["question"]).ids)
+        ids += x.ids if k == 0 else (fmt.encode([fmt.user_open, q["question"], fmt.user_close])[0]
+                                     + x.ids[head:])
     return ids
 
 def show(x, tok):
     print(f"\n=== {x.qid} sample {x.sample} [{x.type}]: {x.question}   gold: {x.answers}")
     for st in x.steps:  # one line per lookup; a multi-query step's lookups share its number
-        print(f"  step {st['step'] + 1}: [{st['kb']}] {st['sub_question']!r} -> retrieved {st['retrieved']} -> {st['answer']!r}")
+        print(f"  step {st['step'] + 1}: [{st['kb']}] {st['sub_question']!r} -> retrieved "
+              f"{st['retrieved']} -> {st['answer']!r}")
     if not x.format_ok and x.spans:  # what the model wrote where the step format broke
         sp = x.spans[-1]
         text = tok.decode(x.ids[sp["start"]:sp["end"]], skip_special_tokens=True)
-        print(f"  wrote ({sp['kind']} step {sp['step'] + 1}): {text[:300]!r}{' ...' if len(text) > 300 else ''}")
+        print(f"  wrote ({sp['kind']} step {sp['step'] + 1}): "
+              f"{text[:300]!r}{' ...' if len(text) > 300 else ''}")
     f1 = reward.f1_recall(x.final_answer or "", x.answers)
     print(f"  final: {x.final_answer!r}  format_ok={x.format_ok} {x.error}  "
           f"({x.n_policy_tokens} policy tokens of {len(x.ids)}, F1-Recall {f1:.2f})")
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="any HF causal LM or image-text-to-text folder")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="any HF causal LM or image-text-to-text folder")
     ap.add_argument("--data", default="data/mini")
     ap.add_argument("--split", default="dev")
     ap.add_argument("--n_questions", type=int, default=4)
     ap.add_argument("-n", type=int, default=2, help="samples per question")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf", "openai"])
-    ap.add_argument("--base_url", default=None, help="--backend openai: the server, e.g. http://localhost:8000/v1")
+    ap.add_argument("--base_url", default=None,
+                    help="--backend openai: the server, e.g. http://localhost:8000/v1")
     ap.add_argument("--api_key", default=None, help="--backend openai: its key, if it wants one")
     ap.add_argument("--max_steps", type=int, default=3)
-    ap.add_argument("--max_pairs", type=int, default=1, help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
-    ap.add_argument("--max_rets", type=int, default=1, help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
-    ap.add_argument("--actions", action="store_true", help="a routing step may backtrack or summarise (a policy trained on them)")
+    ap.add_argument("--max_pairs", type=int, default=1,
+                    help="sub-questions a routing step may hold (RAG-R1's parallel queries)")
+    ap.add_argument("--max_rets", type=int, default=1,
+                    help="retrievers a sub-question may name (R1-Router's multi-retriever mode)")
+    ap.add_argument("--actions", action="store_true",
+                    help="a routing step may backtrack or summarise (a policy trained on them)")
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--structure", default="transcript", choices=["transcript", "released"],
-                    help="one growing chat, or a single-turn chat a step (R1-Router's released code)")
-    ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
+                    help="one growing chat, or a single-turn chat a step (R1-Router's released "
+                         "code)")
+    ap.add_argument("--retriever", default="dense",
+                    help="dense | bm25 | hybrid | http://host:port of retrievers.py serve")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the trajectories as JSONL here")
     args = ap.parse_args()
@@ -740,19 +815,23 @@ if __name__ == "__main__":
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
     if not (Path(args.model) / "config.json").exists():
-        sys.exit(f"error: {args.model}: not a model folder (run `python prepare.py` for the default)")
-    s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=args.structure,
-                 max_pairs=args.max_pairs, max_rets=args.max_rets, actions=args.actions)
-    engine = make_engine(args.backend, args.model, seed=args.seed, max_images=s.max_images, base_url=args.base_url,
-                         api_key=args.api_key)
+        sys.exit(f"error: {args.model}: not a model folder (run `python prepare.py` for the "
+                 "default)")
+    s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
+                 structure=args.structure, max_pairs=args.max_pairs, max_rets=args.max_rets,
+                 actions=args.actions)
+    engine = make_engine(args.backend, args.model, seed=args.seed, max_images=s.max_images,
+                         base_url=args.base_url, api_key=args.api_key)
     t = time.perf_counter()
     trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
     dt = time.perf_counter() - t
     for x in trajs:
         show(x, engine.tok)
     if not any(x.format_ok for x in trajs):
-        print("\nno trajectory kept the step format: a model never trained on it needs worked examples (evaluate.py "
-              "--few_shot 3 --protocol fallback) or SFT on golden trajectories (sft.py)")
-    print(f"\n{len(trajs)} trajectories in {dt:.1f}s: {sum(x.n_policy_tokens for x in trajs) / dt:.0f} policy tokens/s")
+        print("\nno trajectory kept the step format: a model never trained on it needs worked "
+              "examples (evaluate.py --few_shot 3 --protocol fallback) or SFT on golden "
+              "trajectories (sft.py)")
+    print(f"\n{len(trajs)} trajectories in {dt:.1f}s: "
+          f"{sum(x.n_policy_tokens for x in trajs) / dt:.0f} policy tokens/s")
     if args.out:
         dataio.write_jsonl(args.out, map(dict, trajs))
