@@ -287,7 +287,7 @@ def judge_answers(judge, trajs, out):
                              for x in asked])
     judged = {id(x): s for x, s in zip(asked, scores)}
     for x in trajs:
-        x["judge"] = judged.get(id(x), 0.0)
+        x.judge = judged.get(id(x), 0.0)
 
 
 @dataclass(frozen=True)

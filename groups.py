@@ -91,9 +91,9 @@ def onpolicy_batch(engine, retriever, questions, run, encode, w, seed):
     rewards (grpo.token_rewards) for the critic."""
     trajs = rollout.rollout(engine, retriever, questions, n=run.n, s=run.steps, seed=seed)
     stats = {k: [] for k in STATS}
-    stats.update(retrieve_s=sum(x["timings"]["retrieve"] for x in trajs),
-                 rollout_tokens=sum(len(x["ids"]) for x in trajs),  # a transcript once (cached)
-                 rollout_generated=sum(x["n_policy_tokens"] for x in trajs))
+    stats.update(retrieve_s=sum(x.timings["retrieve"] for x in trajs),
+                 rollout_tokens=sum(len(x.ids) for x in trajs),  # a transcript once (cached)
+                 rollout_generated=sum(x.n_policy_tokens for x in trajs))
     if w.judge:
         steprewards.judge_rag(w, trajs, stats)
     rows, ppo = [], run.estimator == "gae"
@@ -101,19 +101,19 @@ def onpolicy_batch(engine, retriever, questions, run, encode, w, seed):
         group = trajs[g * run.n:(g + 1) * run.n]
         scored = [overlong_spans(engine.tok, x, *steprewards.span_rewards(x, encode, w), run, stats)
                   for x in group]  # [(span rewards, outcome)] a sample
-        gold = group[0]["gold_steps"]
+        gold = group[0].gold_steps
         scale = {("route", t): steprewards.kb_factor(w, "route", steprewards.gold_route(gold, t))
                  for t in range(run.steps.max_steps)}
-        adv = grpo.group_advantages([x["spans"] for x in group], [r for r, _ in scored],
+        adv = grpo.group_advantages([x.spans for x in group], [r for r, _ in scored],
                                     [o for _, o in scored], run.reward, scale, run.adv_std,
                                     run.estimator)
         for x, (r, o), a in zip(group, scored, adv):
-            adv_tok = grpo.token_advantages(len(x["ids"]), x["spans"], a)
-            tok_r = grpo.token_rewards(len(x["ids"]), x["spans"], r, o, run.reward) if ppo else None
-            rows += [dict(ids=x["ids"][c:d], mask=x["mask"][c:d], old=x["logprobs"][c:d],
-                          adv=adv_tok[c:d], images=vision.images_in(x["images"], c, d),
+            adv_tok = grpo.token_advantages(len(x.ids), x.spans, a)
+            tok_r = grpo.token_rewards(len(x.ids), x.spans, r, o, run.reward) if ppo else None
+            rows += [dict(ids=x.ids[c:d], mask=x.mask[c:d], old=x.logprobs[c:d],
+                          adv=adv_tok[c:d], images=vision.images_in(x.images, c, d),
                           group=(q["id"], g), **({"reward": tok_r[c:d]} if ppo else {}))
-                     for c, d in x["segments"] if any(x["mask"][c:d])]  # a row a chat
+                     for c, d in x.segments if any(x.mask[c:d])]  # a row a chat
             steprewards.log_trajectory(stats, x, r, o)
     return rows, stats
 
@@ -128,26 +128,26 @@ def branch_batch(engine, retriever, questions, run, encode, w, seed):
     picks = branches.branch_points(trajs, run.branch_steps, seed)
     ys = branches.branch(engine, ret, questions, trajs, picks, run.n, run.steps, seed + 1)
     stats = {k: [] for k in STATS}
-    stats.update(retrieve_s=sum(x["timings"]["retrieve"] for x in trajs + ys),
-                 rollout_tokens=sum(len(x["ids"]) for x in trajs)  # a branch: from its span on
-                 + sum(y["new_tokens"] for y in ys),
-                 rollout_generated=sum(x["n_policy_tokens"] for x in trajs)
-                 + sum(y["generated"] for y in ys))
+    stats.update(retrieve_s=sum(x.timings["retrieve"] for x in trajs + ys),
+                 rollout_tokens=sum(len(x.ids) for x in trajs)  # a branch: from its span on
+                 + sum(y.new_tokens for y in ys),
+                 rollout_generated=sum(x.n_policy_tokens for x in trajs)
+                 + sum(y.generated for y in ys))
     if w.judge:
         steprewards.judge_rag(w, ys, stats)  # each branch's outcome
     rows = []
     for group in (ys[k:k + run.n] for k in range(0, len(ys), run.n)):
         scores, gold = steprewards.score_branches(group, encode, w, run.reward)
         prefix, images, completions = branches.branch_group(group)
-        sp = group[0]["spans"][group[0]["branch"]]
+        sp = group[0].spans[group[0].branch]
         budget, stop = step_budget(engine.tok, run.steps, sp["kind"])
         adds, keep, cut = overlong_group(engine.tok, completions, budget, stop, run.overlong)
         rs = [sc.reward + add for sc, add in zip(scores, adds)]
         scale = steprewards.kb_factor(w, sp["kind"], gold)
         adv = grpo.advantages(rs, run.estimator, run.adv_std, scale)
-        rows += [dict(r, group=(group[0]["qid"], len(rows)))
+        rows += [dict(r, group=(group[0].qid, len(rows)))
                  for r in grpo.group_rows(prefix, completions, adv, images, mrope(engine), keep)]
-        tokens = [float(y["spans"][y["branch"]]["end"] - y["spans"][y["branch"]]["start"])
+        tokens = [float(y.spans[y.branch]["end"] - y.spans[y.branch]["start"])
                   for y in group]
         steprewards.log_group(stats, sp["kind"], scores, cut, tokens, group)
     return rows, stats
@@ -215,8 +215,8 @@ def overlong_spans(tok, x, r, o, run, stats):
     at its budget leaves the mask, or its reward (the outcome's with --reward outcome) gets the soft
     penalty. Returns r, o."""
     r = list(r)
-    for j, sp in enumerate(x["spans"]):
-        ids = x["ids"][sp["start"]:sp["end"]]
+    for j, sp in enumerate(x.spans):
+        ids = x.ids[sp["start"]:sp["end"]]
         budget, stop = step_budget(tok, run.steps, sp["kind"])
         (add,), (keep,), cut = overlong_group(tok, [(ids, None)], budget, stop, run.overlong)
         stats["cut"] += [float(c) for c in cut]
@@ -225,5 +225,5 @@ def overlong_spans(tok, x, r, o, run, stats):
         else:
             r[j] += add
         if not keep:
-            x["mask"][sp["start"]:sp["end"]] = [0] * (sp["end"] - sp["start"])
+            x.mask[sp["start"]:sp["end"]] = [0] * (sp["end"] - sp["start"])
     return r, o

@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import dataio
@@ -61,6 +62,17 @@ class Refused(ValueError):
         self.param, self.status, self.code = param, status, code
 
 #### the router: one engine, a thread running the step loop, requests joining it
+
+@dataclass(eq=False)
+class Asked(rollout.Live):
+    """A served trajectory: a Live of the step loop, who hears its steps, what they found."""
+    notify: object = None  # notify(event), on the step loop's thread (Router.ask)
+    step_evidence: dict = field(default_factory=dict)  # step -> its search's documents, as shown
+
+def asked(q, chat, s):
+    """Question q (a dataio.load_questions row, or id and question alone) as an Asked trajectory of
+    the step loop with chat builder `chat` and Settings s, its transcript started."""
+    return Asked(**vars(rollout.begin(q, 0, chat, s)))
 
 class Router:
     """A policy's engine and the KBs' retriever behind one step loop on a thread of its own. ask()
@@ -92,23 +104,21 @@ class Router:
                           f"{-(-n // self.longest)} tokens; the context holds {room}", "messages")
 
     def trajectory(self, question, image=None, temperature=None, top_p=None):
-        """The request's trajectory, its transcript started (the question tokenized: not on the
-        event loop), or raise Refused when its first step does not fit the context."""
+        """The request's Asked trajectory, its transcript started (the question tokenized: not on
+        the event loop), or raise Refused when its first step does not fit the context."""
         q = self.known.get(question) or dict(id=f"req-{next(self.count)}", question=question)
-        q = dict(q, image=image)
-        x = rollout.trajectory(q, 0, self.chat, self.s)
-        need = len(x["tr"].prompt()) + rollout.route_stop(self.engine.tok, self.s)[1]
+        x = asked(dict(q, image=image), self.chat, self.s)
+        need = len(x.tr.prompt()) + rollout.route_stop(self.engine.tok, self.s)[1]
         if getattr(self.engine, "max_len", None) and need > self.engine.max_len:
             raise Refused(f"the question is too long: its first step needs {need} tokens, the "
                           f"context holds {self.engine.max_len}", "messages")
-        x.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p))
-                  if v is not None})
+        x.temperature, x.top_p = temperature, top_p
         return x
 
     def ask(self, x, notify):
-        """Queue trajectory x; notify(event) is called from the loop's thread after each of its
-        steps."""
-        x["notify"] = notify
+        """Queue Asked trajectory x; notify(event) is called from the loop's thread after each of
+        its steps."""
+        x.notify = notify
         self.inbox.append(x)
         self.wake.set()
 
@@ -129,7 +139,7 @@ class Router:
             except Exception as e:  # noqa: BLE001 - a broken engine answers every waiting request,
                 # and the server lives
                 for x in [*self.loop.live.values(), *self.arrived()]:
-                    x["notify"](dict(type="error", error=f"the step loop failed: {e!r}"))
+                    x.notify(dict(type="error", error=f"the step loop failed: {e!r}"))
                 self.loop.live.clear()
 
     def arrived(self):
@@ -140,51 +150,52 @@ class Router:
 
     def on_event(self, x, kind, hits=None):
         for event in step_events(x, kind, hits):
-            x["notify"](event)
+            x.notify(event)
 
-def step_events(x, kind, hits=None):
-    """What trajectory x's last step shows (StepLoop's events): route (the step's sub-questions and
-    KBs, or the stop), evidence, answer (the intermediate one), backtrack (the step popped) and
-    summary (a policy with actions), final (the answer), error (a step that does not parse, an
-    overflow, a cancel)."""
-    t = x["steps"][-1]["step"] if x["steps"] else 0
-    if x["phase"] == "done" and x["final_answer"] is None:
-        return [dict(type="error", error=x["error"] or "no answer")]
-    acted = x["actions"] and x["actions"][-1]["span"] == len(x["tr"].spans) - 1
+def step_events(live, kind, hits=None):
+    """What Asked trajectory `live`'s last step shows (StepLoop's events): route (the step's
+    sub-questions and KBs, or the stop), evidence, answer (the intermediate one), backtrack (the
+    step popped) and summary (a policy with actions), final (the answer), error (a step that does
+    not parse, an overflow, a cancel)."""
+    x = live.traj
+    t = x.steps[-1]["step"] if x.steps else 0
+    if live.phase == "done" and x.final_answer is None:
+        return [dict(type="error", error=x.error or "no answer")]
+    acted = x.actions and x.actions[-1]["span"] == len(live.tr.spans) - 1
     if kind == "route" and acted:
-        a = x["actions"][-1]  # a backtrack names the step it popped
+        a = x.actions[-1]  # a backtrack names the step it popped
         step = a["popped"][0]["step"] if a["kind"] == "backtrack" else t
         return [dict(type=a["kind"], step=step, note=a["note"])]
     if kind == "route":
-        if x["phase"] == "final":
-            return [dict(type="stop", step=len(reward.by_step(x["steps"])))]
+        if live.phase == "final":
+            return [dict(type="stop", step=len(reward.by_step(x.steps)))]
         subs = [dict(sub_question=st["sub_question"], kb=st["kb"],
-                     retriever=reward.KB_TO_RET[st["kb"]]) for st in x["steps"] if st["step"] == t]
+                     retriever=reward.KB_TO_RET[st["kb"]]) for st in x.steps if st["step"] == t]
         return [dict(type="route", step=t, sub_questions=subs)]
     if kind == "search":
         docs = [dict(sub_question=q, kb=kb, id=d["id"], title=d.get("title", ""),
                      text=d.get("contents", ""),
                      **({"image": data_url(d["path"])} if d.get("path") else {}))
                 for q, kb, ds in hits for d in ds]
-        x.setdefault("step_evidence", {})[t] = docs
+        live.step_evidence[t] = docs
         return [dict(type="evidence", step=t, evidence=docs)]
     if kind == "answer":
-        return [dict(type="answer", step=t, answer=x["steps"][-1]["answer"])]
-    if kind == "final" and x["phase"] == "done":
-        tr = x["tr"]
+        return [dict(type="answer", step=t, answer=x.steps[-1]["answer"])]
+    if kind == "final" and live.phase == "done":
+        tr = live.tr
         usage = dict(prompt_tokens=len(tr.ids) - sum(tr.mask), completion_tokens=sum(tr.mask))
-        return [dict(type="final", answer=x["final_answer"], steps=steps_of(x), usage=usage)]
+        return [dict(type="final", answer=x.final_answer, steps=steps_of(live), usage=usage)]
     return []
 
-def steps_of(x):
-    """The response's `steps`: per routing step its sub-questions and KBs, the evidence's ids and
-    titles, the answer."""
-    ev = x.get("step_evidence", {})
+def steps_of(live):
+    """The response's `steps` of Asked trajectory `live`: per routing step its sub-questions and
+    KBs, the evidence's ids and titles, the answer."""
+    ev = live.step_evidence
     return [dict(step=g[0]["step"],
                  sub_questions=[dict(sub_question=st["sub_question"], kb=st["kb"]) for st in g],
                  evidence=[dict(kb=d["kb"], id=d["id"], title=d["title"])
                            for d in ev.get(g[0]["step"], [])],
-                 answer=g[0]["answer"]) for g in reward.by_step(x["steps"])]
+                 answer=g[0]["answer"]) for g in reward.by_step(live.traj.steps)]
 
 def data_url(path):
     """An image file as a data: URL (the page draws an image hit's picture)."""
@@ -491,7 +502,7 @@ def ask(args):
              dict(id="ask", question=args.question, image=args.image))
     show = lambda x, kind, hits=None: [print(line(ev), flush=True)  # noqa: E731
                                        for ev in step_events(x, kind, hits)]
-    rollout.StepLoop(engine, ret, s, chat, events=show).run([rollout.trajectory(q, 0, chat, s)])
+    rollout.StepLoop(engine, ret, s, chat, events=show).run([asked(q, chat, s)])
 
 def line(ev):
     """One printed line of an event."""

@@ -214,7 +214,7 @@ def test_the_server_streams_a_backtrack_and_a_summary(world):
         policy = rollout.GoldPolicy(tok, [q], actions=True)
         chat = rollout.step_chat(policy, s)
         loop = rollout.StepLoop(policy, ret, s, chat, events=lambda x, kind, hits=None: events.extend(serve.step_events(x, kind, hits)))
-        x = loop.run([rollout.trajectory(q, 0, chat, s)])[0]
+        x = loop.run([serve.asked(q, chat, s)])[0]
         kinds = [e["type"] for e in events]
         assert kinds[-1] == "final" and events[-1]["answer"] == q["answers"][0]
         for a in x["actions"]:
