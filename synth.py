@@ -287,7 +287,9 @@ def get_args(argv=None):
     ap.add_argument("--model", default=prepare.DEFAULT_MODEL,
                     help="the policy whose tokenizer and chat template are used")
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port")
-    ap.add_argument("--teacher", default=None, help="teacher mode: HF folder of the teacher model")
+    ap.add_argument("--teacher", default=None,
+                    help="teacher mode: HF folder of the teacher model (--backend chat: its name "
+                         "on the server)")
     ap.add_argument("-n", type=int, default=4, help="teacher mode: samples per question")
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="teacher mode: sampling temperature")
@@ -296,11 +298,17 @@ def get_args(argv=None):
                     help="teacher mode: attempts at a step that does not parse")
     ap.add_argument("--filter", default="paper", choices=["paper", "strict"],
                     help="teacher mode: paper: final answer's token recall is 1; strict: + steps")
-    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf", "openai"],
-                    help="teacher mode: in-process vLLM, transformers, or an OpenAI server")
+    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf", "openai", "chat"],
+                    help="teacher mode: in-process vLLM, transformers, an OpenAI server "
+                         "token-exact, or any chat API (chat: not token-exact)")
     ap.add_argument("--base_url", default=None,
-                    help="--backend openai: the server, e.g. http://localhost:8000/v1")
-    ap.add_argument("--api_key", default=None, help="--backend openai: its key, if it wants one")
+                    help="--backend openai / chat: the server, e.g. http://localhost:8000/v1")
+    ap.add_argument("--api_key", default=None,
+                    help="--backend openai / chat: its key (else $OPENAI_API_KEY)")
+    ap.add_argument("--max_concurrency", type=int, default=8,
+                    help="--backend chat: requests in flight")
+    ap.add_argument("--timeout", type=float, default=engines.REQUEST_TIMEOUT,
+                    help="--backend chat: seconds a request may take")
     ap.add_argument("--r1router", default=None,
                     help="import R1-Router's released step-unrolled JSONL")
     ap.add_argument("--export_r1router", default=None,
@@ -353,10 +361,7 @@ def main(args):
             return
         import retrievers
         ret = retrievers.make_retriever(args.retriever, args.data)
-        engine = engines.make_engine(args.backend, args.teacher, seed=args.seed,
-                                     max_model_len=args.max_model_len, max_pixels=args.max_pixels,
-                                     max_images=settings.max_images, base_url=args.base_url,
-                                     api_key=args.api_key) if args.teacher else None
+        engine = teacher_engine(args, settings.max_images) if args.teacher else None
         teach = replace(settings, top_k=args.top_k, route_tries=args.tries,  # the teacher samples
                         answer_tries=args.tries)
         try:
@@ -374,6 +379,17 @@ def main(args):
                 engine.close()
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
+
+def teacher_engine(args, max_images):
+    """The teacher's engine: its folder in-process or token-exact on a server, or with --backend
+    chat the served model --teacher names behind the local policy's (--model) tokenizer and chat
+    format, in which its trajectories are then written."""
+    chat = args.backend == "chat"
+    return engines.make_engine(args.backend, args.model if chat else args.teacher, seed=args.seed,
+                               max_model_len=args.max_model_len, max_pixels=args.max_pixels,
+                               max_images=max_images, base_url=args.base_url,
+                               api_key=engines.api_key(args.api_key), served=args.teacher,
+                               max_concurrency=args.max_concurrency, timeout=args.timeout)
 
 def import_r1router(path, out, tok, settings, fmt, max_pixels):
     """R1-Router's released rows at path replayed by the gold policy into <out>/train.jsonl."""
