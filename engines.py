@@ -629,14 +629,19 @@ class ChatEngine:
         beside the others in flight. seed: the base of its seed (None: the engine's), which is
         mixed with the request's key so a rerun asks the same whatever the order of replies."""
         import zlib
-        messages, go_on = self.turns.messages(prompt, images)
-        messages = [dict(m, content=[image_url(p) for p in m["content"]])
-                    if isinstance(m["content"], list) else m for m in messages]
+        messages, go_on = self.messages(prompt, images)
         seed = zlib.crc32(repr((self.seed if seed is None else seed, key)).encode())
         self.n_requests += 1
         future = self.pool.submit(self.ask, messages, max_tokens, temperature, top_p, stop, top_k,
                                   seed, go_on)
         self.pending[future] = (self.n_requests, key, tuple(stop))
+
+    def messages(self, prompt, images=()):
+        """(OpenAI's messages of a prompt's ids, whether the last one is continued): ChatTurns',
+        pictures as image_url parts."""
+        messages, go_on = self.turns.messages(prompt, images)
+        return [dict(m, content=[image_url(p) for p in m["content"]])
+                if isinstance(m["content"], list) else m for m in messages], go_on
 
     def poll(self):
         """Wait until at least one request is answered; those, [(key, ids, logprobs)] in the order

@@ -66,6 +66,16 @@ def run_script(module, *args):
     mod.main(mod.get_args([*map(str, args)]))
 
 
+def server_prompt_ids(chat, ids, images=()):
+    """The token ids the server makes of a prompt's chat messages (vLLM's return_token_ids): its template's
+    rendering, tokenized, each picture expanded by its processor."""
+    messages, go_on = chat.messages(ids, images)
+    body = dict(model="tiny", messages=messages, max_tokens=1, return_token_ids=True)
+    req = urllib.request.Request(chat.url + "/chat/completions", json.dumps(body).encode(), headers=chat.headers)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["prompt_token_ids"]
+
+
 def span_texts(x, tok):
     return [tok.decode(x["ids"][sp["start"]:sp["end"]]) for sp in x["spans"]]
 
@@ -97,8 +107,9 @@ def test_the_step_loop_evaluate_and_synth_through_chat_give_the_in_process_steps
                         for t, sp in zip(span_texts(x, tok), x["spans"]))
         assert x["ids"] == y["ids"] or not canonical, x["qid"]
         assert set(y["logprobs"]) == {0.0}  # the chat backend has no logprobs of the local tokens
+    # the server is asked exactly the transcript: its tokens of the messages are the prompt's ids
+    assert len(prompts) > 10 and all(server_prompt_ids(chat, ids) == ids for ids in prompts)
     got = chat.generate(prompts, 24, temperature=0.0, stop=["</ret>"])
-    assert len(prompts) > 10
     assert [tok.decode(i) for i, _ in got] == [tok.decode(i) for i, _ in want]
     # evaluate.py through the server: those trajectories, and the report says which mode scored them
     common = ["--model", tiny_model_dir, "--data", tiny_index, "--split", "test", "--n_questions", "12",
@@ -255,8 +266,9 @@ def test_the_vl_policys_pictures_go_as_image_parts(tiny_model_dir, tiny_index, r
     proc, url = start_server(vl, tmp_path_factory.mktemp("vl-server"), "--limit-mm-per-prompt", '{"image": 16}')
     try:
         chat = engines.make_engine("chat", vl, base_url=url, api_key=KEY, max_concurrency=1)
-        msgs, _ = chat.turns.messages(*prompts[-1])
-        assert any(isinstance(m["content"], list) for m in msgs)
+        msgs, _ = chat.messages(*prompts[-1])
+        assert any(p["type"] == "image_url" for m in msgs if isinstance(m["content"], list) for p in m["content"])
+        assert all(server_prompt_ids(chat, ids, images) == ids for ids, images in prompts)
         got = chat.generate([i for i, _ in prompts], 24, 0.0, stop=["</ret>"], images=[im for _, im in prompts])
     finally:
         proc.terminate()
