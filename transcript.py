@@ -354,9 +354,9 @@ class ChatTurns:
     def messages(self, ids, images=()):
         """([{role, content}] of the chat `ids`, whether the last message is to be continued): a
         prompt ends with an assistant turn opened, which the server opens itself, or with text in
-        it, a last assistant message the server continues (ChatEngine.ask); content is a string, or with pictures a list of
-        {"type": "text", "text"} and {"type": "image", "path"} parts. ValueError: ids that are not
-        one chat of this template."""
+        it, a last assistant message the server continues (ChatEngine.ask); content is a string,
+        or with pictures a list of {"type": "text", "text"} and {"type": "image", "path"} parts.
+        ValueError: ids that are not one chat of this template."""
         text = self.read(ids, images)
         if not text.startswith(self.head) or self.after_system not in text:
             raise ValueError("the prompt does not open with the chat template's system turn")
