@@ -196,11 +196,20 @@ def get_args(argv=None):
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--probe", type=int, default=0,
                     help="route probe: N sampled routes at every golden prefix (0: off)")
-    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf", "openai"],
-                    help="in-process vLLM, transformers, or an OpenAI-compatible server")
+    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf", "openai", "chat"],
+                    help="in-process vLLM, transformers, a server token-exact (openai), or any "
+                         "chat API (chat: not token-exact; docs/serve.md)")
     ap.add_argument("--base_url", default=None,
-                    help="--backend openai: the server, e.g. http://localhost:8000/v1")
-    ap.add_argument("--api_key", default=None, help="--backend openai: its key, if it wants one")
+                    help="--backend openai / chat: the server, e.g. http://localhost:8000/v1")
+    ap.add_argument("--api_key", default=None,
+                    help="--backend openai / chat: its key (else $OPENAI_API_KEY)")
+    ap.add_argument("--served_model", default=None,
+                    help="--backend chat: the model's name on the server (default: the one "
+                         "/v1/models lists); --model gives the local tokenizer and chat format")
+    ap.add_argument("--max_concurrency", type=int, default=8,
+                    help="--backend chat: requests in flight")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="--backend chat: seconds a request may take (default: 300)")
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port")
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--max_pairs", type=int, default=1,
@@ -224,9 +233,15 @@ def get_args(argv=None):
     ap.add_argument("--max_pixels", type=int, default=None,
                     help="VL policy: cap on a picture's pixels (default: the checkpoint's)")
     ap.add_argument("--judge", default=None, metavar="MODEL",
-                    help="an LLM judge of the final answers (judge.py): its model folder")
+                    help="an LLM judge of the final answers (judge.py): its model folder, or "
+                         "with --judge_url a served model's name (chat)")
     ap.add_argument("--judge_url", default=None,
                     help="--judge's OpenAI-compatible server, e.g. http://host:8000/v1")
+    ap.add_argument("--judge_backend", default=None, choices=["openai", "chat"],
+                    help="--judge_url's: token-exact or chat (default: openai for a folder, "
+                         "chat for a name)")
+    ap.add_argument("--judge_api_key", default=None,
+                    help="--judge_url's key (else $JUDGE_API_KEY)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", nargs="+", default=None,
                     help="a model's report folder (default out/eval/<name>-<split>)")
@@ -325,7 +340,10 @@ def run_methods(plan, engine, ret, qs, settings, shots, model, name, out, judge=
             judge_answers(judge, trajs, out)
         label = row_label(method, plan.few_shot if shots else 0, plan.protocol)
         scores = metrics.score(trajs)
-        row = {f"{name}/{label}": dict(scores, seconds=round(time.perf_counter() - t, 1))}
+        row = {f"{name}/{label}": dict(scores, seconds=round(time.perf_counter() - t, 1),
+                                       # a served model: which mode scored it
+                                       **({"engine": engine.mode} if hasattr(engine, "mode")
+                                          else {}))}
         results.update(row)
         dataio.write_jsonl(out / f"trajectories-{method}.jsonl", [without_tokens(x) for x in trajs])
         mark = {"signature": signature, "results": row}  # after its trajectories: a finished method
@@ -367,9 +385,9 @@ def check_models(models, names, outs, backend, settings, few_shot):
     if len(names) != len(models) or len(outs) != len(models):
         sys.exit(f"error: --name and --out take one value a model: {len(models)} models, "
                  f"{len(names)} names, {len(outs)} report folders")
-    if backend == "openai" and len(models) > 1:
-        sys.exit("error: --backend openai scores the one model its server serves: give one --model "
-                 "(its tokenizer)")
+    if backend in ("openai", "chat") and len(models) > 1:
+        sys.exit(f"error: --backend {backend} scores the one model its server serves: give one "
+                 "--model (its tokenizer)")
     if len(set(outs)) < len(outs):
         sys.exit(f"error: --out: two models would share a report folder "
                  f"({', '.join(map(str, outs))})")
@@ -402,15 +420,19 @@ def load_inputs(data, splits, n_questions, retriever):
         sys.exit(f"error: {e}")
 
 
-def load_judge(model, url, max_model_len, seed):
-    """--judge's judge.Judge (None without one): model folder, in-process or served at url."""
-    if url and not model:
-        sys.exit("error: --judge_url needs --judge, the judge's model folder (its tokenizer and "
-                 "chat template)")
+def load_judge(model, url, max_model_len, seed, api_key=None, backend=None):
+    """--judge's judge.Judge (None without one): a model folder in-process, or served at url
+    (token-exact from the folder, or a served model's name through the chat API)."""
+    if (url or backend) and not model:
+        sys.exit("error: --judge_url needs --judge: the judge's model folder (its tokenizer and "
+                 "chat template) or, through a chat API, its name on the server")
+    if backend and not url:
+        sys.exit("error: --judge_backend needs --judge_url, the judge's server")
     if not model:
         return None
     import judge
-    return judge.Judge.load(model, url, max_model_len=max_model_len, seed=seed)
+    return judge.Judge.load(model, url, api_key, backend=backend, max_model_len=max_model_len,
+                            seed=seed)
 
 
 def few_shot_prompt(tok, ret, data, k, settings):
@@ -444,12 +466,16 @@ def main(args):
     max_len = args.max_model_len or engines.MAX_LEN
     engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=max_len,
                                  max_pixels=args.max_pixels, max_images=settings.max_images,
-                                 base_url=args.base_url, api_key=args.api_key)
-    judge = load_judge(args.judge, args.judge_url, max_len, args.seed)
+                                 base_url=args.base_url, api_key=engines.api_key(args.api_key),
+                                 served=args.served_model, max_concurrency=args.max_concurrency,
+                                 timeout=args.timeout or engines.REQUEST_TIMEOUT)
+    judge = load_judge(args.judge, args.judge_url, max_len, args.seed,
+                       engines.api_key(args.judge_api_key, engines.JUDGE_KEY_ENV),
+                       args.judge_backend)
     shots = few_shot_prompt(engine.tok, ret, args.data, args.few_shot, settings)
     plan = Plan(methods=tuple(args.methods), probe=args.probe, data=args.data, split=split,
                 seed=args.seed, iters=args.iters, few_shot=args.few_shot, protocol=args.protocol,
-                flags=dict(vars(args)))
+                flags=engines.without_keys(vars(args)))
     try:
         for i, (model, name, out) in enumerate(zip(args.model, names, outs)):
             if i:

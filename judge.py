@@ -1,8 +1,9 @@
 """
-judge.py: an LLM as a judge, through the engines (a local model folder in-process, or the same model
-on any OpenAI-compatible server): the judged RAG reward of Agentic RAG-R1 (stepgrpo.py --w_rag) and
-an LLM-judge metric (evaluate.py --judge). The prompts and the scoring are ragas' NVIDIA metrics
-(src/ragas/metrics/_nv_metrics.py, Apache-2.0), the ones Agentic RAG-R1 calls through ragas:
+judge.py: an LLM as a judge, through the engines (a local model folder in-process, the same model
+on an OpenAI-compatible server token-exact, or any model behind a chat API by its name): the
+judged RAG reward of Agentic RAG-R1 (stepgrpo.py --w_rag) and an LLM-judge metric (evaluate.py
+--judge). The prompts and the scoring are ragas' NVIDIA metrics (src/ragas/metrics/_nv_metrics.py,
+Apache-2.0), the ones Agentic RAG-R1 calls through ragas:
     accuracy(question, reference, response)  AnswerAccuracy: two prompts rate the response 0 / 2 / 4
                                              against the reference (the second with the two
                                              swapped), each / 4, averaged
@@ -18,12 +19,14 @@ evidence: relevance 0; a response found verbatim in its evidence: grounded, 1). 
 determinism or a stated bug: temperature 0 (ragas 0.1, with up to 5 retries of an unparsable reply:
 at temperature 0 a retry returns the same reply, so there is one try), and ContextRelevance's second
 prompt is its template_relevance2 (the ragas version read formats template_relevance1 twice). Every
-rating is cached by the sha256 of (judge, metric, prompt, its inputs) in a JSONL file, so a rerun, a
-resumed run and the other arms ask the judge nothing twice.
+rating is cached by the sha256 of (the judge model, the prompt template's text, its inputs) in a
+JSONL file, so a rerun, a resumed run and the other arms ask the judge nothing twice, and an edited
+template or another judge asks again.
 
     from judge import Judge
     j = Judge.load("models/Qwen2.5-72B-Instruct", url="http://localhost:8000/v1",
-                   cache="out/judge.jsonl")
+                   cache="out/judge.jsonl")               # token-exact: the folder's tokenizer
+    j = Judge.load("gpt-4o", url="https://api.openai.com/v1", api_key=key)   # a chat API, by name
     j.accuracy([("Where was Ulla born?", "Selstoa", "in Selstoa")])      # -> [1.0]
 """
 import hashlib
@@ -143,8 +146,8 @@ def mean_valid(a, b):
     return sum(ok) / len(ok) if ok else None
 
 class Judge:
-    """Ratings from a judge engine (engines.make_engine: its tokenizer renders each prompt as one
-    user turn), cached in `cache` (a JSONL file, or None)."""
+    """Ratings from a judge engine (engines.make_engine: each prompt one user turn, rendered by its
+    tokenizer or sent as a chat message), cached in `cache` (a JSONL file, or None)."""
     def __init__(self, engine, name, cache=None):
         self.engine, self.name, self.cache, self.cache_path = engine, name, {}, None
         self.asked = 0  # prompts sent to the judge (not answered from the cache)
@@ -158,17 +161,26 @@ class Judge:
         self.cache.update(load_cache(self.cache_path))
 
     @classmethod
-    def load(cls, model, url=None, api_key=None, cache=None, **engine_kw):
-        """A judge from a model folder: in-process (vLLM), or with url the same model on an
-        OpenAI-compatible server (the folder gives its tokenizer and chat template, as evaluate.py
-        --backend openai)."""
+    def load(cls, model, url=None, api_key=None, cache=None, backend=None, **engine_kw):
+        """A judge: a model folder in-process (vLLM); with url a served one, token-exact
+        (backend openai: the folder gives the tokenizer and chat template, as evaluate.py
+        --backend openai) where `model` is a folder, else through the chat API (backend chat:
+        `model` is the served model's name, no local folder needed). backend: force one of the
+        two. api_key: the server's."""
         import engines
+        backend = backend or ("vllm" if not url else "openai" if Path(model).is_dir()
+                              else "chat")
+        if backend == "chat":
+            engine = engines.make_engine("chat", None, base_url=url, api_key=api_key,
+                                         served=model, **engine_kw)
+            return cls(engine, engine.name, cache)
         # beside the policy's engine (half of a GPU): a 72B judge belongs on a server of its own
         if not url:
             engine_kw["gpu_memory_utilization"] = 0.3
-        engine = engines.make_engine("openai" if url else "vllm", model, base_url=url,
-                                     api_key=api_key, **engine_kw)
-        return cls(engine, Path(model).name, cache)
+        engine = engines.make_engine(backend, model, base_url=url, api_key=api_key, **engine_kw)
+        # the judge model: the served one's name, or the folder's absolute path (the base name
+        # alone is "final" for every run's checkpoint)
+        return cls(engine, getattr(engine, "name", None) or str(Path(model).resolve()), cache)
 
     def accuracy(self, items):
         """items: (question, reference, response) -> AnswerAccuracy in [0, 1] (None: no rating
@@ -205,28 +217,37 @@ class Judge:
     def rate(self, metric, templates, fields, scale, fixed):
         """Each item's two prompts (templates[k] filled with fields[i][k]) rated by the judge at
         temperature 0, or read from the cache; the item's score is mean_valid of the two (fixed[i]
-        where it is not None)."""
-        keys = [[self.key(metric, k, f) for k, f in enumerate(two)] for two in fields]
+        where it is not None). metric: what is rated (the key holds its template's text)."""
+        keys = [[self.key(templates[k], f) for k, f in enumerate(two)] for two in fields]
         todo = {}  # key -> prompt, for what the cache does not hold (each distinct prompt once)
         for i, (two, ks) in enumerate(zip(fields, keys)):
             if fixed[i] is None:
                 todo.update({key: templates[k].format(**f)
                              for k, (f, key) in enumerate(zip(two, ks)) if key not in self.cache})
         if todo:
-            tok = self.engine.tok
-            ids = [tok.apply_chat_template([dict(role="user", content=p)],
-                                           add_generation_prompt=True, tokenize=True)
-                   for p in todo.values()]
-            outs = self.engine.generate([list(getattr(x, "input_ids", x)) for x in ids],
-                                        REPLY_TOKENS, temperature=0.0)
+            replies = self.replies(list(todo.values()))
             self.asked += len(todo)
-            for key, (out, _) in zip(todo, outs):
-                self.remember(key, rating(tok.decode(out, skip_special_tokens=True), scale))
+            for key, reply in zip(todo, replies):
+                self.remember(key, rating(reply, scale))
         return [fixed[i] if fixed[i] is not None else mean_valid(*(self.cache[k] for k in ks))
                 for i, ks in enumerate(keys)]
 
-    def key(self, metric, k, f):
-        return hashlib.sha256(json.dumps([self.name, metric, k, f],
+    def replies(self, prompts):
+        """The judge's reply to each prompt, sent as one user turn at temperature 0: a chat API
+        takes the message, another engine its tokenizer's rendering of it."""
+        user = [[dict(role="user", content=p)] for p in prompts]
+        if hasattr(self.engine, "texts"):  # engines.ChatEngine
+            return self.engine.texts(user, REPLY_TOKENS, temperature=0.0)
+        tok = self.engine.tok
+        ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in user]
+        outs = self.engine.generate([list(getattr(x, "input_ids", x)) for x in ids],
+                                    REPLY_TOKENS, temperature=0.0)
+        return [tok.decode(out, skip_special_tokens=True) for out, _ in outs]
+
+    def key(self, template, f):
+        """The cache key: the sha256 of the judge model, the template's text and its inputs, so an
+        edited prompt or another judge asks again."""
+        return hashlib.sha256(json.dumps([self.name, template, f],
                                          sort_keys=True).encode()).hexdigest()
 
     def remember(self, key, score):

@@ -91,10 +91,13 @@ def markdown(results, title):
                                        [[m, *(_fmt(s["by_type"][ty].get(k), digits)
                                               if ty in s["by_type"] else "-" for ty in types)]
                                         for m, s in results.items()])
+    # evaluate.py --backend openai / chat: which mode scored each row (chat is not token-exact)
+    served = [f"- {m}: {s['engine']}" for m, s in results.items() if s.get("engine")]
+    served = ["Scored through a server:", "", *served, ""] if served else []
     return "\n".join([f"# {title}", "",
                       "All rates in %; answer metrics count a format failure as 0; answer words: "
                       "the mean length of the final answer in words (a format failure's: 0).", "",
-                      *main, "",
+                      *served, *main, "",
                       "## Routing", "", *routing, "",
                       *judge, *actions,
                       "## Where F1-Recall is lost (points, the first failure of each question)", "",

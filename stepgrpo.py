@@ -74,8 +74,12 @@ def get_args(argv=None):
     arg("--w_hit", type=float, default=0.0, help="onpolicy: reward of a search hitting gold")
     arg("--w_rag", type=float, nargs="+", default=[0.0], metavar="W",
         help="judged relevance [and groundedness] weights on the outcome")
-    arg("--judge", default=None, metavar="MODEL", help="--w_rag's judge: a model folder")
+    arg("--judge", default=None, metavar="MODEL",
+        help="--w_rag's judge: a model folder (with --judge_url: or a served model's name)")
     arg("--judge_url", default=None, help="--judge served: http://host:8000/v1")
+    arg("--judge_backend", default=None, choices=["openai", "chat"],
+        help="--judge_url's: token-exact or chat (default: openai for a folder, chat for a name)")
+    arg("--judge_api_key", default=None, help="--judge_url's key (else $JUDGE_API_KEY)")
     arg("--batch_questions", type=int, default=16, help="questions a step, over all ranks")
     arg("-n", "--group_size", type=int, default=8, help="samples a group")
     arg("--max_steps", type=int, default=3, help="routing steps a trajectory")
@@ -307,7 +311,7 @@ def main(argv=None, close=True):
     run, upd, w = rollout_config(args), update_config(args), reward_weights(args, questions, judge)
     greedy = replace(run.steps, temperature=0.0)  # the dev evaluation's
     dev = lambda: evaluate.dev_scores(p.engine, ret, dev_qs, greedy, rank, world)  # noqa: E731
-    log = trainutil.Log(out, rank, step, resuming, vars(args))
+    log = trainutil.Log(out, rank, step, resuming, engines.without_keys(vars(args)))
     if args.adv_estimator == "gae":
         critic.check_resumed(out, step, args.critic_warmup)  # a resume past it meets the gate again
     announce(args, p.model, w, len(questions), world, device, lora, print0)
@@ -428,7 +432,7 @@ def checkpoint(p, files, out, step, args, dev_hist, rank):
     """Save step `step` (the newest KEEP kept, and the best on dev's), and link <out>/best to the
     best."""
     best = max(dev_hist, key=dev_hist.get) if dev_hist else None  # the earliest of equal scores
-    state = dict(args=vars(args), dev=dev_hist)
+    state = dict(args=engines.without_keys(vars(args)), dev=dev_hist)
     trainutil.save_checkpoint(p.model, p.opt, files, out, step, state, rank, KEEP,
                               protect=f"step_{best}" if best else None, crit=p.crit,
                               merged=step == args.train_steps or best == step,  # LoRA's: merged
@@ -439,8 +443,9 @@ def checkpoint(p, files, out, step, args, dev_hist, rank):
 def load_judge(args, cache):
     """--w_rag's judge (judge.py), its ratings cached in `cache`; a server is asked now."""
     try:
-        return judges.Judge.load(args.judge, args.judge_url, cache=cache, seed=args.seed,
-                                 max_model_len=args.max_model_len)
+        key = engines.api_key(args.judge_api_key, engines.JUDGE_KEY_ENV)
+        return judges.Judge.load(args.judge, args.judge_url, key, cache, args.judge_backend,
+                                 seed=args.seed, max_model_len=args.max_model_len)
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
 
@@ -464,10 +469,11 @@ def check_args(args, world):
         sys.exit("error: --reward outcome needs --rollout onpolicy or branch (a teacher_prefix "
                  "group holds one step, no outcome)")
     if len(args.w_rag) > 2 or min(args.w_rag) < 0 or (any(args.w_rag) and not args.judge) or \
-            (args.judge_url and not args.judge):
+            ((args.judge_url or args.judge_backend) and not args.judge) or \
+            (args.judge_backend and not args.judge_url):
         sys.exit(f"error: --w_rag {' '.join(map(str, args.w_rag))}: one or two weights >= 0 "
                  "(relevance, groundedness), and --judge MODEL to rate them (--judge_url needs "
-                 "--judge too)")
+                 "--judge too, --judge_backend --judge_url)")
     if any(args.w_rag) and args.rollout == "teacher_prefix":
         sys.exit("error: --w_rag judges a whole trajectory's evidence and answer: it needs "
                  "--rollout onpolicy or branch")

@@ -56,12 +56,18 @@ def rejection(x, max_steps, filt="paper"):
 
 FILTERS = ("format", "context", "steps", "stopping", "answer")
 
-def teacher_trajectories(engine, retriever, questions, n, settings, seed=0, filt="paper"):
+def teacher_trajectories(engine, retriever, questions, n, settings, seed=0, filt="paper",
+                         shots=None):
     """The first sample of each question that passes the filter; all the samples; the filter
-    counts."""
+    counts. shots: worked examples the teacher's chats start with (rollout.few_shot_prefix), cut
+    from every trajectory (without_shots)."""
     from tqdm import tqdm
     with tqdm(total=len(questions) * n, desc="teacher samples", unit="trajectory") as bar:
-        trajs = rollout.rollout(engine, retriever, questions, n=n, s=settings, seed=seed, bar=bar)
+        trajs = rollout.rollout(engine, retriever, questions, n=n, s=settings, seed=seed, bar=bar,
+                                shots=shots)
+    if shots:
+        fmt = transcript.ChatFormat(engine.tok, rollout.system_text(settings))
+        trajs = [without_shots(x, fmt, len(shots), getattr(engine, "vis", None)) for x in trajs]
     kept, counts = [], dict(sampled=len(trajs), **{f: 0 for f in FILTERS})
     for i, q in enumerate(questions):
         group = trajs[i * n:(i + 1) * n]
@@ -75,6 +81,23 @@ def teacher_trajectories(engine, retriever, questions, n, settings, seed=0, filt
     counts["kept_trajectories"] = counts["sampled"] - sum(counts[f] for f in FILTERS)
     counts["kept_questions"] = len(kept)
     return kept, trajs, counts
+
+def without_shots(x, fmt, n_shots, vis=None):
+    """Trajectory x, whose transcript began with n_shots ids of worked examples, as if it had begun
+    with the system prompt and its question (what the policy sees, and SFT trains on): the head
+    replaced, the rest (the teacher's turns and the evidence) kept, its positions moved."""
+    head = [fmt.user_open, *([vision.Img(x["image"])] if x.get("image") and vis else []),
+            x["question"], fmt.user_close]
+    old, _ = fmt.encode(head, vis)
+    new, images = fmt.encode([fmt.prefix_tpl[0], *head[1:-1], fmt.prefix_tpl[1]], vis)
+    cut, d = n_shots + len(old), len(new) - n_shots - len(old)
+    assert x["ids"][n_shots:cut] == old, "the trajectory does not start with its shots"
+    move = lambda sp: dict(sp, start=sp["start"] + d, end=sp["end"] + d)
+    return dict(x, ids=new + x["ids"][cut:], mask=[0] * len(new) + x["mask"][cut:],
+                logprobs=[0.0] * len(new) + x["logprobs"][cut:],
+                spans=[move(sp) for sp in x["spans"]],
+                images=images + [[s + d, n, p] for s, n, p in x["images"] if s >= cut],
+                segments=[[0, len(new) + len(x["ids"]) - cut]])
 
 #### the step mistakes of a trajectory, against the world's gold hops (what a real dataset labels)
 
@@ -249,10 +272,11 @@ def gold_split(tok, vis, ret, qs, settings, max_pairs, actions):
     summary = f"{sum(x['format_ok'] for x in trajs)} of {len(trajs)} well-formed"
     return trajs, dict(kept=error_report(trajs)), summary
 
-def teacher_split(engine, ret, qs, n, settings, seed, filt):
+def teacher_split(engine, ret, qs, n, settings, seed, filt, shots=None):
     """The teacher engine's kept trajectories of qs, the error report (filter counts, the questions
-    dropped, the mistakes of the kept and of all well-formed samples) and a summary line's words."""
-    trajs, sampled, counts = teacher_trajectories(engine, ret, qs, n, settings, seed, filt)
+    dropped, the mistakes of the kept and of all well-formed samples) and a summary line's words.
+    shots: teacher_trajectories'."""
+    trajs, sampled, counts = teacher_trajectories(engine, ret, qs, n, settings, seed, filt, shots)
     summary = "teacher filters: " + ", ".join(f"{k} {v}" for k, v in counts.items())
     kept = {x["qid"] for x in trajs}  # dropped: the questions without a kept trajectory
     well_formed = [x for x in sampled if x["format_ok"] and not x["overflow"]]
@@ -287,7 +311,9 @@ def get_args(argv=None):
     ap.add_argument("--model", default=prepare.DEFAULT_MODEL,
                     help="the policy whose tokenizer and chat template are used")
     ap.add_argument("--retriever", default="dense", help="dense | bm25 | hybrid | http://host:port")
-    ap.add_argument("--teacher", default=None, help="teacher mode: HF folder of the teacher model")
+    ap.add_argument("--teacher", default=None,
+                    help="teacher mode: HF folder of the teacher model (--backend chat: its name "
+                         "on the server)")
     ap.add_argument("-n", type=int, default=4, help="teacher mode: samples per question")
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="teacher mode: sampling temperature")
@@ -296,11 +322,21 @@ def get_args(argv=None):
                     help="teacher mode: attempts at a step that does not parse")
     ap.add_argument("--filter", default="paper", choices=["paper", "strict"],
                     help="teacher mode: paper: final answer's token recall is 1; strict: + steps")
-    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf", "openai"],
-                    help="teacher mode: in-process vLLM, transformers, or an OpenAI server")
+    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf", "openai", "chat"],
+                    help="teacher mode: in-process vLLM, transformers, an OpenAI server "
+                         "token-exact, or any chat API (chat: not token-exact)")
     ap.add_argument("--base_url", default=None,
-                    help="--backend openai: the server, e.g. http://localhost:8000/v1")
-    ap.add_argument("--api_key", default=None, help="--backend openai: its key, if it wants one")
+                    help="--backend openai / chat: the server, e.g. http://localhost:8000/v1")
+    ap.add_argument("--api_key", default=None,
+                    help="--backend openai / chat: its key (else $OPENAI_API_KEY)")
+    ap.add_argument("--few_shot", type=int, default=0,
+                    help="teacher mode: worked gold trajectories (train split) before each "
+                         "question, for a teacher not trained on the step format; cut from what "
+                         "is written")
+    ap.add_argument("--max_concurrency", type=int, default=8,
+                    help="--backend chat: requests in flight")
+    ap.add_argument("--timeout", type=float, default=engines.REQUEST_TIMEOUT,
+                    help="--backend chat: seconds a request may take")
     ap.add_argument("--r1router", default=None,
                     help="import R1-Router's released step-unrolled JSONL")
     ap.add_argument("--export_r1router", default=None,
@@ -353,12 +389,10 @@ def main(args):
             return
         import retrievers
         ret = retrievers.make_retriever(args.retriever, args.data)
-        engine = engines.make_engine(args.backend, args.teacher, seed=args.seed,
-                                     max_model_len=args.max_model_len, max_pixels=args.max_pixels,
-                                     max_images=settings.max_images, base_url=args.base_url,
-                                     api_key=args.api_key) if args.teacher else None
+        engine = teacher_engine(args, settings.max_images) if args.teacher else None
         teach = replace(settings, top_k=args.top_k, route_tries=args.tries,  # the teacher samples
                         answer_tries=args.tries)
+        shots = teacher_shots(engine, ret, args.data, args.few_shot, teach, args.actions)
         try:
             for split in args.splits:
                 qs = dataio.load_questions(args.data, split)
@@ -367,13 +401,35 @@ def main(args):
                     made = gold_split(tok, vis, ret, qs, gold_settings, args.max_pairs,
                                       args.actions)
                 else:
-                    made = teacher_split(engine, ret, qs, args.n, teach, args.seed, args.filter)
+                    made = teacher_split(engine, ret, qs, args.n, teach, args.seed, args.filter,
+                                         shots)
                 write_split(args.out, split, *made, tok, fmt, args.max_pixels)
         finally:  # main called as a function (the tests) leaves no engine behind
             if engine:
                 engine.close()
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
+
+def teacher_shots(engine, ret, data, k, settings, actions):
+    """--few_shot k: the teacher's worked examples (evaluate.few_shot_prompt's), None for k = 0."""
+    if not k:
+        return None
+    if engine is None or settings.structure != "transcript" or actions:
+        sys.exit("error: --few_shot is a teacher mode flag (--teacher), for --structure "
+                 "transcript without --actions")
+    import evaluate
+    return evaluate.few_shot_prompt(engine.tok, ret, data, k, settings)
+
+def teacher_engine(args, max_images):
+    """The teacher's engine: its folder in-process or token-exact on a server, or with --backend
+    chat the served model --teacher names behind the local policy's (--model) tokenizer and chat
+    format, in which its trajectories are then written."""
+    chat = args.backend == "chat"
+    return engines.make_engine(args.backend, args.model if chat else args.teacher, seed=args.seed,
+                               max_model_len=args.max_model_len, max_pixels=args.max_pixels,
+                               max_images=max_images, base_url=args.base_url,
+                               api_key=engines.api_key(args.api_key), served=args.teacher,
+                               max_concurrency=args.max_concurrency, timeout=args.timeout)
 
 def import_r1router(path, out, tok, settings, fmt, max_pixels):
     """R1-Router's released rows at path replayed by the gold policy into <out>/train.jsonl."""

@@ -300,3 +300,102 @@ def next_turn(fmt, user_text=None):
     mid = ("" if user_text is None
            else fmt.user_open + user_text + fmt.user_close[:-len(fmt.gen_prompt)])
     return fmt.end_assistant + mid + fmt.gen_prompt
+
+class ChatTurns:
+    """A chat of a transcript (token ids, ChatFormat's pieces around its turns) read back as chat
+    messages, for an engine behind a chat API (engines.ChatEngine). Why from the ids: every caller
+    of an engine (the step loop in both structures, few-shot prefixes, the baselines, the route
+    probe, golden prefixes) hands it a prompt as ids, so reading them back serves all of them
+    without a second description of the transcript that could drift from the ids. It is exact
+    because the ids are split where the template's own special tokens are (token ids, not their
+    strings): outside text holding a special token's string (ChatFormat.encode keeps it text)
+    stays inside its message. A picture's expansion (images: [[start, n, path]]) becomes an image
+    part. The server renders the messages with its own template; with the policy's template that
+    is the chat's text again (tests/test_chat.py)."""
+    SYSTEM = "\x03"  # a sentinel system prompt: the template's text around it
+
+    def __init__(self, tok):
+        self.tok, self.fmt = tok, ChatFormat(tok, self.SYSTEM)
+        self.special = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+        f, mark = self.fmt, self.mark
+        sys_open, rest = f.prefix_tpl[0].split(self.SYSTEM)
+        # the pieces as read: the system turn's opening, its close with the first user turn's
+        # opening, a user turn's opening and close (with the assistant's), an assistant turn's end
+        self.head, self.after_system = mark(sys_open), mark(rest)
+        self.user_open, self.user_close = mark(f.user_open), mark(f.user_close)
+        self.end_assistant, self.gen_prompt = mark(f.end_assistant), mark(f.gen_prompt)
+
+    def mark(self, template):
+        """Template text with each special token's string as its id between private-use
+        characters: the form the ids are read in (read)."""
+        tid = self.tok.convert_tokens_to_ids
+        return self.fmt.specials.sub(lambda m: f"\ue000{tid(m.group())}\ue001", template)
+
+    def read(self, ids, images=()):
+        """The text of ids, each special token id as mark writes it and each picture as
+        \\ue002k\\ue003 (its index in images)."""
+        spans = {start: (k, n) for k, (start, n, _) in enumerate(images)}
+        out, run, at = [], [], 0
+        while at < len(ids):
+            if at in spans or ids[at] in self.special:
+                out.append(self.tok.decode(run, clean_up_tokenization_spaces=False))
+                run = []
+                if at in spans:
+                    k, n = spans[at]
+                    out.append(f"\ue002{k}\ue003")
+                    at += n
+                    continue
+                out.append(f"\ue000{ids[at]}\ue001")
+            else:
+                run.append(ids[at])
+            at += 1
+        return "".join(out) + self.tok.decode(run, clean_up_tokenization_spaces=False)
+
+    def messages(self, ids, images=()):
+        """([{role, content}] of the chat `ids`, whether the last message is to be continued): a
+        prompt ends with an assistant turn opened, which the server opens itself, or with text in
+        it, a last assistant message the server continues (ChatEngine.ask); content is a string,
+        or with pictures a list of {"type": "text", "text"} and {"type": "image", "path"} parts.
+        ValueError: ids that are not one chat of this template."""
+        text = self.read(ids, images)
+        if not text.startswith(self.head) or self.after_system not in text:
+            raise ValueError("the prompt does not open with the chat template's system turn")
+        system, rest = text[len(self.head):].split(self.after_system, 1)
+        msgs, role = [("system", system)], "user"
+        while True:
+            close = self.user_close if role == "user" else self.end_assistant
+            if close not in rest:
+                break
+            content, rest = rest.split(close, 1)
+            msgs.append((role, content))
+            if role == "user":
+                role = "assistant"
+            elif rest.startswith(self.user_open):
+                rest, role = rest[len(self.user_open):], "user"
+            elif rest.startswith(self.gen_prompt):  # two assistant turns in a row (after a stop)
+                rest = rest[len(self.gen_prompt):]
+            else:
+                raise ValueError("an assistant turn is followed by neither a user turn nor one "
+                                 "of its own")
+        if role != "assistant":
+            raise ValueError("the prompt does not end with an assistant turn opened")
+        # text already in the open turn (IRCoT's sentences): a last assistant message to continue
+        msgs += [("assistant", rest)] * bool(rest)
+        return [dict(role=r, content=self.content(c, images)) for r, c in msgs], bool(rest)
+
+    def content(self, text, images):
+        """A message's text as read -> a string (special tokens' ids back to their strings), or
+        text and image parts where it holds pictures."""
+        text = re.sub("\ue000(\\d+)\ue001",
+                      lambda m: self.tok.convert_ids_to_tokens(int(m.group(1))), text)
+        pieces = re.split("\ue002(\\d+)\ue003", text)
+        if len(pieces) == 1:
+            return text
+        parts = [dict(type="image", path=images[int(p)][2]) if i % 2
+                 else dict(type="text", text=p) for i, p in enumerate(pieces)]
+        return [p for p in parts if p.get("text") != ""]
+
+    def reply_ids(self, text):
+        """Token ids of a chat reply's text, as the transcript keeps the policy's turn: a special
+        token's string in it stays text (the server's reply is outside text here)."""
+        return self.fmt.text_ids(text)

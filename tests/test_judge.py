@@ -74,6 +74,18 @@ def test_the_cache_asks_nothing_twice_and_survives_a_kill(tok, tmp_path):
         judge.load_cache(cache)
 
 
+def test_an_edited_template_is_asked_again(tok, tmp_path, monkeypatch):
+    # the key holds the template's text, not its place: an edited prompt never reuses the old prompt's ratings
+    cache, items = tmp_path / "judge.jsonl", [("Where was Ulla born?", "Selstoa", "Selstoa")]
+    eng = Replies(tok, lambda p: "4")
+    assert judge.Judge(eng, "scripted", cache).accuracy(items) == [1.0] and len(eng.prompts) == 2
+    edited = (judge.ACCURACY[0].replace("world class", "careful"), judge.ACCURACY[1])
+    monkeypatch.setattr(judge, "ACCURACY", edited)
+    again = judge.Judge(eng, "scripted", cache)
+    assert again.accuracy(items) == [1.0] and again.asked == 1  # the edited one; the other from the cache
+    assert "You are a careful state of the art" in eng.prompts[-1]
+
+
 def test_the_judge_metric_and_its_agreement_with_em():
     def traj(answer, score):
         return dict(qid=answer, sample=0, question="q", answers=["Selstoa"], type="1hop", gold_steps=[], steps=[],

@@ -67,6 +67,20 @@ def test_teacher_mode_counts_survivors(tiny_index, tok):
     assert len(sampled) == 12 and counts["sampled"] == 12 and counts["answer"] == 6 and counts["kept_trajectories"] == 6
     assert [x["qid"] for x in kept] == [q["id"] for q in qs[0::2]] and counts["kept_questions"] == 3
 
+def test_a_teachers_few_shot_examples_are_cut_from_what_is_written(tiny_index, tok):
+    # the gold policy as a teacher that needs worked examples: its kept trajectories, shots cut, are the ones it
+    # writes without them, token for token (the head is the system prompt and the question, positions moved)
+    import evaluate
+    qs = [q for q in dataio.load_questions(tiny_index, "train") if q["steps"]][:6]
+    ret, s = retrievers.Retriever(tiny_index, "bm25"), rollout.Settings()
+    shots = rollout.few_shot_prefix(tok, ret, evaluate.few_shot_examples(qs, 2), s)
+    kept, _, _ = synth.teacher_trajectories(rollout.GoldPolicy(tok, qs), ret, qs, n=1, settings=s, shots=shots)
+    plain, _, _ = synth.teacher_trajectories(rollout.GoldPolicy(tok, qs), ret, qs, n=1, settings=s)
+    assert len(kept) == len(plain) == 6
+    for x, y in zip(kept, plain):
+        for key in ("ids", "mask", "logprobs", "spans", "segments", "images", "steps", "n_policy_tokens"):
+            assert x[key] == y[key], key
+
 R1R_ROW = {"images": [], "steps": [
     {"step_type": "ret", "problem": "Origin question: Who founded the firm that built the Tova bridge?\n", "system": "s",
      "answer": {"query": "which firm built the tova bridge?", "retriever": ["text retriever"]}},

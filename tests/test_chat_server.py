@@ -1,0 +1,276 @@
+"""engines.ChatEngine (`--backend chat`) against real vLLM OpenAI servers on loopback, through /v1/chat/completions:
+the step loop, evaluate.py and synth.py's teacher mode give the in-process engine's steps and answers at temperature 0
+(the server renders the messages with the same chat template); a recording proxy between client and server answers
+429 with Retry-After twice and shows the key only in the Authorization header; a judge by its served name alone, with
+a key; the tiny VL policy's pictures as image_url parts. The chat messages themselves, without a server:
+tests/test_chat.py."""
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from test_remote import free_port
+
+import dataio
+import engines
+import retrievers
+import rollout
+
+pytestmark = pytest.mark.slow  # vLLM servers: the whole module is in `make test` only
+
+KEY = "sk-test-0123456789abcdef"  # the servers want it (vLLM's --api-key)
+
+
+def start_server(model, tmp_path, *extra):
+    """A vLLM OpenAI server for `model` on loopback, named "tiny", wanting KEY; its URL once it answers."""
+    port, log = free_port(), open(tmp_path / "server.log", "w")
+    kv = engines.CPU_KV_TOKENS * engines.kv_bytes_per_token(model, "float32")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                               "--served-model-name", "tiny", "--api-key", KEY, "--host", "127.0.0.1", "--port",
+                               str(port), "--max-model-len", "4096", "--enforce-eager", "--seed", "0",
+                               "--kv-cache-memory-bytes", str(kv), *extra],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}/v1"
+    for _ in range(600):
+        assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        try:
+            urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=2)
+            return server, url
+        except OSError:
+            time.sleep(0.5)
+    server.terminate()
+    raise AssertionError("the vLLM server did not start")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    proc, url = start_server(tiny_model_dir, tmp_path_factory.mktemp("server"))
+    yield url
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def ret(tiny_index):
+    return retrievers.Retriever(tiny_index, "bm25")
+
+
+def run_script(module, *args):
+    """A script's main in this process (a chat engine needs no start-up)."""
+    mod = __import__(module)
+    mod.main(mod.get_args([*map(str, args)]))
+
+
+def server_prompt_ids(chat, ids, images=()):
+    """The token ids the server makes of a prompt's chat messages (vLLM's return_token_ids): its template's
+    rendering, tokenized, each picture expanded by its processor."""
+    messages, go_on = chat.messages(ids, images)
+    body = dict(model="tiny", messages=messages, max_tokens=1, return_token_ids=True)
+    req = urllib.request.Request(chat.url + "/chat/completions", json.dumps(body).encode(), headers=chat.headers)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["prompt_token_ids"]
+
+
+def span_texts(x, tok):
+    return [tok.decode(x["ids"][sp["start"]:sp["end"]]) for sp in x["spans"]]
+
+
+def test_the_step_loop_evaluate_and_synth_through_chat_give_the_in_process_steps(tiny_model_dir, tiny_index, ret,
+                                                                                 server, tmp_path):
+    # one request in flight on both sides, so batching cannot change the arithmetic
+    qs, s = dataio.load_questions(tiny_index, "test")[:12], rollout.Settings(temperature=0.0, max_active=1)
+    local = engines.VLLMEngine(tiny_model_dir, max_model_len=4096)
+    try:
+        a = rollout.rollout(local, ret, qs, s=s)
+        # golden prefixes: multi-turn chats (evidence turns, earlier steps) the tiny random policy never reaches
+        _, prefixes = rollout.golden_prefixes(local.tok, ret, qs[:4], s)
+        prompts = [ids for _, _, ids, _ in prefixes]
+        want = [local.generate([p], 24, temperature=0.0, stop=["</ret>"])[0] for p in prompts]  # one at a time
+    finally:
+        local.close()
+    chat = engines.make_engine("chat", tiny_model_dir, base_url=server, api_key=KEY, max_concurrency=1)
+    assert chat.name == "tiny" and chat.mode.startswith("chat: tiny at ")
+    b = rollout.rollout(chat, ret, qs, s=s)
+    tok = chat.tok
+    for x, y in zip(a, b):
+        for key in ("steps", "final_answer", "format_ok", "error"):
+            assert x[key] == y[key], (x["qid"], key)
+        assert span_texts(x, tok) == span_texts(y, tok)
+        # the ids too, where the policy's sampled tokens are the canonical encoding of their text (the chat reply is
+        # text, re-encoded): the one difference there is
+        canonical = all(tok.encode(t, add_special_tokens=False) == x["ids"][sp["start"]:sp["end"]]
+                        for t, sp in zip(span_texts(x, tok), x["spans"]))
+        assert x["ids"] == y["ids"] or not canonical, x["qid"]
+        assert set(y["logprobs"]) == {0.0}  # the chat backend has no logprobs of the local tokens
+    # the server is asked exactly the transcript: its tokens of the messages are the prompt's ids
+    assert len(prompts) > 10 and all(server_prompt_ids(chat, ids) == ids for ids in prompts)
+    got = chat.generate(prompts, 24, temperature=0.0, stop=["</ret>"])
+    assert [tok.decode(i) for i, _ in got] == [tok.decode(i) for i, _ in want]
+    # evaluate.py through the server: those trajectories, and the report says which mode scored them
+    common = ["--model", tiny_model_dir, "--data", tiny_index, "--split", "test", "--n_questions", "12",
+              "--methods", "routed", "--retriever", "bm25", "--max_active", "1"]
+    run_script("evaluate", *common, "--backend", "chat", "--base_url", server, "--api_key", KEY,
+               "--max_concurrency", "1", "--out", tmp_path / "chat")
+    row = next(iter(json.loads((tmp_path / "chat" / "results.json").read_text()).values()))
+    assert row["engine"].startswith("chat: tiny at ") and "not token-exact" in row["engine"]
+    assert "Scored through a server:" in (tmp_path / "chat" / "table.md").read_text()
+    saved = dataio.read_jsonl(tmp_path / "chat" / "trajectories-routed.jsonl")
+    assert [(x["steps"], x["final_answer"], x["error"]) for x in saved] == [(x["steps"], x["final_answer"], x["error"])
+                                                                            for x in a]
+    assert not any(KEY in f.read_text() for f in (tmp_path / "chat").iterdir() if f.suffix in (".json", ".md"))
+    # synth.py's teacher mode: the served teacher at temperature 0 gives what the in-process one gives
+    teach = ["--model", tiny_model_dir, "--data", tiny_index, "--splits", "dev", "--limit", "6", "--retriever", "bm25",
+             "-n", "1", "--temperature", "0", "--top_k", "0"]
+    run_script("synth", *teach, "--teacher", tiny_model_dir, "--out", tmp_path / "t-local")
+    run_script("synth", *teach, "--teacher", "tiny", "--backend", "chat", "--base_url", server, "--api_key", KEY,
+               "--out", tmp_path / "t-chat")
+    errors = [json.loads((tmp_path / t / "dev.errors.json").read_text()) for t in ("t-local", "t-chat")]
+    assert errors[0] == errors[1] and errors[0]["filters"]["sampled"] == 6
+    metas = [json.loads((tmp_path / t / "meta.json").read_text()) for t in ("t-local", "t-chat")]
+    assert metas[0] == metas[1]  # the local policy's tokenizer and format
+
+
+class Recorder(BaseHTTPRequestHandler):
+    """A recording proxy on loopback between a client and the server: each request's path, headers and body
+    recorded, with its arrival time and the requests in flight; the first `busy` chat requests answered 429 with
+    Retry-After 1, then each one passed through (mode "html": a page instead of JSON; "stall": no answer for 3 s)."""
+    def do_GET(self):
+        self.relay(None)
+
+    def do_POST(self):
+        self.relay(self.rfile.read(int(self.headers["Content-Length"])))
+
+    def relay(self, body):
+        p = self.server
+        with p.lock:
+            p.inflight += 1
+            p.max_inflight = max(p.max_inflight, p.inflight)
+            p.seen.append(dict(t=time.monotonic(), path=self.path, headers=dict(self.headers), body=body or b""))
+            busy = self.path.endswith("/chat/completions") and p.busy > 0
+            p.busy -= busy
+        try:
+            if busy:
+                return self.answer(429, b'{"error": {"message": "slow down"}}', {"Retry-After": "1"})
+            if p.mode == "html":
+                return self.answer(200, b"<html>a login page</html>", {})
+            if p.mode == "stall":
+                time.sleep(3)
+            req = urllib.request.Request(p.upstream + self.path.removeprefix("/v1"), data=body,
+                                         headers={k: v for k, v in self.headers.items()
+                                                  if k.lower() in ("authorization", "content-type")})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    self.answer(r.status, r.read(), {})
+            except urllib.error.HTTPError as e:
+                self.answer(e.code, e.read(), {})
+        finally:
+            with p.lock:
+                p.inflight -= 1
+
+    def answer(self, code, data, headers):
+        self.send_response(code)
+        for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **headers}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def proxy(server):
+    p = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    p.daemon_threads, p.upstream, p.lock, p.seen = True, server, threading.Lock(), []
+    p.inflight = p.max_inflight = 0
+    p.busy, p.mode = 2, "pass"
+    threading.Thread(target=p.serve_forever, daemon=True).start()
+    yield p, f"http://127.0.0.1:{p.server_address[1]}/v1"
+    p.shutdown()
+
+
+def test_a_recording_proxy_sees_retries_after_429_bounded_requests_and_the_key_only_in_its_header(
+        tiny_model_dir, tiny_index, proxy, tmp_path, capfd, caplog):
+    p, url = proxy
+    run_script("evaluate", "--model", tiny_model_dir, "--data", tiny_index, "--split", "test", "--n_questions", "8",
+               "--methods", "routed", "--retriever", "bm25", "--backend", "chat", "--base_url", url, "--api_key", KEY,
+               "--max_concurrency", "2", "--out", tmp_path / "eval")
+    chats = [r for r in p.seen if r["path"].endswith("/chat/completions")]
+    assert len(chats) >= 8 + 2 and p.busy == 0
+    # the two 429s were tried again after the Retry-After they asked for (the back-off alone waits 0.5 s), and the
+    # run then scored every question
+    first = [r["t"] for r in chats if r["body"] == chats[0]["body"]]
+    assert len(first) >= 2 and first[1] - first[0] >= 1.0, first
+    assert len(dataio.read_jsonl(tmp_path / "eval" / "trajectories-routed.jsonl")) == 8
+    assert p.max_inflight == 2  # --max_concurrency: never more in flight, and the loop keeps that many busy
+    # the key: in every request's Authorization header (the server wants it), in no body, no output, no file
+    assert all(r["headers"].get("Authorization") == f"Bearer {KEY}" for r in p.seen)
+    assert not any(KEY.encode() in r["body"] for r in p.seen)
+    out, err = capfd.readouterr()
+    assert KEY not in out + err + caplog.text
+    assert not any(KEY in f.read_text() for f in (tmp_path / "eval").iterdir() if f.suffix in (".json", ".md"))
+    # one-line errors naming the server: a wrong key (401, no retry), a page that is not JSON, a request that times
+    # out after its tries; the key never in them
+    with pytest.raises(SystemExit, match=f"^error: the server {url} refused /models \\(401\\)") as e:
+        engines.ChatEngine(tiny_model_dir, url, api_key=KEY + "x")
+    assert KEY not in str(e.value) and "\n" not in str(e.value)
+    p.mode = "html"
+    with pytest.raises(SystemExit, match=f"^error: the server {url} answered /models with something that is not JSON"):
+        engines.ChatEngine(tiny_model_dir, url, api_key=KEY)
+    p.mode = "stall"
+    eng = engines.ChatEngine(tiny_model_dir, url, name="tiny", api_key=KEY, timeout=1, tries=2)
+    with pytest.raises(SystemExit, match=f"^error: the server {url} did not answer /chat/completions after 2 tries"):
+        eng.generate([eng.tok.encode("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
+                                     "<|im_start|>assistant\n")], 8, 0.0)
+
+
+def test_a_judge_by_its_served_name_with_a_key(tiny_model_dir, tiny_index, server, tmp_path, monkeypatch):
+    import judge
+    j = judge.Judge.load("tiny", server, api_key=KEY, cache=tmp_path / "judge.jsonl")  # no folder: the chat API
+    assert isinstance(j.engine, engines.ChatEngine) and j.engine.tok is None and j.name == "tiny"
+    items = [("Where was Ulla born?", "Selstoa", "Selstoa"), ("Who founded X?", "Ivo Lund", "Oslo")]
+    scores = j.accuracy(items)
+    assert j.asked == 4 and all(s in (None, 0.0, 0.25, 0.5, 0.75, 1.0) for s in scores), scores
+    assert j.accuracy(items) == scores and j.asked == 4  # from the cache
+    with pytest.raises(SystemExit, match=f"^error: the server {server} refused /chat/completions \\(401\\)"):
+        judge.Judge.load("tiny", server, api_key="wrong").accuracy(items[:1])
+    # evaluate.py --judge NAME --judge_url with the key in $JUDGE_API_KEY: the judge metric in the report
+    monkeypatch.setenv("JUDGE_API_KEY", KEY)
+    run_script("evaluate", "--model", tiny_model_dir, "--data", tiny_index, "--split", "test", "--n_questions", "4",
+               "--methods", "routed", "--retriever", "bm25", "--backend", "hf", "--judge", "tiny", "--judge_url", server,
+               "--out", tmp_path / "judged")
+    assert "## LLM judge" in (tmp_path / "judged" / "table.md").read_text()
+    assert not any(KEY in f.read_text() for f in (tmp_path / "judged").iterdir() if f.suffix in (".json", ".md"))
+
+
+def test_the_vl_policys_pictures_go_as_image_parts(tiny_model_dir, tiny_index, ret, tmp_path_factory):
+    # the tiny Idefics3 around the tiny Llama, served: golden prefixes of visual questions (the question's picture and
+    # retrieved ones in the chat) through the chat API give the in-process engine's greedy steps, so each picture sits
+    # where the transcript has it and the server expands it as the transcript does
+    import prepare
+    vl = prepare.prepare_vl(tmp_path_factory.mktemp("vl") / "idefics3", text_model=tiny_model_dir)
+    visual = dataio.load_questions(tiny_index, "visual_test")[:3]
+    local = engines.VLLMEngine(vl, max_model_len=4096)
+    try:
+        _, prefixes = rollout.golden_prefixes(local.tok, ret, visual, rollout.Settings(), vis=local.vis)
+        prompts = [(ids, images) for _, _, ids, images in prefixes]
+        assert sum(len(im) for _, im in prompts) > len(prompts)
+        want = [local.generate([i], 24, 0.0, stop=["</ret>"], images=[im])[0] for i, im in prompts]
+    finally:
+        local.close()
+    proc, url = start_server(vl, tmp_path_factory.mktemp("vl-server"), "--limit-mm-per-prompt", '{"image": 16}')
+    try:
+        chat = engines.make_engine("chat", vl, base_url=url, api_key=KEY, max_concurrency=1)
+        msgs, _ = chat.messages(*prompts[-1])
+        assert any(p["type"] == "image_url" for m in msgs if isinstance(m["content"], list) for p in m["content"])
+        assert all(server_prompt_ids(chat, ids, images) == ids for ids, images in prompts)
+        got = chat.generate([i for i, _ in prompts], 24, 0.0, stop=["</ret>"], images=[im for _, im in prompts])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert [chat.tok.decode(i) for i, _ in got] == [chat.tok.decode(i) for i, _ in want]
