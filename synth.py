@@ -93,7 +93,7 @@ def without_shots(x, fmt, n_shots, vis=None):
     cut, d = n_shots + len(old), len(new) - n_shots - len(old)
     assert x["ids"][n_shots:cut] == old, "the trajectory does not start with its shots"
     move = lambda sp: dict(sp, start=sp["start"] + d, end=sp["end"] + d)
-    return dict(x, ids=new + x["ids"][cut:], mask=[0] * len(new) + x["mask"][cut:],
+    return replace(x, ids=new + x["ids"][cut:], mask=[0] * len(new) + x["mask"][cut:],
                 logprobs=[0.0] * len(new) + x["logprobs"][cut:],
                 spans=[move(sp) for sp in x["spans"]],
                 images=images + [[s + d, n, p] for s, n, p in x["images"] if s >= cut],
