@@ -84,7 +84,9 @@ def write_atomic(path, data):
         tmp.unlink(missing_ok=True)
 
 def write_jsonl(path, rows):
-    write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    """Rows are dicts or Mappings (a rollout.Trajectory is written as its row: default=dict)."""
+    lines = (json.dumps(row, ensure_ascii=False, default=dict) + "\n" for row in rows)
+    write_atomic(path, "".join(lines))
 
 # required keys and their types, per file kind (a key ending in "?" is optional)
 SCHEMA = {

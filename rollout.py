@@ -834,4 +834,4 @@ if __name__ == "__main__":
     print(f"\n{len(trajs)} trajectories in {dt:.1f}s: "
           f"{sum(x.n_policy_tokens for x in trajs) / dt:.0f} policy tokens/s")
     if args.out:
-        dataio.write_jsonl(args.out, map(dict, trajs))
+        dataio.write_jsonl(args.out, trajs)
