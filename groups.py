@@ -95,7 +95,7 @@ def onpolicy_batch(engine, retriever, questions, run, encode, w, seed):
                  rollout_tokens=sum(len(x.ids) for x in trajs),  # a transcript once (cached)
                  rollout_generated=sum(x.n_policy_tokens for x in trajs))
     if w.judge:
-        steprewards.judge_rag(w, trajs, stats)
+        stats["rag"] = steprewards.judge_rag(w, trajs)
     rows, ppo = [], run.estimator == "gae"
     for g, q in enumerate(questions):
         group = trajs[g * run.n:(g + 1) * run.n]
@@ -134,7 +134,7 @@ def branch_batch(engine, retriever, questions, run, encode, w, seed):
                  rollout_generated=sum(x.n_policy_tokens for x in trajs)
                  + sum(y.generated for y in ys))
     if w.judge:
-        steprewards.judge_rag(w, ys, stats)  # each branch's outcome
+        stats["rag"] = steprewards.judge_rag(w, ys)  # each branch's outcome
     rows = []
     for group in (ys[k:k + run.n] for k in range(0, len(ys), run.n)):
         scores, gold = steprewards.score_branches(group, encode, w, run.reward)

@@ -3,7 +3,8 @@ judge.py: an LLM as a judge, through the engines (a local model folder in-proces
 on an OpenAI-compatible server token-exact, or any model behind a chat API by its name): the
 judged RAG reward of Agentic RAG-R1 (stepgrpo.py --w_rag) and an LLM-judge metric (evaluate.py
 --judge). The prompts and the scoring are ragas' NVIDIA metrics (src/ragas/metrics/_nv_metrics.py,
-Apache-2.0), the ones Agentic RAG-R1 calls through ragas:
+Apache-2.0). Agentic RAG-R1 calls ContextRelevance alone (its rag_reward); its correctness reward
+and its evaluation judge are a yes/no prompt of its own, not AnswerAccuracy:
     accuracy(question, reference, response)  AnswerAccuracy: two prompts rate the response 0 / 2 / 4
                                              against the reference (the second with the two
                                              swapped), each / 4, averaged
@@ -11,11 +12,15 @@ Apache-2.0), the ones Agentic RAG-R1 calls through ragas:
                                              prompts rate whether the evidence holds what the
                                              question needs, 0 / 1 / 2, each / 2, averaged
     groundedness(response, contexts)         ResponseGroundedness: two prompts rate how far the
-                                             evidence supports the response (faithfulness),
-                                             0 / 1 / 2, each / 2, averaged
+                                             evidence supports the whole response, 0 / 1 / 2,
+                                             each / 2, averaged (not ragas' Faithfulness,
+                                             which counts the supported claims)
 A rating is the first of the scale's digits found in the judge's reply (ragas' process_score); one
 prompt with no rating leaves the other's; neither: None. ragas' own shortcuts are kept (empty
-evidence: relevance 0; a response found verbatim in its evidence: grounded, 1). Deviations, each for
+evidence: relevance 0; a response found verbatim in its evidence: grounded, 1), and so are its cuts
+of the evidence, joined by newlines, to its first 4,192 characters for relevance and 8,192 for
+groundedness (RELEVANCE_CHARS, GROUNDEDNESS_CHARS; the ragas source read, other versions cut
+elsewhere or not at all): evidence past the cut is not judged. Deviations, each for
 determinism or a stated bug: temperature 0 (ragas 0.1, with up to 5 retries of an unparsable reply:
 at temperature 0 a retry returns the same reply, so there is one try), and ContextRelevance's second
 prompt is its template_relevance2 (the ragas version read formats template_relevance1 twice). Every
@@ -34,6 +39,9 @@ import json
 from pathlib import Path
 
 from dataio import DataError
+
+# the evidence each metric reads, in characters (ragas' _nv_metrics.py cuts)
+RELEVANCE_CHARS, GROUNDEDNESS_CHARS = 4192, 8192
 
 # AnswerAccuracy's template_accuracy1 and template_accuracy2, verbatim (the missing spaces too)
 ACCURACY = (
@@ -200,18 +208,19 @@ class Judge:
             c = "\n".join(ctx).strip()
             fixed.append(0.0 if not q.strip() or not c or c == q.strip() or c in q.strip()
                          else None)
-        fields = [[dict(query=q, context="\n".join(ctx)[:4192])] * 2 for q, ctx in items]
+        fields = [[dict(query=q, context="\n".join(ctx)[:RELEVANCE_CHARS])] * 2 for q, ctx in items]
         return self.rate("relevance", RELEVANCE, fields, (2, 1, 0), fixed)
 
     def groundedness(self, items):
-        """items: (response, [context passages]) -> ResponseGroundedness in [0, 1] (faithfulness to
-        the evidence)."""
+        """items: (response, [context passages]) -> ResponseGroundedness in [0, 1] (the whole
+        response's support in the evidence)."""
         fixed = []
         # ragas' shortcuts: nothing to judge (0); the response found in its evidence (1)
         for r, ctx in items:
             c = "\n".join(ctx).strip()
             fixed.append(0.0 if not r.strip() or not c else 1.0 if r.strip() in c else None)
-        fields = [[dict(context="\n".join(ctx)[:8192], response=r)] * 2 for r, ctx in items]
+        fields = [[dict(context="\n".join(ctx)[:GROUNDEDNESS_CHARS], response=r)] * 2
+                  for r, ctx in items]
         return self.rate("groundedness", GROUNDEDNESS, fields, (2, 1, 0), fixed)
 
     def rate(self, metric, templates, fields, scale, fixed):

@@ -165,14 +165,16 @@ def span_rewards(x, encode, w):
     return out, (reward.f1_recall(x["final_answer"] or "", x["answers"]) + x.get("rag", 0.0)
                  if x["format_ok"] else 0.0)
 
-def judge_rag(w, trajs, stats):
+def judge_rag(w, trajs):
     """--w_rag: Agentic RAG-R1's judged RAG reward, x["rag"] of each finished trajectory x, added to
     its outcome (span_rewards): w.rag[0] x ContextRelevance(question, x's evidence)
     + w.rag[1] x ResponseGroundedness(final answer, x's evidence), judge.py's ragas prompts rated
     by w.judge (cached). Agentic RAG-R1's rag_reward is the first alone, weight 2.0, beside its
-    judged correctness (3.0) and format; the second is the answer's faithfulness to the evidence.
+    judged correctness (3.0) and format; the second is the answer's support in the evidence.
+    The evidence is every document the trajectory read, in order, a backtrack's popped ones too,
+    as Agentic RAG-R1's rag_reward reads every observation in its completion's text.
     A rating the judge did not give counts 0; a trajectory that failed to parse gets 0, as its
-    outcome. Appends each trajectory's term to stats["rag"]."""
+    outcome. Returns the terms, one a trajectory."""
     done = [x for x in trajs if x["format_ok"] and x["final_answer"] is not None]
     rel = (w.judge.relevance([(x["question"], x["evidence"]) for x in done]) if w.rag[0]
            else [0.0] * len(done))
@@ -182,7 +184,7 @@ def judge_rag(w, trajs, stats):
         x["rag"] = 0.0
     for x, a, b in zip(done, rel, grd):
         x["rag"] = w.rag[0] * (a or 0.0) + w.rag[1] * (b or 0.0)
-    stats["rag"] += [x["rag"] for x in trajs]
+    return [x["rag"] for x in trajs]
 
 def log_trajectory(stats, x, r, outcome):
     """Append on-policy trajectory x's logged numbers to stats (lists by name): its route and answer

@@ -154,23 +154,29 @@ class Recorder(BaseHTTPRequestHandler):
             busy = self.path.endswith("/chat/completions") and p.busy > 0
             p.busy -= busy
         try:
-            if busy:
-                return self.answer(429, b'{"error": {"message": "slow down"}}', {"Retry-After": "1"})
-            if p.mode == "html":
-                return self.answer(200, b"<html>a login page</html>", {})
-            if p.mode == "stall":
-                time.sleep(3)
-            req = urllib.request.Request(p.upstream + self.path.removeprefix("/v1"), data=body,
-                                         headers={k: v for k, v in self.headers.items()
-                                                  if k.lower() in ("authorization", "content-type")})
-            try:
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    self.answer(r.status, r.read(), {})
-            except urllib.error.HTTPError as e:
-                self.answer(e.code, e.read(), {})
+            reply = self.reply(busy, body)
         finally:
-            with p.lock:
+            with p.lock:  # out of flight before the answer is written: its client may send the next at once
                 p.inflight -= 1
+        self.answer(*reply)
+
+    def reply(self, busy, body):
+        """(status, body, headers) of the answer to this request."""
+        p = self.server
+        if busy:
+            return 429, b'{"error": {"message": "slow down"}}', {"Retry-After": "1"}
+        if p.mode == "html":
+            return 200, b"<html>a login page</html>", {}
+        if p.mode == "stall":
+            time.sleep(3)
+        req = urllib.request.Request(p.upstream + self.path.removeprefix("/v1"), data=body,
+                                     headers={k: v for k, v in self.headers.items()
+                                              if k.lower() in ("authorization", "content-type")})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, r.read(), {}
+        except urllib.error.HTTPError as e:
+            return e.code, e.read(), {}
 
     def answer(self, code, data, headers):
         self.send_response(code)

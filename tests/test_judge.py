@@ -110,14 +110,13 @@ def test_the_judged_rag_reward_adds_its_weighted_ratings_to_the_outcome(tok):
                                                    format_ok=ok, evidence=evidence, steps=[], gold_steps=[],
                                                    spans=[dict(kind="final", step=0)])
     xs = [mk("Selstoa, Uldoria"), mk("Selstoa"), mk(None, ok=False), mk("Oslo", evidence=[])]
-    stats = {"rag": []}
-    steprewards.judge_rag(w, xs, stats)
+    terms = steprewards.judge_rag(w, xs)
     # the first asked twice for each metric; the second is in its evidence verbatim (grounded, 1, unasked); the
     # failed one and its 0 ask nothing; no evidence: relevance 0 and groundedness 0, unasked
-    assert [x["rag"] for x in xs] == [2 * 1.0 + 0.5, 2 * 1.0 + 1.0, 0.0, 0.0] and stats["rag"] == [x["rag"] for x in xs]
+    assert [x["rag"] for x in xs] == [2 * 1.0 + 0.5, 2 * 1.0 + 1.0, 0.0, 0.0] and terms == [x["rag"] for x in xs]
     assert len(eng.prompts) == 2 + 2  # one relevance for the first two (the same inputs), groundedness of the first
     assert steprewards.span_rewards(xs[0], None, w)[1] == pytest.approx(1.0 + 2.5)  # F1-Recall 1 + its judged term
     assert steprewards.span_rewards(xs[2], None, w)[1] == 0.0
     eng.prompts.clear()
-    steprewards.judge_rag(steprewards.Weights(rag=(2.0, 0.0), judge=w.judge), xs, {"rag": []})  # Agentic RAG-R1's
+    steprewards.judge_rag(steprewards.Weights(rag=(2.0, 0.0), judge=w.judge), xs)  # Agentic RAG-R1's
     assert [x["rag"] for x in xs] == [2.0, 2.0, 0.0, 0.0] and not eng.prompts  # relevance alone, from the cache

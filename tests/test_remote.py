@@ -92,9 +92,7 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
         terms = []
         for _ in range(2):
             w = steprewards.Weights(rag=(2.0, 1.0), judge=judge.Judge.load(tiny_model_dir, url, cache=tmp_path / "rag.jsonl"))
-            stats = {"rag": []}
-            steprewards.judge_rag(w, gold, stats)
-            terms.append((stats["rag"], w.judge.asked))
+            terms.append((steprewards.judge_rag(w, gold), w.judge.asked))
         assert all(0 <= v <= 3.0 for v in terms[0][0]) and terms[0][1] > 0, terms
         assert terms[1] == (terms[0][0], 0)
         # stepgrpo.py --w_rag with --judge_url runs a step through it and logs the term
