@@ -25,7 +25,7 @@ help:
 	@echo "make actions     a router with and without Agentic RAG-R1's backtrack and summary actions, on dev"
 	@echo "make released    R1-Router's released reward, protocol and step structure against the recipe"
 	@echo "make visual      the VL policy on text + visual questions (also: lora, multiquery, real, real-eval)"
-	@echo "make bench       retrieval, rollouts, weight sync, FLOP/s (also: bench-serve, bench-memory, bench-index, bench-trl)"
+	@echo "make bench       SFT vs a plain loop, retrieval, rollouts, weight sync, FLOP/s (also: bench-serve, bench-memory, bench-index, bench-trl)"
 	@echo "make gpu-check   on a GPU machine: does training work here (DRY=1: the same on the CPU)"
 	@echo "make clean       remove data/, out/, wandb/"
 
@@ -168,7 +168,8 @@ gpu-check:
 # BENCH_MODEL=out/demo/sft/final: a policy that writes the transcript's step format runs whole trajectories
 # (each structure wants a policy trained on it: runs/released.sh benches both, each with its own SFT checkpoint)
 BENCH_MODEL ?= $(MODEL)
-bench: $(DATA)/traj/train.jsonl $(MODEL)/config.json
+bench: $(DATA)/traj/train.jsonl $(TRAJ)/train.jsonl $(MODEL)/config.json
+	$(PY) -m bench.plain --model $(MODEL) --data $(TRAJ)
 	$(PY) retrievers.py bench --data $(DATA) --methods dense bm25 hybrid
 	$(PY) -m bench.rollout --model $(BENCH_MODEL) --data $(DATA) --n_questions 32 -n 4
 	$(PY) -m bench.flops --model $(BENCH_MODEL) --data $(DATA)

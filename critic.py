@@ -132,3 +132,25 @@ def check_warmup(rec, step, warmup):
                  f"{'nothing' if ev is None else f'{ev:.2f}'} of the returns' variance "
                  f"(the policy starts above {MIN_EXPLAINED_VAR}): raise --critic_warmup, "
                  "--critic_lr or --minibatches, or --critic_warmup 0 to train the policy at once")
+
+def check_flags(rollout, structure, actions, dynamic_sampling, warmup, kl_in_reward, model):
+    """PPO's flags (stepgrpo.py --adv_estimator gae), one line for those that cannot work. A
+    --structure released trajectory is several single-turn chats, each valued by the critic
+    without the chats before it: PPO refuses it rather than run GAE across states it cannot see."""
+    if rollout != "onpolicy":
+        sys.exit("error: --adv_estimator gae needs --rollout onpolicy: PPO's returns run over "
+                 "whole trajectories")
+    if structure != "transcript":
+        sys.exit(f"error: --adv_estimator gae needs a --structure transcript policy "
+                 f"({model}'s is released): a released trajectory's chats are valued apart, "
+                 "so GAE cannot run across them")
+    if actions:
+        sys.exit(f"error: --adv_estimator gae needs one chat a trajectory ({model} was "
+                 "trained with actions, which restart the chat): GAE cannot run across chats "
+                 "valued apart")
+    if dynamic_sampling:
+        sys.exit("error: --dynamic_sampling drops groups whose advantages are all 0: PPO "
+                 "(--adv_estimator gae) has no groups")
+    if warmup < 0 or kl_in_reward < 0:
+        sys.exit(f"error: --critic_warmup {warmup} --kl_in_reward {kl_in_reward}: "
+                 "a warm-up >= 0, a penalty >= 0")

@@ -8,8 +8,11 @@ advantages within each group (grpo.advantages, whatever --adv_estimator names) a
 training rows (grpo.group_rows). rollout_rows runs the mode, DAPO's dynamic sampling on top.
 """
 import random
+import sys
 import time
 from dataclasses import dataclass
+
+import torch
 
 import branches
 import grpo
@@ -37,9 +40,40 @@ class RolloutConfig:
     branch_steps: int = 2
     dynamic_sampling: bool = False
 
+    def update_tokens(self, micro_batch):
+        """The most policy tokens a micro-batch can hold, the N of the loss's [N, vocabulary]
+        logits (memory.check_gpu_budget's): micro_batch rows, each a packed group of n completions
+        or a whole trajectory, at the step budgets (a multi-query routing step may write max_pairs
+        pairs: rollout.route_stop)."""
+        s = self.steps
+        route = s.route_tokens * s.max_pairs
+        if self.mode == "onpolicy":
+            return micro_batch * (s.max_steps * route + s.answer_tokens)
+        return micro_batch * self.n * max(route, s.answer_tokens)
+
 STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "format_ok",
          "overflow", "retrievals", "tokens", "reask", "cut", "refilled", "informative", "rag",
          "actions")  # the rollout's logged means
+
+def step_questions(questions, step, batch_questions, seed, rank, world):
+    """(epoch, this rank's share of the questions of step `step` + 1): an epoch's shuffle seeded by
+    its number."""
+    epoch, pos = divmod(step, len(questions) // batch_questions)
+    gen = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(len(questions), generator=gen).tolist()
+    order = order[pos * batch_questions:(pos + 1) * batch_questions]
+    return epoch, [questions[i] for i in order][rank::world]
+
+def check_questions(questions, batch_questions, where):
+    """Training questions (of `where`, the flags that named them) Step-GRPO cannot use: one line."""
+    if len(questions) < batch_questions:
+        sys.exit(f"error: --batch_questions {batch_questions} is more than the "
+                 f"{len(questions)} questions of {where}")
+    blank = [q["id"] for q in questions
+             if any(not s.get("sub_question", "").strip() for s in q.get("steps", []))]
+    if blank:  # the route reward's cosine would compare every sub-question with ""
+        sys.exit(f"error: {len(blank)} questions of {where} have gold steps without a sub-question "
+                 f"(first: {blank[0]}); the route reward needs gold sub-questions")
 
 def teacher_prefix_batch(engine, retriever, questions, run, encode, w, seed, store=None):
     """R1-Router's groups: a question's trajectory up to each step is a prompt, the n completions of

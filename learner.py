@@ -6,6 +6,7 @@ micro-batch before any step; GAE and the critic's steps (critic.py); then one pa
 loss a minibatch (grpo.grpo_loss), the global token mean.
 """
 import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -212,3 +213,13 @@ def learn(model, ref, opt, crit, rows, cfg, pad_id, device, vis, seed, warmup, p
     timing["update_s"] = time.perf_counter() - t - timing.get("critic_s", 0.0)
     finite = [g for g in norms if math.isfinite(g)]
     return flat, sums, float(np.mean(finite)) if finite else 0.0
+
+def check_finite(bad, skipped, step, limit):
+    """Steps in a row with an optimizer step skipped for a non-finite gradient norm (update, as
+    verl skips them), and one line to stop at `limit` (--max_nonfinite) of them."""
+    bad = bad + 1 if skipped else 0
+    if bad >= limit:
+        sys.exit(f"error: step {step}: the gradient norm was not finite in {bad} steps in a row "
+                 f"(--max_nonfinite {limit}), each update skipped: lower --lr, or look for inf or "
+                 "NaN in the rows' logprobs and advantages")
+    return bad

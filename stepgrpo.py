@@ -93,24 +93,20 @@ def get_args(argv=None):
     arg("--entropy_coef", type=float, default=0.0, help="entropy bonus in the loss")
     arg("--old_logprobs", default="sampler", choices=["sampler", "trainer"],
         help="the ratio's old logprobs: the engine's, or the trainer's recomputed")
-    arg("--clip_low", type=float, default=grpo.CLIP_LOW,
-        help="the ratio's clip below 1 (GSPO: 3e-4)")
+    arg("--clip_low", type=float, default=grpo.CLIP_LOW, help="ratio's clip below 1 (GSPO: 3e-4)")
     arg("--clip_high", type=float, default=0.2, help="the ratio's clip above 1 (DAPO: 0.28)")
     arg("--ratio", default="token", choices=["token", "sequence"],
         help="importance ratio per token (PPO) or per step (GSPO)")
     arg("--tis_cap", type=float, default=0.0, help="truncated importance sampling's cap (0: off)")
     arg("--minibatches", type=int, default=1, help="optimizer steps a rollout")
     arg("--micro_batch", type=int, default=2, help="rows a forward/backward")
-    arg("--max_nonfinite", type=int, default=3,
-        help="steps in a row skipped for a non-finite gradient before the run stops")
+    arg("--max_nonfinite", type=int, default=3, help="stop at this many non-finite steps in a row")
     arg("--train_steps", type=int, default=12)
     arg("--save_every", type=int, default=6)
-    arg("--eval_questions", type=int, default=100,
-        help="dev questions scored at every checkpoint; <out>/best (0: off)")
+    arg("--eval_questions", type=int, default=100, help="dev questions a checkpoint (0: off)")
     arg("--activation_checkpointing", action="store_true")
     arg("--offload", action="store_true", help="FSDP2 CPU offload of shards and optimizer state")
-    arg("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-        help="compute dtype; auto: bf16 where native")
+    arg("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 where native")
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"])
     arg("--lora_r", type=int, default=0, help="LoRA rank (0: all weights)")
     arg("--quant", default="none", choices=["none", "nf4", "int8"], help="QLoRA's frozen base")
@@ -151,41 +147,7 @@ def reward_weights(args, questions, judge=None):
     rag = (list(args.w_rag) + [0.0])[:2]
     return steprewards.Weights(args.w_format, args.w_hit, balance, rag, judge)
 
-#### the update's size, the weight sync, the log
-
-def update_tokens(args):
-    """The most policy tokens a micro-batch can hold at these flags, the N of the loss's [N,
-    vocabulary] logits (the memory check's): --micro_batch rows, each a packed group of n
-    completions or a whole trajectory, at the step budgets (a multi-query routing step may write
-    max_pairs pairs: rollout.route_stop)."""
-    run = rollout_config(args)
-    s = run.steps
-    route = s.route_tokens * s.max_pairs
-    if run.mode == "onpolicy":
-        return args.micro_batch * (s.max_steps * route + s.answer_tokens)
-    return args.micro_batch * run.n * max(route, s.answer_tokens)
-
-def sync_weights(model, engine, rows, pad_id, peak, check, dtype):
-    """The policy's new weights into this rank's engine, and after this process's first update and
-    where `check` says (main: at every checkpoint) the engine's logprobs of a row against the
-    trainer's (trainutil.sync_gap; exits above the tolerance). Returns the timings (sync_s;
-    sync_mean_diff and sync_max_diff where checked)."""
-    check = check or "sync" not in peak.gib  # gib: the phases run so far
-    t = time.perf_counter()
-    with peak("sync"):
-        engine.sync_weights(trainutil.policy_params(model))
-    timing = dict(sync_s=time.perf_counter() - t)
-    if check:
-        row = rows[0] if rows else dict(ids=[pad_id] * 2)  # none: a stand-in (a collective)
-        device = trainutil.compute_device(model)
-        gap, timing["sync_max_diff"] = trainutil.sync_gap(model, engine, row, device)
-        timing["sync_mean_diff"] = gap
-        tol = trainutil.sync_tol(dtype, engine)
-        if not gap <= tol:  # NaN fails too
-            sys.exit(f"error: after the weight sync the engine's logprobs differ from the "
-                     f"trainer's by {gap:.3g} on average (tolerance {tol:g}): the engine does not "
-                     "sample from the policy being trained")
-    return timing
+#### the log
 
 def log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd):
     """One log.jsonl record: means over all ranks of the rollout stats, the update's per-token sums,
@@ -254,7 +216,8 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     else:
         vllm = engines.VLLMEngine
         share = vllm.OFFLOAD_FRACTION if args.offload else vllm.GPU_FRACTION
-        memory.check_gpu_budget(model, opt, share, world, update_tokens(args), crit)
+        tokens = rollout_config(args).update_tokens(args.micro_batch)
+        memory.check_gpu_budget(model, opt, share, world, tokens, crit)
         engine = vllm(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
                       max_images=rollout_config(args).steps.max_images, seed=args.seed + rank,
                       device=device, gpu_memory_utilization=share)  # each rank owns one engine
@@ -282,7 +245,8 @@ def load_inputs(args, weights, device, print0):
         questions = [q for q in questions if q["id"] in store]
         print0(f"--prefixes {args.prefixes}: {len(questions)} of its {len(store)} trajectories' "
                "questions are in --split")
-    check_questions(questions, args)
+    groups.check_questions(questions, args.batch_questions,
+                           f"--data {args.data} --split {' '.join(args.split)}")
     vis = vision.VisionIO.load(weights, args.max_pixels)
     files = vis.proc if vis else tok  # saved beside the weights: a VL processor, else the tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -326,7 +290,8 @@ def main(argv=None, close=True):
 
     #### training loop
     while step < args.train_steps:
-        epoch, batch = step_questions(questions, step, args.batch_questions, args.seed, rank, world)
+        epoch, batch = groups.step_questions(questions, step, args.batch_questions, args.seed,
+                                             rank, world)
         step += 1
         seed = args.seed + 7919 * (step - 1) + 104729 * rank
         saving = (args.save_every and step % args.save_every == 0) or step == args.train_steps
@@ -347,9 +312,10 @@ def main(argv=None, close=True):
         lengths = [n for m in micro for n in m.lengths]
         timing.update(update_rows=len(lengths), update_tokens=sum(lengths),  # (bench/flops.py)
                       update_policy=sum(len(m.logp_sampler) for m in micro if m.weight))
-        bad = check_finite(bad, timing["nonfinite"], step, args.max_nonfinite)
+        bad = learner.check_finite(bad, timing["nonfinite"], step, args.max_nonfinite)
         # the weight sync: the engine samples from the updated policy
-        timing.update(sync_weights(p.model, p.engine, rows, pad_id, peak, saving, args.dtype))
+        timing.update(trainutil.sync_weights(p.model, p.engine, rows, pad_id, peak, saving,
+                                             args.dtype))
         # the log (with the dev score at a checkpoint) and the checkpoint
         rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd)
         rec["memory_gib"] = memory.gather_peaks(peak.gib, world)  # per phase since the last record
@@ -370,25 +336,6 @@ def main(argv=None, close=True):
         p.engine.close()  # vLLM's teardown destroys the default process group too (it shares it)
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
-
-def check_finite(bad, skipped, step, limit):
-    """Steps in a row with an optimizer step skipped for a non-finite gradient norm (learner.update,
-    as verl skips them), and one line to stop at `limit` (--max_nonfinite) of them."""
-    bad = bad + 1 if skipped else 0
-    if bad >= limit:
-        sys.exit(f"error: step {step}: the gradient norm was not finite in {bad} steps in a row "
-                 f"(--max_nonfinite {limit}), each update skipped: lower --lr, or look for inf or "
-                 "NaN in the rows' logprobs and advantages")
-    return bad
-
-def step_questions(questions, step, batch_questions, seed, rank, world):
-    """(epoch, this rank's share of the questions of step `step` + 1): an epoch's shuffle seeded by
-    its number."""
-    epoch, pos = divmod(step, len(questions) // batch_questions)
-    gen = torch.Generator().manual_seed(seed + epoch)
-    order = torch.randperm(len(questions), generator=gen).tolist()
-    order = order[pos * batch_questions:(pos + 1) * batch_questions]
-    return epoch, [questions[i] for i in order][rank::world]
 
 def timed(dev):
     """The dev scores (dev: a callable) and the seconds they took (dev_s)."""
@@ -495,47 +442,14 @@ def check_args(args, world):
                  f"{args.max_nonfinite}: 0 <= clip_low < 1, clip_high >= 0, tis_cap >= 0, "
                  "minibatches >= 1, max_nonfinite >= 1")
     if args.adv_estimator == "gae":
-        check_ppo(args)
+        critic.check_flags(args.rollout, args.structure, args.actions, args.dynamic_sampling,
+                           args.critic_warmup, args.kl_in_reward, args.model)
     elif args.kl_in_reward:
         sys.exit("error: --kl_in_reward is PPO's (--adv_estimator gae); group advantages take "
                  "--kl_coef")
     rollout.check_multi_query(args.max_pairs, args.max_rets, args.structure, args.actions)
     if err := transcript.check_format(args.model, args):
         sys.exit(f"error: {err}")
-
-def check_ppo(args):
-    """PPO's flags. A --structure released trajectory is several single-turn chats, each valued by
-    the critic without the chats before it: PPO refuses it rather than run GAE across states it
-    cannot see."""
-    if args.rollout != "onpolicy":
-        sys.exit("error: --adv_estimator gae needs --rollout onpolicy: PPO's returns run over "
-                 "whole trajectories")
-    if args.structure != "transcript":
-        sys.exit(f"error: --adv_estimator gae needs a --structure transcript policy "
-                 f"({args.model}'s is released): a released trajectory's chats are valued apart, "
-                 "so GAE cannot run across them")
-    if args.actions:
-        sys.exit(f"error: --adv_estimator gae needs one chat a trajectory ({args.model} was "
-                 "trained with actions, which restart the chat): GAE cannot run across chats "
-                 "valued apart")
-    if args.dynamic_sampling:
-        sys.exit("error: --dynamic_sampling drops groups whose advantages are all 0: PPO "
-                 "(--adv_estimator gae) has no groups")
-    if args.critic_warmup < 0 or args.kl_in_reward < 0:
-        sys.exit(f"error: --critic_warmup {args.critic_warmup} --kl_in_reward {args.kl_in_reward}: "
-                 "a warm-up >= 0, a penalty >= 0")
-
-def check_questions(questions, args):
-    """Training questions Step-GRPO cannot use."""
-    where = f"--data {args.data} --split {' '.join(args.split)}"
-    if len(questions) < args.batch_questions:
-        sys.exit(f"error: --batch_questions {args.batch_questions} is more than the "
-                 f"{len(questions)} questions of {where}")
-    blank = [q["id"] for q in questions
-             if any(not s.get("sub_question", "").strip() for s in q.get("steps", []))]
-    if blank:  # the route reward's cosine would compare every sub-question with ""
-        sys.exit(f"error: {len(blank)} questions of {where} have gold steps without a sub-question "
-                 f"(first: {blank[0]}); the route reward needs gold sub-questions")
 
 if __name__ == "__main__":
     main(close=False)

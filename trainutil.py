@@ -33,6 +33,7 @@ import os
 import random
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -357,6 +358,28 @@ def clip_grad_norm(model, max_norm):
         for g in local:
             g.mul_(max_norm / (norm + 1e-6))
     return norm
+
+def sync_weights(model, engine, rows, pad_id, peak, check, dtype):
+    """The policy's new weights into this rank's engine (stepgrpo.py's weight sync), and after this
+    process's first update and where `check` says (stepgrpo.py: at every checkpoint) the engine's
+    logprobs of a row against the trainer's (sync_gap; exits above sync_tol). peak: a
+    memory.PeakMemory. Returns the timings (sync_s; sync_mean_diff and sync_max_diff where
+    checked)."""
+    check = check or "sync" not in peak.gib  # gib: the phases run so far
+    t = time.perf_counter()
+    with peak("sync"):
+        engine.sync_weights(policy_params(model))
+    timing = dict(sync_s=time.perf_counter() - t)
+    if check:
+        row = rows[0] if rows else dict(ids=[pad_id] * 2)  # none: a stand-in (a collective)
+        gap, timing["sync_max_diff"] = sync_gap(model, engine, row, compute_device(model))
+        timing["sync_mean_diff"] = gap
+        tol = sync_tol(dtype, engine)
+        if not gap <= tol:  # NaN fails too
+            sys.exit(f"error: after the weight sync the engine's logprobs differ from the "
+                     f"trainer's by {gap:.3g} on average (tolerance {tol:g}): the engine does not "
+                     "sample from the policy being trained")
+    return timing
 
 def sync_tol(dtype, engine):
     """The largest mean |engine - trainer| logprob a sync may leave, by precision. fp32 trainer and

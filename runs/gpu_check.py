@@ -189,7 +189,7 @@ def max_diff(a, b):
 
 def update_peak(model_dir, device):
     """(measured, predicted) bytes of a Step-GRPO update on `device`: torch.cuda.max_memory_allocated over a real update
-    (bf16, one rank, the second step: Adam's state allocated) of one micro-batch of stepgrpo.update_tokens' size (2
+    (bf16, one rank, the second step: Adam's state allocated) of one micro-batch of RolloutConfig.update_tokens' size (2
     packed groups of 8 routing completions, 1024 policy tokens), against memory.gpu_budget's update phase less the
     parts outside torch's allocator. The budget leaves out the activations and FSDP2's gathered bf16 units and counts
     the gradients, which never coexist with the loss's fp32 copies: with a vocabulary of ~50k the copies dominate, and
@@ -208,7 +208,7 @@ def update_peak(model_dir, device):
         rows = [grpo.pack_group(list(range(5, 105)), group, [1.0, -1.0] * 4) for _ in range(args.micro_batch)]
         cfg = stepgrpo.update_config(args)
         micro, denom, _ = learner.micro_batches(rows, cfg, 0, device)
-        assert len(micro) == 1 and len(micro[0].logp_sampler) == stepgrpo.update_tokens(args) == 1024
+        assert len(micro) == 1 and len(micro[0].logp_sampler) == stepgrpo.rollout_config(args).update_tokens(args.micro_batch) == 1024
         learner.update(model, opt, micro, [m.logp_sampler for m in micro], [None] * len(micro), denom, cfg)
         allocated = torch.cuda.memory_allocated(device) - memory.optimizer_bytes(opt)  # as model_budget_error does
         torch.cuda.reset_peak_memory_stats(device)

@@ -362,11 +362,11 @@ def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(wide_model_dir):
 def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_dir, monkeypatch):
     # the loss's N: --micro_batch rows of n packed completions (teacher_prefix) or of whole trajectories (onpolicy), at
     # the step budgets evaluation gives (rollout.Settings: 96 new tokens a route, 96 an answer)
-    assert stepgrpo.update_tokens(stepgrpo.get_args([])) == 2 * 8 * 96
-    assert stepgrpo.update_tokens(stepgrpo.get_args(["--rollout", "onpolicy"])) == 2 * (3 * 96 + 96)
+    assert stepgrpo.rollout_config(stepgrpo.get_args([])).update_tokens(2) == 2 * 8 * 96
+    assert stepgrpo.rollout_config(stepgrpo.get_args(["--rollout", "onpolicy"])).update_tokens(2) == 2 * (3 * 96 + 96)
     two = stepgrpo.get_args(["-n", "4"])
     two.max_pairs = 2  # a multi-query policy's (its transcript.json)
-    assert stepgrpo.update_tokens(two) == 2 * 4 * 2 * 96
+    assert stepgrpo.rollout_config(two).update_tokens(2) == 2 * 4 * 2 * 96
     calls = []
     monkeypatch.setattr(memory, "check_gpu_budget", lambda *a: calls.append(a) or sys.exit("checked"))
     own = trainutil.init_group(1)

@@ -352,7 +352,7 @@ def test_gpu_budget_of_a_7b_run():
     """The start-up memory check on docs/gpu.md's 7B budget: a ~7.6B-parameter policy in fp32 shards over 8 H100s of
     80 GiB (3.8 GB of shards, 7.6 GB of Adam state each) fits beside an engine taking half of each GPU; over 2 GPUs
     (15.2 GB of shards + 30.4 GB of Adam) it does not, and the line says which part takes how much."""
-    gib, P, V = 2**30, 7.6e9, 152064  # Qwen2.5-7B's vocabulary; 1024: stepgrpo.update_tokens at the defaults
+    gib, P, V = 2**30, 7.6e9, 152064  # Qwen2.5-7B's vocabulary; 1024: RolloutConfig.update_tokens at the defaults
     assert memory.gpu_budget_error(80 * gib, 4 * P / 8, 4 * P / 8, 0.5, 8, 1024, V) is None
     error = memory.gpu_budget_error(80 * gib, 4 * P / 2, 4 * P / 2, 0.5, 2, 1024, V, device=1)
     assert error.startswith("error: GPU 1 (80.0 GiB) cannot hold the rollout phase (84.0 GiB: vLLM engine (50%) 40.0 GiB")

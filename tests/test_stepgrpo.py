@@ -302,7 +302,7 @@ def test_the_first_sync_is_checked_and_stops_above_the_tolerance(tiny_model_dir,
         def train(check=False):  # the loop's update and weight sync on one row
             learner.learn(model, None, opt, None, [row], stepgrpo.update_config(args), 0, torch.device("cpu"), None, 0,
                           False, peak, {})
-            return stepgrpo.sync_weights(model, engine, [row], 0, peak, check, args.dtype)
+            return trainutil.sync_weights(model, engine, [row], 0, peak, check, args.dtype)
         step = lambda: train()
         first, second = step(), step()
         assert first["sync_mean_diff"] <= first["sync_max_diff"] < 1e-4 and "sync_max_diff" not in second
@@ -1166,9 +1166,9 @@ def test_a_non_finite_gradient_skips_the_step_and_a_run_of_them_stops(tiny_model
         if own:
             torch.distributed.destroy_process_group()
     assert timing["nonfinite"] == 1 and all(torch.equal(before[n], after[n]) for n in before) and fine["nonfinite"] == 0
-    assert stepgrpo.check_finite(0, 1, 5, 3) == 1 and stepgrpo.check_finite(2, 0, 6, 3) == 0
+    assert learner.check_finite(0, 1, 5, 3) == 1 and learner.check_finite(2, 0, 6, 3) == 0
     with pytest.raises(SystemExit, match="^error: step 7: the gradient norm was not finite in 3 steps in a row"):
-        stepgrpo.check_finite(2, 1, 7, 3)
+        learner.check_finite(2, 1, 7, 3)
 
 def test_fewer_rows_than_minibatches_take_one_step_a_row(tiny_model_dir):
     # 3 rows and --minibatches 4: three optimizer steps of a row each; a fourth share would hold no row, and AdamW
