@@ -168,6 +168,10 @@ def flag_caption(f):
               else f", with a {f['emblem_colour']} {f['emblem']} in the centre")
     return stripes + emblem
 
+def a_an(word):
+    """The indefinite article before `word`, by its first letter."""
+    return "an" if word[0] in "aeiou" else "a"
+
 def render_kbs(w):
     C, P, O = w["cities"], w["people"], w["orgs"]
     text, table, image = [], [], []
@@ -186,7 +190,7 @@ def render_kbs(w):
                           path=f"images/portrait-{i}.png",
                           caption=f"Portrait of {p['name']}: a person with {p['hair']} hair"
                                   f"{' wearing glasses' if p['glasses'] else ''} and "
-                                  f"{'an' if p['shirt'][0] in 'aeiou' else 'a'} {p['shirt']} "
+                                  f"{a_an(p['shirt'])} {p['shirt']} "
                                   "shirt."))
         if p["works"]:
             rows = sorted([[str(w['works'][k]['year']), w['works'][k]['title'],
@@ -224,7 +228,7 @@ def render_kbs(w):
         image.append(dict(id=f"image-logo-{i}", title=f"Logo of {o['name']}",
                           path=f"images/logo-{i}.png",
                           caption=f"Logo of {o['name']}: "
-                                  f"{'an' if o['logo']['colour'][0] in 'aeiou' else 'a'} "
+                                  f"{a_an(o['logo']['colour'])} "
                                   f"{o['logo']['colour']} {o['logo']['shape']} on a white "
                                   "background."))
     for i, b in enumerate(w["works"]):
