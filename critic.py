@@ -76,6 +76,7 @@ def update(critic, opt, micro, denom):
     for m in micro:
         v = values(critic, m)
         loss, clipped = value_loss(v, m.values, m.returns, VF_CLIP, denom / world)
+        trainutil.accumulate(critic, last=m is micro[-1])
         (loss * m.weight).backward()
         err = (m.returns - v).detach().double()
         R = m.returns.double()

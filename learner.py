@@ -161,6 +161,7 @@ def update(model, opt, micro, olds, refs, denom, cfg, suppress=()):
         seq = spans_of(m.sel) if cfg.ratio == "sequence" else None
         loss, kl, low, high = grpo_loss(logp, old, logp_ref, m.adv, (cfg.clip_low, cfg.clip_high),
                                         cfg.kl_coef, denom / world, ent, cfg.entropy_coef, seq, tis)
+        trainutil.accumulate(model, last=m is micro[-1])
         (loss * m.weight).backward()
         add_stats(sums, m.weight, loss.detach() / world, kl, low, high, ent.detach(), tis,
                   cfg.tis_cap)

@@ -285,8 +285,11 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
                    {p for p in model.parameters() if is_quantized(p)})
     kw = dict(mesh=mesh, mp_policy=mp, ignored_params=whole,
               offload_policy=offload_policy(device, offload))
+    # world size 1 (a shard is the whole parameter): the blocks stay gathered from their forward to
+    # the step's last backward (accumulate)
+    gathered = train and world == 1 and not offload
     for block in blocks(model):
-        fully_shard(block, **kw)
+        fully_shard(block, **kw, reshard_after_forward=False if gathered else None)
     # the root (embeddings, final norm, head) stays gathered after a forward until a backward
     # reshards it; a frozen model (the KL reference) never runs one, so its root reshards after
     # every forward (+2.2 GB a GPU at 7B)
@@ -344,14 +347,27 @@ def compute_device(model):
         return p.device
     return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
+def accumulate(model, last):
+    """Before each micro-batch's backward of an optimizer step (last: the step's last). At world
+    size 1 without --offload the gradients accumulate unreduced and the blocks stay gathered until
+    the last backward: a step gathers and reduces each parameter once, not once a micro-batch
+    (FSDP2's gather and reduce at world size 1 are copies of the whole model). The sum is the same:
+    each micro-batch's gradient added in turn, in fp32. At larger worlds, or offloaded, nothing
+    changes: unreduced gradients would hold a whole model's on each rank."""
+    p = next(model.parameters())
+    if dist.get_world_size() == 1 and p.device == compute_device(model):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+
 def clip_grad_norm(model, max_norm):
     """Global grad norm, then scale the grads to at most max_norm (0: no clipping). The grads are
-    FSDP2 shards (DTensors): each element lives on exactly one rank. Sums in float64: torch's fp32
-    clip_grad_norm_ was off by ~3e-5 relative here, and by a different amount per world size, which
-    alone breaks 1-vs-2-rank equality."""
+    FSDP2 shards (DTensors): each element lives on exactly one rank. Each shard's norm accumulates
+    in float64 (vector_norm's dtype: no float64 copy of the gradients; 5x faster than squaring one
+    on the CPU): torch's fp32 clip_grad_norm_ was off by ~3e-5 relative here, and by a different
+    amount per world size, which alone breaks 1-vs-2-rank equality."""
     local = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
-    # offload: NCCL's GPU
-    sq = torch.stack([g.double().pow(2).sum() for g in local]).sum().to(compute_device(model))
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in local]
+    sq = torch.stack(norms).pow(2).sum().to(compute_device(model))  # offload: NCCL's GPU
     dist.all_reduce(sq)
     norm = sq.sqrt().item()
     if max_norm > 0 and norm > max_norm:

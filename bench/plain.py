@@ -6,11 +6,17 @@ cross-entropy, backward, clip_grad_norm_, AdamW (torch's default kernels), bf16 
 each side's median seconds a step (the first step apart: allocation, first-touch), the tokens a
 second and the ratio plain / sft.py (1.0: as fast as the plain loop; the goal is at least 1.0), and
 the first step's loss of each (the same rows and weights give the same loss: the same work).
+--profile K runs both under torch.profiler and prints each side's K ops with the most self CPU
+time a timed step, and their shares of the step (where the time goes, not the timing: the
+profiler's own cost is in it).
 
     python -m bench.plain --model models/SmolLM2-135M-Instruct --data data/mini/traj-top1 --steps 6
     python -m bench.plain ... --grad_accum 8 --batch_size 1                 # sft.py's defaults
+    python -m bench.plain ... --steps 4 --profile 15                        # where the time goes
 """
 import argparse
+import collections
+import contextlib
 import json
 import statistics
 import tempfile
@@ -50,6 +56,8 @@ def plain(model_dir, data, steps, batch_size, grad_accum, dtype, lr, seed, max_l
     for s in range(steps):
         batch = [rows[i] for i in perm[s * G:(s + 1) * G]]
         micro = [sft.collate(batch[a:a + batch_size], pad_id, cpu) for a in range(0, G, batch_size)]
+        span = torch.profiler.record_function("plain.step")
+        span.__enter__()
         t0 = time.perf_counter()
         n = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)  # the step's label tokens
         total = 0.0
@@ -63,8 +71,21 @@ def plain(model_dir, data, steps, batch_size, grad_accum, dtype, lr, seed, max_l
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        span.__exit__(None, None, None)
         out.append((time.perf_counter() - t0, sum(len(r[0]) for r in batch), total / n))
     return out
+
+def top_ops(prof, label, k):
+    """The k ops with the most self CPU time inside the `label` ranges but the first (the timed
+    steps): [(name, seconds a step, share of the step)]."""
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == label)[1:]
+    self_us = collections.Counter()
+    for e in events:
+        if e.name != label and any(a <= e.time_range.start < b for a, b in spans):
+            self_us[e.name] += e.self_cpu_time_total
+    step_us = sum(b - a for a, b in spans)
+    return [(name, us / 1e6 / len(spans), us / step_us) for name, us in self_us.most_common(k)]
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
@@ -78,11 +99,22 @@ def main():
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=int, default=0, help="print each side's top N ops (0: none)")
     args = ap.parse_args()
     dtype = trainutil.resolve_dtype(args.dtype, torch.device("cpu"))
     common = (args.steps, args.batch_size, args.grad_accum, dtype, args.lr, args.seed)
-    a = ours(args.model, args.data, *common)
-    b = plain(args.model, args.data, *common, args.max_len)
+    profile = (lambda: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])) \
+        if args.profile else contextlib.nullcontext
+    with profile() as prof_a:
+        a = ours(args.model, args.data, *common)
+    with profile() as prof_b:
+        b = plain(args.model, args.data, *common, args.max_len)
+    for name, prof, label in (("sft.py", prof_a, "sft.train_step"), ("plain loop", prof_b,
+                                                                     "plain.step")):
+        if args.profile:
+            print(f"\n{name}: the top {args.profile} ops by self CPU time a step")
+            for op, s, share in top_ops(prof, label, args.profile):
+                print(f"  {op[:48]:48s} {s:7.3f} s {share:6.1%}")
     print(f"\nSFT step, {args.batch_size} x {args.grad_accum} rows, {dtype}, "
           f"{torch.get_num_threads()} threads, median of steps 2-{args.steps}:")
     med = {}
