@@ -48,7 +48,11 @@ def get_args(argv=None):
     ap.add_argument("--out", default="out/sft")
     ap.add_argument("--batch_size", type=int, default=1,
                     help="rows per micro-batch per rank (raise it on GPU)")
-    ap.add_argument("--grad_accum", type=int, default=8, help="micro-batches per optimizer step")
+    ap.add_argument("--grad_accum", type=int, default=8,
+                    help="optimizer step: batch_size x grad_accum rows a rank")
+    ap.add_argument("--pack_tokens", type=int, default=0,
+                    help="micro-batches of a step's rows end to end, N tokens at most, each row "
+                         "attending to itself (0: batch_size rows a micro-batch, padded)")
     ap.add_argument("--max_len", type=int, default=2048,
                     help="truncate transcripts to this many tokens")
     ap.add_argument("--train_steps", type=int, default=48,
@@ -145,18 +149,41 @@ def collate(rows, pad_id, device):
         labels[i, :len(x)] = torch.where(torch.tensor(m, dtype=torch.bool), torch.tensor(x), -100)
     return ids.to(device), labels.to(device)
 
+def pack(rows, budget):
+    """A step's rows in micro-batches of at most `budget` tokens (a longer row alone), in order."""
+    out, n = [], budget
+    for row in rows:
+        if n + len(row[0]) > budget:
+            out.append([])
+            n = 0
+        out[-1].append(row)
+        n += len(row[0])
+    return out
+
+def collate_packed(rows, device):
+    """rows [(ids, mask, ...)] end to end, without padding: ids, labels (as collate's; each row's
+    first token -100: nothing before it is its context) and position ids restarting at each row,
+    all [1, S]. From the position ids transformers attends within each row (a block-causal mask
+    for SDPA and FlexAttention; flash-attn's varlen path on GPU), so each row's logits are those it
+    gets alone."""
+    ids = torch.tensor([t for x, *_ in rows for t in x])
+    keep = torch.tensor([bool(m) and j > 0 for _, mask, *_ in rows for j, m in enumerate(mask)])
+    pos = torch.tensor([j for x, *_ in rows for j in range(len(x))])
+    labels = torch.where(keep, ids, -100)
+    return ids[None].to(device), labels[None].to(device), pos[None].to(device)
+
 def pixels(rows, vis, ids):
     """A VL micro-batch's image inputs (vision.VisionIO.pixels; {} for a text model), a dummy
     picture for rows without images (every rank runs the vision tower: its blocks are FSDP
     units)."""
     return vis.pixels([r[2] for r in rows], ids.device, ids, always=True) if vis else {}
 
-def loss_sum(model, ids, labels, pix=None):
+def loss_sum(model, ids, labels, pix=None, pos=None):
     """Sum of the next-token NLLs over label positions (fp32) and their count. ids, labels: [B, T];
-    pix: pixels(). No attention mask: padding is on the right and attention is causal, so real
-    tokens never see it."""
+    pix: pixels(); pos: a packed micro-batch's position ids (collate_packed). No attention mask:
+    padding is on the right and attention is causal, so real tokens never see it."""
     sel = labels[:, 1:] != -100  # [B, T-1] position t predicts token t + 1
-    logits = trainutil.selected_logits(model, ids, sel, pixels=pix)  # [N, V]
+    logits = trainutil.selected_logits(model, ids, sel, pos=pos, pixels=pix)  # [N, V]
     return F.cross_entropy(logits.float(), labels[:, 1:][sel], reduction="sum"), sel.sum()
 
 def load_inputs(weights, data, train_splits, dev_split, max_len, print0):
@@ -201,7 +228,8 @@ class Recipe:
     out: str
     train_steps: int
     batch_size: int  # rows per micro-batch per rank
-    grad_accum: int  # micro-batches per optimizer step
+    grad_accum: int  # micro-batches per optimizer step (batch_size x grad_accum rows a rank)
+    pack_tokens: int  # > 0: the step's rows packed in micro-batches of at most this many tokens
     grad_clip: float  # max global grad norm (0: no clipping)
     schedule: Schedule
     eval_every: int
@@ -259,15 +287,27 @@ def evaluate(t, rows, batch_size):
 
 #### one step, and the loop
 
+def micro_batches(t, rows, r):
+    """This rank's share of a step as micro-batches [(ids, labels, pos, pix, weight)]: r.grad_accum
+    of r.batch_size rows, right-padded (pos None), or packed by r.pack_tokens (collate_packed), as
+    many on every rank (FSDP gathers inside each forward): a rank with fewer adds copies of its
+    first with weight 0."""
+    if not r.pack_tokens:
+        chunks = [rows[a * r.batch_size:(a + 1) * r.batch_size] for a in range(r.grad_accum)]
+        return [(ids, labels, None, pixels(c, t.vis, ids), 1.0)
+                for c in chunks for ids, labels in [collate(c, t.pad_id, t.device)]]
+    micro = [(*collate_packed(c, t.device), {}, 1.0) for c in pack(rows, r.pack_tokens)]
+    most = torch.tensor([len(micro)], device=t.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return micro + [(*micro[0][:4], 0.0)] * (int(most) - len(micro))
+
 def train_step(t, rows, lr, r):
-    """One optimizer step; `rows` is this rank's share of the global batch, in r.grad_accum
-    micro-batches. The loss is the global mean over every rank's label tokens. Returns the log
+    """One optimizer step; `rows` is this rank's share of the global batch, in micro-batches
+    (micro_batches). The loss is the global mean over every rank's label tokens. Returns the log
     record's numbers."""
-    chunks = [rows[a * r.batch_size:(a + 1) * r.batch_size] for a in range(r.grad_accum)]
-    micro = [(ids, labels, pixels(c, t.vis, ids))
-             for c in chunks for ids, labels in [collate(c, t.pad_id, t.device)]]
+    micro = micro_batches(t, rows, r)
     t0 = time.perf_counter()
-    n_label = sum((lab[:, 1:] != -100).sum().item() for _, lab, _ in micro)
+    n_label = sum(w * (lab[:, 1:] != -100).sum().item() for _, lab, *_, w in micro)
     n_all = sum(len(row[0]) for row in rows)
     counts = torch.tensor([n_label, n_all], dtype=torch.float64, device=t.device)
     dist.all_reduce(counts)  # [loss tokens, all tokens] of the global batch
@@ -275,8 +315,9 @@ def train_step(t, rows, lr, r):
     for g in t.opt.param_groups:
         g["lr"] = lr
     loss_acc = torch.zeros((), device=t.device)
-    for ids, labels, pix in micro:
-        s, _ = loss_sum(t.model, ids, labels, pix)
+    for i, (ids, labels, pos, pix, weight) in enumerate(micro):
+        s = loss_sum(t.model, ids, labels, pix, pos)[0] * weight
+        trainutil.accumulate(t.model, last=i == len(micro) - 1)
         (s * t.world / n_loss).backward()  # FSDP averages gradients over ranks: * world sums them
         loss_acc += s.detach()
     gnorm = trainutil.clip_grad_norm(t.model, r.grad_clip)
@@ -305,7 +346,7 @@ def train(t, r, rows, dev, step, resuming, record):
             seeded = torch.Generator().manual_seed(r.seed + epoch)
             perm, perm_epoch = torch.randperm(len(rows), generator=seeded).tolist(), epoch
         mine = perm[pos * G:(pos + 1) * G][t.rank * G // t.world:(t.rank + 1) * G // t.world]
-        with peak("step"):
+        with peak("step"), torch.profiler.record_function("sft.train_step"):  # bench.plain
             lr = lr_at(step, r.schedule, r.train_steps)
             numbers = train_step(t, [rows[i] for i in mine], lr, r)
         rec = dict(step=step + 1, epoch=epoch, **numbers)
@@ -359,6 +400,9 @@ def main(argv=None):
     # a VL model's image plumbing, with the picture cap the trajectories' image expansions were made
     # with; the saved processor carries it on to Step-GRPO and evaluation
     vis = vision.VisionIO.load(weights, transcript.data_meta(args.data).get("max_pixels"))
+    if vis and args.pack_tokens:
+        sys.exit("error: --pack_tokens: a VL policy's position ids are 3-D and computed from its "
+                 "pictures; train it without (padded micro-batches)")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing,
                                    bf16=args.dtype == "bf16", lora=lora, offload=args.offload)
@@ -381,9 +425,9 @@ def main(argv=None):
     # ---- training
     t = Trainer(model, opt, rank, world, device, print0, pad_id, vis, vis.proc if vis else tok, fmt)
     schedule = Schedule(args.lr, args.warmup_steps, args.min_lr_ratio, args.decay_steps)
-    recipe = Recipe(args.out, args.train_steps, args.batch_size, args.grad_accum, args.grad_clip,
-                    schedule, args.eval_every, args.save_every, args.keep, args.seed,
-                    dict(vars(args)))
+    recipe = Recipe(args.out, args.train_steps, args.batch_size, args.grad_accum,
+                    args.pack_tokens, args.grad_clip, schedule, args.eval_every, args.save_every,
+                    args.keep, args.seed, dict(vars(args)))
     step = train(t, recipe, train_rows, dev, step, resuming, record)
     if rank == 0:
         trainutil.link_step(out, step, "final")

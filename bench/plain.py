@@ -1,79 +1,143 @@
 """
-bench/plain.py: sft.py's optimizer step beside a plain training loop on the same rows, in one
-process on this machine: the same model, rows in the same order, dtype, threads and rows a step.
-The plain loop is what a transformers user writes: model(ids).logits over every position, masked
-cross-entropy, backward, clip_grad_norm_, AdamW (torch's default kernels), bf16 by autocast. Prints
-each side's median seconds a step (the first step apart: allocation, first-touch), the tokens a
-second and the ratio plain / sft.py (1.0: as fast as the plain loop; the goal is at least 1.0), and
-the first step's loss of each (the same rows and weights give the same loss: the same work).
---profile K runs both under torch.profiler and prints each side's K ops with the most self CPU
-time a timed step, and their shares of the step (where the time goes, not the timing: the
-profiler's own cost is in it).
+bench/plain.py: each trainer's optimizer step beside a plain training loop on the same rows, in one
+process on this machine, the two alternating step by step (a machine's drift in speed falls on both):
+the same model, rows, dtype, threads and rows a step.
+- SFT: sft.train_step on a Trainer built as sft.main builds it (FSDP2, one rank), against what a
+  transformers user writes: model(ids).logits over every position, masked cross-entropy, backward,
+  clip_grad_norm_, AdamW (torch's default kernels), bf16 by autocast.
+- the Step-GRPO update: learner.update (the clipped loss, grpo.grpo_loss, on learner.micro_batches)
+  against the same plain loop with the clipped loss written out (log_softmax over every position,
+  PPO's clip, the global token mean). Its rows are the golden trajectories' policy tokens, each row
+  an advantage (seeded normal), the old logprobs the starting weights' (the first ratios are 1).
+Prints each side's median seconds a step (the first step apart: allocation, first-touch), tokens a
+second, the ratio plain / ours (1.0: as fast as the plain loop; the goal is at least 1.0), and the
+first step's loss of each (the same rows and weights give the same loss: the same work).
+--profile K: each side's K ops with the most self CPU time a timed step, and their shares of the
+step, under torch.profiler (where the time goes; the profiler's own cost is in it).
 
     python -m bench.plain --model models/SmolLM2-135M-Instruct --data data/mini/traj-top1 --steps 6
     python -m bench.plain ... --grad_accum 8 --batch_size 1                 # sft.py's defaults
-    python -m bench.plain ... --steps 4 --profile 15                        # where the time goes
+    python -m bench.plain ... --steps 4 --profile 15 --stages sft           # where SFT's time goes
 """
 import argparse
 import collections
 import contextlib
-import json
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import learner
 import sft
 import trainutil
 
-def ours(model, data, steps, batch_size, grad_accum, dtype, lr, seed):
-    """sft.py's own steps (its main, one rank, no dev loss, one checkpoint at the end, the LR held
-    at lr as the plain loop's): [(seconds, tokens, loss)] a step, from its log.jsonl."""
-    with tempfile.TemporaryDirectory() as out:
-        sft.main(["--model", model, "--data", data, "--out", out, "--train_steps", str(steps),
-                  "--batch_size", str(batch_size), "--grad_accum", str(grad_accum),
-                  "--dtype", dtype, "--lr", str(lr), "--seed", str(seed), "--eval_every", "0",
-                  "--save_every", "0", "--keep", "1", "--warmup_steps", "0",
-                  "--min_lr_ratio", "1"])
-        recs = [json.loads(line) for line in open(Path(out) / "log.jsonl")]
-    return [(r["step_s"], r["tokens"], r["loss"]) for r in recs if "step_s" in r]
+CPU = torch.device("cpu")
 
-def plain(model_dir, data, steps, batch_size, grad_accum, dtype, lr, seed, max_len):
-    """The plain loop on sft.py's rows in sft.py's order (epoch 0's permutation of seed): [(seconds,
-    tokens, loss)] a step, timed as sft.py times its step (from the collated micro-batches on)."""
+def plain_model(model_dir, lr):
+    """The plain loop's model (fp32 weights, as the trainers' masters) and torch's AdamW."""
     from transformers import AutoModelForCausalLM
-    tok, _, rows, _ = sft.load_inputs(model_dir, data, ["train"], None, max_len, print)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    G = batch_size * grad_accum
-    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    cpu, out = torch.device("cpu"), []
-    for s in range(steps):
-        batch = [rows[i] for i in perm[s * G:(s + 1) * G]]
-        micro = [sft.collate(batch[a:a + batch_size], pad_id, cpu) for a in range(0, G, batch_size)]
-        span = torch.profiler.record_function("plain.step")
-        span.__enter__()
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+def ours_model(model_dir, dtype, lr):
+    """The trainers' model and optimizer at world size 1: trainutil.load_sharded, sft's AdamW."""
+    model = trainutil.load_sharded(model_dir, CPU, 1, bf16=dtype == "bf16")
+    return model, sft.make_optimizer(list(model.parameters()), "adamw", lr, 0.0)
+
+def plain_finish(model, opt):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+#### SFT
+
+def sft_sides(model_dir, tok, pad_id, batch_size, grad_accum, dtype, lr):
+    """{name: step(rows) -> (seconds, loss)}: sft.py's step and the plain loop's, each timed from
+    the collated micro-batches on (as sft.train_step times itself)."""
+    model, opt = ours_model(model_dir, dtype, lr)
+    t = sft.Trainer(model, opt, 0, 1, CPU, print, pad_id, None, tok, None)
+    r = sft.Recipe("", 0, batch_size, grad_accum, 0, 1.0, None, 0, 0, 0, 0, {})
+
+    def ours(batch):
+        rec = sft.train_step(t, batch, lr, r)
+        return rec["step_s"], rec["loss"]
+    plain, popt = plain_model(model_dir, lr)
+
+    def loop(batch):
+        micro = [sft.collate(batch[a:a + batch_size], pad_id, CPU)
+                 for a in range(0, len(batch), batch_size)]
         t0 = time.perf_counter()
         n = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)  # the step's label tokens
         total = 0.0
         for ids, labels in micro:  # [B, T] each
             with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
-                logits = model(input_ids=ids).logits  # [B, T, V]
+                logits = plain(input_ids=ids).logits  # [B, T, V]
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(),
                                    ignore_index=-100, reduction="sum")
             (loss / n).backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        span.__exit__(None, None, None)
-        out.append((time.perf_counter() - t0, sum(len(r[0]) for r in batch), total / n))
+        plain_finish(plain, popt)
+        return time.perf_counter() - t0, total / n
+    return {"sft.py": ours, "plain loop": loop}
+
+#### the Step-GRPO update
+
+def update_rows(rows, model_dir, seed):
+    """The golden rows as a rollout's training rows (learner.micro_batches' dicts): old, the
+    starting weights' logprob of each token; adv, one seeded normal a row."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    adv = torch.randn(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = []
+    with torch.no_grad():
+        for (ids, mask, _), a in zip(rows, adv):
+            x = torch.tensor([ids])
+            lp = model(input_ids=x).logits[0, :-1].log_softmax(-1)  # [T-1, V]
+            old = [0.0] + lp.gather(-1, x[0, 1:, None])[:, 0].tolist()
+            out.append(dict(ids=ids, mask=mask, old=old, adv=[a] * len(ids)))
     return out
+
+def update_sides(model_dir, pad_id, micro_batch, dtype, lr):
+    """{name: step(rows) -> (seconds, loss)}: learner.update and the plain loop's clipped loss."""
+    cfg = learner.UpdateConfig(micro_batch=micro_batch)
+    model, opt = ours_model(model_dir, dtype, lr)
+
+    def ours(rows):
+        micro, denom, _ = learner.micro_batches(rows, cfg, pad_id, CPU)
+        olds = [m.logp_sampler for m in micro]
+        t0 = time.perf_counter()
+        sums, _ = learner.update(model, opt, micro, olds, [None] * len(micro), denom, cfg)
+        return time.perf_counter() - t0, float(sums["loss"])
+    plain, popt = plain_model(model_dir, lr)
+    eps_low, eps_high = cfg.clip_low, cfg.clip_high
+
+    def loop(rows):
+        rows = sorted(rows, key=lambda s: len(s["ids"]))  # as micro_batches: similar lengths
+        chunks = [rows[a:a + micro_batch] for a in range(0, len(rows), micro_batch)]
+        t0 = time.perf_counter()
+        n = sum(sum(s["mask"][1:]) for s in rows)  # the step's policy tokens
+        total = 0.0
+        for c in chunks:
+            T = max(len(s["ids"]) for s in c)
+            pad = lambda key, v: torch.tensor([s[key] + [v] * (T - len(s["ids"])) for s in c])
+            ids = pad("ids", pad_id)  # [B, T]
+            attn = torch.tensor([[1] * len(s["ids"]) + [0] * (T - len(s["ids"])) for s in c])
+            sel, old, adv = pad("mask", 0)[:, 1:].bool(), pad("old", 0.0), pad("adv", 0.0)
+            with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
+                logits = plain(input_ids=ids, attention_mask=attn).logits  # [B, T, V]
+            logp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+            ratio = torch.exp(logp - old[:, 1:])  # [B, T-1]
+            a = adv[:, 1:]
+            pg = -torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+            loss = (pg * sel).sum() / n
+            loss.backward()
+            total += loss.item()
+        plain_finish(plain, popt)
+        return time.perf_counter() - t0, total
+    return {"learner.update": ours, "plain loop": loop}
+
+#### the two sides, alternating
 
 def top_ops(prof, label, k):
     """The k ops with the most self CPU time inside the `label` ranges but the first (the timed
@@ -87,43 +151,77 @@ def top_ops(prof, label, k):
     step_us = sum(b - a for a, b in spans)
     return [(name, us / 1e6 / len(spans), us / step_us) for name, us in self_us.most_common(k)]
 
+def n_tokens(batch):
+    """The tokens of a step's rows (sft's (ids, mask, images) or the update's dicts)."""
+    return sum(len(r[0] if isinstance(r, tuple) else r["ids"]) for r in batch)
+
+def run(sides, batches, profile=0):
+    """Each step's rows through both sides, alternating which goes first: {name: [(seconds,
+    loss, tokens)] a step}, and the profiler (profile: K > 0) or None."""
+    names, prof = list(sides), None
+    recs = {name: [] for name in names}
+    with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile
+          else contextlib.nullcontext()) as prof:
+        for s, batch in enumerate(batches):
+            for name in names[::-1] if s % 2 else names:
+                with torch.profiler.record_function(name):
+                    recs[name].append((*sides[name](batch), n_tokens(batch)))
+    return recs, prof
+
+def report(title, recs, prof, profile):
+    """The table: each side's median step, tokens a second, first loss; the ratio; the profile."""
+    names = list(recs)
+    print(f"\n{title}, median of steps 2-{len(recs[names[0]])}:")
+    med = {}
+    for name in names:
+        med[name] = statistics.median(s for s, _, _ in recs[name][1:])
+        tok_s = sum(n for *_, n in recs[name][1:]) / sum(s for s, *_ in recs[name][1:])
+        print(f"  {name:15s} {med[name]:7.2f} s a step, {tok_s:6.0f} tokens/s, "
+              f"first step's loss {recs[name][0][1]:.4f}")
+    print(f"  ratio plain / {names[0]}: {med['plain loop'] / med[names[0]]:.2f}x (goal >= 1.0)")
+    for name in names if profile else []:
+        print(f"  {name}: the top {profile} ops by self CPU time a step")
+        for op, sec, share in top_ops(prof, name, profile):
+            print(f"    {op[:48]:48s} {sec:7.3f} s {share:6.1%}")
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct")
     ap.add_argument("--data", default="data/mini/traj-top1", help="synth.py folder (train.jsonl)")
+    ap.add_argument("--stages", nargs="+", default=["sft", "update"], choices=["sft", "update"])
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps a side (first untimed)")
     ap.add_argument("--batch_size", type=int, default=1)
     ap.add_argument("--grad_accum", type=int, default=2, help="the main job's (Makefile SFT_ACCUM)")
+    ap.add_argument("--update_rows", type=int, default=8, help="rows an update step")
+    ap.add_argument("--micro_batch", type=int, default=2, help="stepgrpo.py's default")
     ap.add_argument("--max_len", type=int, default=2048, help="sft.py's default")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=int, default=0, help="print each side's top N ops (0: none)")
     args = ap.parse_args()
-    dtype = trainutil.resolve_dtype(args.dtype, torch.device("cpu"))
-    common = (args.steps, args.batch_size, args.grad_accum, dtype, args.lr, args.seed)
-    profile = (lambda: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])) \
-        if args.profile else contextlib.nullcontext
-    with profile() as prof_a:
-        a = ours(args.model, args.data, *common)
-    with profile() as prof_b:
-        b = plain(args.model, args.data, *common, args.max_len)
-    for name, prof, label in (("sft.py", prof_a, "sft.train_step"), ("plain loop", prof_b,
-                                                                     "plain.step")):
-        if args.profile:
-            print(f"\n{name}: the top {args.profile} ops by self CPU time a step")
-            for op, s, share in top_ops(prof, label, args.profile):
-                print(f"  {op[:48]:48s} {s:7.3f} s {share:6.1%}")
-    print(f"\nSFT step, {args.batch_size} x {args.grad_accum} rows, {dtype}, "
-          f"{torch.get_num_threads()} threads, median of steps 2-{args.steps}:")
-    med = {}
-    for name, recs in (("sft.py", a), ("plain loop", b)):
-        med[name] = statistics.median(s for s, _, _ in recs[1:])
-        tok_s = sum(n for _, n, _ in recs[1:]) / sum(s for s, _, _ in recs[1:])
-        print(f"  {name:10s} {med[name]:7.2f} s a step, {tok_s:6.0f} tokens/s, "
-              f"first step's loss {recs[0][2]:.4f}")
-    print(f"  ratio plain / sft.py: {med['plain loop'] / med['sft.py']:.2f}x (goal >= 1.0)")
+    dtype = trainutil.resolve_dtype(args.dtype, CPU)
+    trainutil.init_group(1, device=CPU)
+    tok, _, rows, _ = sft.load_inputs(args.model, args.data, ["train"], None, args.max_len, print)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    head = f"{dtype}, {torch.get_num_threads()} threads"
+    torch.manual_seed(args.seed)
+    if "sft" in args.stages:
+        G = args.batch_size * args.grad_accum
+        batches = [[rows[i] for i in perm[s * G:(s + 1) * G]] for s in range(args.steps)]
+        sides = sft_sides(args.model, tok, pad_id, args.batch_size, args.grad_accum, dtype, args.lr)
+        report(f"SFT step, {args.batch_size} x {args.grad_accum} rows, {head}",
+               *run(sides, batches, args.profile), args.profile)
+    if "update" in args.stages:
+        U = args.update_rows
+        picked = [rows[i] for i in perm[-U * args.steps:]]
+        urows = update_rows(picked, args.model, args.seed)
+        batches = [urows[s * U:(s + 1) * U] for s in range(args.steps)]
+        sides = update_sides(args.model, pad_id, args.micro_batch, dtype, args.lr)
+        report(f"Step-GRPO update, {U} rows in micro-batches of {args.micro_batch}, {head}",
+               *run(sides, batches, args.profile), args.profile)
 
 if __name__ == "__main__":
     main()
