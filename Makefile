@@ -25,7 +25,7 @@ help:
 	@echo "make actions     a router with and without Agentic RAG-R1's backtrack and summary actions, on dev"
 	@echo "make released    R1-Router's released reward, protocol and step structure against the recipe"
 	@echo "make visual      the VL policy on text + visual questions (also: lora, multiquery, real, real-eval)"
-	@echo "make bench       SFT vs a plain loop, retrieval, rollouts, weight sync, FLOP/s (also: bench-serve, bench-memory, bench-index, bench-trl)"
+	@echo "make bench       SFT and the update vs plain loops, evaluation and rollouts vs raw generation, retrieval, sync, FLOP/s (also: bench-serve, -memory, -index, -trl)"
 	@echo "make gpu-check   on a GPU machine: does training work here (DRY=1: the same on the CPU)"
 	@echo "make clean       remove data/, out/, wandb/"
 
@@ -133,10 +133,11 @@ baselines: $(BASE)/prompt-only/results.json $(BASE)/sft/results.json
 	$(PY) evaluate.py --combine $^ --data $(DATA) --split test --out $(BASE)/results
 
 # TEST_JOBS pytest workers (pytest-xdist), a test file each at a time (its module-scoped runs stay shared): on 2 cores
-# the suite's many process start-ups overlap (measured in docs/LOG.md); a worker's processes run one thread each
+# the suite's many process start-ups overlap (measured in docs/LOG.md); a worker's processes run one thread each; the
+# 30 slowest tests print at the end (where the suite's time goes)
 TEST_JOBS ?= 2
 test: .venv/.stamp $(MODEL)/config.json
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # The edit loop's tier: unit tests and in-process runs; the slow-marked end-to-end runs (the main job's own command among
 # them, tests/test_smoke.py) left out

@@ -8,6 +8,7 @@ same global batch gives the same gradient. A single process is an FSDP2 world of
     torchrun --standalone --nproc_per_node 2 sft.py --data data/mini/traj --out out/sft
     python sft.py ... --out out/sft --resume     # on from <out>/latest: same data order and LR
     python sft.py ... --lora_r 16 --quant nf4    # QLoRA: adapters on the quantised frozen base
+    python sft.py ... --pack_tokens 4096         # padding-free: a step's rows end to end
 
 The data, the outputs, more commands and the flags' sources: docs/scripts.md#sftpy.
 """

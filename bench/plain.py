@@ -17,6 +17,7 @@ step, under torch.profiler (where the time goes; the profiler's own cost is in i
 
     python -m bench.plain --model models/SmolLM2-135M-Instruct --data data/mini/traj-top1 --steps 6
     python -m bench.plain ... --grad_accum 8 --batch_size 1                 # sft.py's defaults
+    python -m bench.plain ... --stages sft --pack_tokens 4096               # padding-free SFT
     python -m bench.plain ... --steps 4 --profile 15 --stages sft           # where SFT's time goes
 """
 import argparse
@@ -52,12 +53,12 @@ def plain_finish(model, opt):
 
 #### SFT
 
-def sft_sides(model_dir, tok, pad_id, batch_size, grad_accum, dtype, lr):
+def sft_sides(model_dir, tok, pad_id, batch_size, grad_accum, dtype, lr, pack_tokens=0):
     """{name: step(rows) -> (seconds, loss)}: sft.py's step and the plain loop's, each timed from
     the collated micro-batches on (as sft.train_step times itself)."""
     model, opt = ours_model(model_dir, dtype, lr)
     t = sft.Trainer(model, opt, 0, 1, CPU, print, pad_id, None, tok, None)
-    r = sft.Recipe("", 0, batch_size, grad_accum, 0, 1.0, None, 0, 0, 0, 0, {})
+    r = sft.Recipe("", 0, batch_size, grad_accum, pack_tokens, 1.0, None, 0, 0, 0, 0, {})
 
     def ours(batch):
         rec = sft.train_step(t, batch, lr, r)
@@ -158,7 +159,7 @@ def n_tokens(batch):
 def run(sides, batches, profile=0):
     """Each step's rows through both sides, alternating which goes first: {name: [(seconds,
     loss, tokens)] a step}, and the profiler (profile: K > 0) or None."""
-    names, prof = list(sides), None
+    names = list(sides)
     recs = {name: [] for name in names}
     with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile
           else contextlib.nullcontext()) as prof:
@@ -193,6 +194,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps a side (first untimed)")
     ap.add_argument("--batch_size", type=int, default=1)
     ap.add_argument("--grad_accum", type=int, default=2, help="the main job's (Makefile SFT_ACCUM)")
+    ap.add_argument("--pack_tokens", type=int, default=0, help="sft.py's --pack_tokens")
     ap.add_argument("--update_rows", type=int, default=8, help="rows an update step")
     ap.add_argument("--micro_batch", type=int, default=2, help="stepgrpo.py's default")
     ap.add_argument("--max_len", type=int, default=2048, help="sft.py's default")
@@ -211,8 +213,10 @@ def main():
     if "sft" in args.stages:
         G = args.batch_size * args.grad_accum
         batches = [[rows[i] for i in perm[s * G:(s + 1) * G]] for s in range(args.steps)]
-        sides = sft_sides(args.model, tok, pad_id, args.batch_size, args.grad_accum, dtype, args.lr)
-        report(f"SFT step, {args.batch_size} x {args.grad_accum} rows, {head}",
+        sides = sft_sides(args.model, tok, pad_id, args.batch_size, args.grad_accum, dtype, args.lr,
+                          args.pack_tokens)
+        packed = f", packed by {args.pack_tokens} tokens" if args.pack_tokens else ""
+        report(f"SFT step, {args.batch_size} x {args.grad_accum} rows{packed}, {head}",
                *run(sides, batches, args.profile), args.profile)
     if "update" in args.stages:
         U = args.update_rows

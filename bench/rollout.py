@@ -1,6 +1,7 @@
 """
-bench/rollout.py: throughput of the routed rollout loop against raw vLLM generation of as many tokens (each step
-structure; visual questions too when the data has them), vLLM against HF generate (images/s for a VL policy), and the
+bench/rollout.py: throughput of the routed loop against raw vLLM generation of as many tokens: the main job's routed
+evaluation (greedy, one trajectory a test question, top-1 evidence), the rollouts (each step structure; visual
+questions too when the data has them); vLLM against HF generate (images/s for a VL policy), and the
 time of a weight sync into the running engine. Figures print; docs/LOG.md keeps the measured ones.
     python -m bench.rollout --model out/demo/sft/final --n_questions 32 -n 4
     python -m bench.rollout --model out/released/sft/final --structure released     # R1-Router's released structure
@@ -17,26 +18,27 @@ import retrievers
 from engines import HFEngine, VLLMEngine, auto_model
 from prepare import DEFAULT_MODEL
 from prompts import SYSTEM_PROMPT
-from rollout import ReleasedSteps, Settings, TranscriptSteps, rollout
+from rollout import ReleasedSteps, Settings, TranscriptSteps, begin, rollout
 
-def bench_loop(engine, ret, qs, args, structure, label):
-    """The routed loop in one step structure against raw vLLM generating as many tokens from the same first prompts;
-    returns those prompts [(ids, images)]. On 2 CPU cores time follows the tokens the model computes, so prefill per
-    trajectory (prompt tokens not in vLLM's prefix cache) is the figure a structure can lower."""
-    s = Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature, structure=structure)
+def bench_loop(engine, ret, qs, s, n, seed, label):
+    """The routed loop (Settings s, n trajectories a question) against raw vLLM generating as many tokens from the
+    same first prompts; returns those prompts [(ids, images)]. On 2 CPU cores time follows the tokens the model
+    computes, so prefill per trajectory (prompt tokens not in vLLM's prefix cache) is the figure a structure can
+    lower."""
+    structure = s.structure
     rollout(engine, ret, qs[:4], n=1, s=s)  # warm-up
     engine.computed.update(prefill=0, decode=0)
     t = time.perf_counter()
-    trajs = rollout(engine, ret, qs, n=args.n, s=s, seed=args.seed)
+    trajs = rollout(engine, ret, qs, n=n, s=s, seed=seed)
     loop_s, ran, n = time.perf_counter() - t, dict(engine.computed), len(trajs)
     n_tok = sum(x["n_policy_tokens"] for x in trajs)
     per_traj = max(1, n_tok // n)
     chat = ReleasedSteps(engine.tok, engine.vis) if structure == "released" else \
         TranscriptSteps(engine.tok, SYSTEM_PROMPT.format(max_steps=s.max_steps), vis=engine.vis)
-    starts = [chat.start(dict(question=q["question"], image=q.get("image"), steps=[])) for q in qs for _ in range(args.n)]
-    prompts = [(tr.prompt(), tr.prompt_images()) for tr in starts]
+    starts = [begin(q, k, chat, s) for q in qs for k in range(n)]  # the loop's first prompts
+    prompts = [(live.tr.prompt(), live.tr.prompt_images()) for live in starts]
     from vllm import SamplingParams
-    sp = SamplingParams(max_tokens=per_traj, min_tokens=per_traj, ignore_eos=True, temperature=args.temperature)
+    sp = SamplingParams(max_tokens=per_traj, min_tokens=per_traj, ignore_eos=True, temperature=s.temperature)
     engine.llm.reset_prefix_cache()
     t = time.perf_counter()
     engine.llm.generate([engine.tokens_prompt(p, im) for p, im in prompts], sp, use_tqdm=False)
@@ -55,11 +57,17 @@ def main(args):
     qs = dataio.load_questions(args.data, args.split)[:args.n_questions]
     ret = retrievers.make_retriever(args.retriever, args.data)
     engine = VLLMEngine(args.model, seed=args.seed)
+    settings = lambda structure: Settings(max_steps=args.max_steps, topk=args.topk, temperature=args.temperature,
+                                          structure=structure)
+    # the main job's evaluation (evaluate.py --methods routed --topk 1): greedy, one trajectory a test question
+    tests = dataio.load_questions(args.data, "test")[:args.n_questions]
+    bench_loop(engine, ret, tests, Settings(topk=1, temperature=0.0), 1, args.seed, "routed evaluation, test questions")
     for structure in ("transcript", "released") if args.structure == "both" else (args.structure,):
-        prompts = bench_loop(engine, ret, qs, args, structure, f"{args.split} questions")
+        prompts = bench_loop(engine, ret, qs, settings(structure), args.n, args.seed, f"{args.split} questions")
     if (Path(args.data) / "questions" / f"visual_{args.split}.jsonl").is_file():  # the cost of a visual question
         vqs = dataio.load_questions(args.data, f"visual_{args.split}")[:args.n_questions]
-        visual = bench_loop(engine, ret, vqs, args, args.structure.replace("both", "transcript"), f"visual_{args.split} questions")
+        visual = bench_loop(engine, ret, vqs, settings(args.structure.replace("both", "transcript")), args.n,
+                            args.seed, f"visual_{args.split} questions")
         prompts = visual if engine.vis else prompts
     from vllm import SamplingParams
     # backend speed: 16 prompts x 64 new tokens, greedy, EOS ignored by both

@@ -187,6 +187,88 @@ def test_two_ranks_fsdp_equal_one_process(single_run, tiny_model, traj_dir, tmp_
             if k in x:
                 assert y[k] == pytest.approx(x[k], rel=1e-6), k
 
+#### packed micro-batches (--pack_tokens)
+
+def test_pack_keeps_the_rows_in_order_within_the_budget():
+    rows = [([0] * n, [0] * n) for n in (5, 4, 9, 2, 2, 1)]
+    packs = sft.pack(rows, 9)
+    assert [[len(r[0]) for r in p] for p in packs] == [[5, 4], [9], [2, 2, 1]]
+    assert [[len(r[0]) for r in p] for p in sft.pack(rows, 4)] == [[5], [4], [9], [2, 2], [1]]  # a longer row alone
+
+def token_logprobs(model, ids, labels, pos=None):
+    """[N] logprob of each label token (the trainer's selected_logits)."""
+    sel = labels[:, 1:] != -100
+    logp = trainutil.selected_logits(model, ids, sel, pos=pos).float().log_softmax(-1)  # [N, V]
+    return logp.gather(-1, labels[:, 1:][sel][:, None])[:, 0]
+
+def test_packed_rows_score_as_each_alone(tiny_model, traj_dir):
+    """Three rows end to end (collate_packed) give each row's loss as it gets alone: the position ids restart at each
+    row and transformers attends within each row. The same concatenation as one causal sequence (later rows seeing
+    the earlier ones) does not: its logprobs of the later rows are off by far more."""
+    model = load(tiny_model).eval()
+    rows = [(r["ids"], r["mask"]) for r in dataio.read_jsonl(traj_dir / "train.jsonl")[:3]]
+    with torch.no_grad():
+        ids, labels, pos = sft.collate_packed(rows, "cpu")
+        assert ids.shape == labels.shape == pos.shape == (1, sum(len(x) for x, _ in rows))
+        s, n = sft.loss_sum(model, ids, labels, pos=pos)
+        hand = [hand_nll(model, x, m) for x, m in rows]
+        assert n.item() == sum(k for _, k in hand)
+        assert s.item() == pytest.approx(sum(h.item() for h, _ in hand), rel=1e-5)
+        alone = torch.cat([token_logprobs(model, *sft.collate([r], 2, "cpu")) for r in rows])
+        packed, leaky = token_logprobs(model, ids, labels, pos), token_logprobs(model, ids, labels)
+        assert (packed - alone).abs().max() < 1e-4 < (leaky - alone).abs().max()
+
+def test_packed_logprobs_equal_padded_within_bf16_rounding(tiny_model, traj_dir):
+    """Per-token logprobs of four rows packed against the same rows right-padded, through the trainer's own model
+    (FSDP2; bf16: its mixed precision): in fp32 equal to 1e-5; in bf16 apart by no more than bf16 rounds the padded
+    ones themselves (their distance from fp32's)."""
+    import torch.distributed as dist
+    cpu = torch.device("cpu")
+    rows = [(r["ids"], r["mask"]) for r in dataio.read_jsonl(traj_dir / "train.jsonl")[:4]]
+    own = trainutil.init_group(1, device=cpu)
+    try:
+        got = {}
+        for dtype in ("fp32", "bf16"):
+            model = trainutil.load_sharded(tiny_model, cpu, 1, train=False, bf16=dtype == "bf16")
+            with torch.no_grad():
+                got[dtype] = (token_logprobs(model, *sft.collate(rows, 2, cpu)),
+                              token_logprobs(model, *sft.collate_packed(rows, cpu)))
+    finally:
+        if own:
+            dist.destroy_process_group()
+    (pad32, pack32), (pad16, pack16) = got["fp32"], got["bf16"]
+    assert len(pad32) == len(pack32) == sum(sum(m[1:]) for _, m in rows)
+    assert (pack32 - pad32).abs().max() < 1e-5
+    bf16_rounding = (pad16 - pad32).abs().max()
+    assert 0 < (pack16 - pad16).abs().max() <= bf16_rounding
+
+@pytest.mark.slow
+def test_packed_two_ranks_equal_one_process_and_resume_exactly(tiny_model, traj_dir, tmp_path):
+    """--pack_tokens B: 2 gloo ranks x 4 rows a step against 1 process x 8 (SGD: the same weights to 1e-6), B picked
+    so the ranks pack their rows in different numbers of micro-batches (the one with fewer adds weight-0 copies:
+    FSDP gathers inside every forward); then the 1-process run resumed from its step-1 checkpoint ends bitwise where
+    it ended."""
+    rows = sft.load_rows(traj_dir / "train.jsonl", 2048, 10**9)  # uncut: rows of unequal length
+    first = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()[:8]]
+    budget = next(b for b in range(600, 3000, 50) if len(sft.pack(first[:4], b)) != len(sft.pack(first[4:], b)))
+    args = ["--model", str(tiny_model), "--data", str(traj_dir), *FAST, *SGD, "--max_len", "2048",
+            "--pack_tokens", str(budget)]
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    sft.main([*args, "--grad_accum", "4", "--out", str(one)])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "sft.py", *args,
+           "--grad_accum", "2", "--out", str(two)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    for step in (1, 2):
+        assert max_diff(two / f"step_{step}", one / f"step_{step}") < 1e-6
+    losses = lambda out: [x.get("loss", x.get("eval_loss")) for x in read_log(out)]
+    assert losses(two) == pytest.approx(losses(one), rel=1e-6)
+    resumed.mkdir()
+    shutil.copytree(one / "step_1", resumed / "step_1")
+    (resumed / "latest").write_text("step_1\n")
+    sft.main([*args, "--grad_accum", "4", "--out", str(resumed), "--resume"])
+    assert max_diff(resumed / "step_2", one / "step_2") == 0.0
+
 #### resume, and the checkpoint itself
 
 @pytest.mark.slow
