@@ -353,9 +353,12 @@ def accumulate(model, last):
     the last backward: a step gathers and reduces each parameter once, not once a micro-batch
     (FSDP2's gather and reduce at world size 1 are copies of the whole model). The sum is the same:
     each micro-batch's gradient added in turn, in fp32. At larger worlds, or offloaded, nothing
-    changes: unreduced gradients would hold a whole model's on each rank."""
+    changes: unreduced gradients would hold a whole model's on each rank; nor for a model FSDP2 does
+    not hold."""
+    from torch.distributed.fsdp import FSDPModule
     p = next(model.parameters())
-    if dist.get_world_size() == 1 and p.device == compute_device(model):
+    if isinstance(model, FSDPModule) and dist.get_world_size() == 1 \
+            and p.device == compute_device(model):
         model.set_requires_gradient_sync(last)
         model.set_reshard_after_backward(last)
 
@@ -410,6 +413,7 @@ def sync_gap(model, engine, row, device):
     """The weight sync's check (stepgrpo.py, after a process's first update and at every
     checkpoint): the mean and the max |engine - trainer| logprob over every token of one rollout row
     (the prompt's image tokens included): the mean over ranks and the max over ranks."""
+    from torch.distributed.fsdp import FSDPModule
     ids, images, vis = row["ids"], row.get("images", []), engine.vis
     with torch.no_grad():
         x = torch.tensor([ids], device=device)
@@ -418,8 +422,11 @@ def sync_gap(model, engine, row, device):
         logits = selected_logits(model, x, sel, torch.ones(1, len(ids), device=device),
                                  pixels=pix).float()  # [T-1, V]
         mine = logits.log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]  # [T-1]
-    # no backward follows before the next rollout: free the root's gathered weights for the engine
-    model.reshard()
+    # no backward follows before the next rollout: free the gathered weights for the engine (the
+    # root's; at world size 1 the blocks' too: accumulate)
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
     diff = (torch.tensor(engine.prompt_logprobs(ids, images), device=device) - mine).abs()  # [T-1]
     mean, top = diff.mean().reshape(1), diff.max().reshape(1)
     dist.all_reduce(mean)
