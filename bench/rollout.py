@@ -20,8 +20,8 @@ from prepare import DEFAULT_MODEL
 from prompts import SYSTEM_PROMPT
 from rollout import ReleasedSteps, Settings, TranscriptSteps, begin, rollout
 
-def bench_loop(engine, ret, qs, s, n, seed, label):
-    """The routed loop (Settings s, n trajectories a question) against raw vLLM generating as many tokens from the
+def bench_loop(engine, ret, qs, s, k, seed, label):
+    """The routed loop (Settings s, k trajectories a question) against raw vLLM generating as many tokens from the
     same first prompts; returns those prompts [(ids, images)]. On 2 CPU cores time follows the tokens the model
     computes, so prefill per trajectory (prompt tokens not in vLLM's prefix cache) is the figure a structure can
     lower."""
@@ -29,13 +29,13 @@ def bench_loop(engine, ret, qs, s, n, seed, label):
     rollout(engine, ret, qs[:4], n=1, s=s)  # warm-up
     engine.computed.update(prefill=0, decode=0)
     t = time.perf_counter()
-    trajs = rollout(engine, ret, qs, n=n, s=s, seed=seed)
+    trajs = rollout(engine, ret, qs, n=k, s=s, seed=seed)
     loop_s, ran, n = time.perf_counter() - t, dict(engine.computed), len(trajs)
     n_tok = sum(x["n_policy_tokens"] for x in trajs)
     per_traj = max(1, n_tok // n)
     chat = ReleasedSteps(engine.tok, engine.vis) if structure == "released" else \
         TranscriptSteps(engine.tok, SYSTEM_PROMPT.format(max_steps=s.max_steps), vis=engine.vis)
-    starts = [begin(q, k, chat, s) for q in qs for k in range(n)]  # the loop's first prompts
+    starts = [begin(q, i, chat, s) for q in qs for i in range(k)]  # the loop's first prompts
     prompts = [(live.tr.prompt(), live.tr.prompt_images()) for live in starts]
     from vllm import SamplingParams
     sp = SamplingParams(max_tokens=per_traj, min_tokens=per_traj, ignore_eos=True, temperature=s.temperature)
