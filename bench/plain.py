@@ -29,6 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import grpo
 import learner
 import sft
 import trainutil
@@ -115,23 +116,19 @@ def update_sides(model_dir, pad_id, micro_batch, dtype, lr):
 
     def loop(rows):
         rows = sorted(rows, key=lambda s: len(s["ids"]))  # as micro_batches: similar lengths
-        chunks = [rows[a:a + micro_batch] for a in range(0, len(rows), micro_batch)]
+        # right-padded: ids, attn [B, T], sel [B, T-1], old, adv [N] at the policy tokens
+        micro = [grpo.collate(rows[a:a + micro_batch], pad_id, CPU)
+                 for a in range(0, len(rows), micro_batch)]
         t0 = time.perf_counter()
-        n = sum(sum(s["mask"][1:]) for s in rows)  # the step's policy tokens
+        n = sum(int(sel.sum()) for _, _, _, sel, _, _ in micro)  # the step's policy tokens
         total = 0.0
-        for c in chunks:
-            T = max(len(s["ids"]) for s in c)
-            pad = lambda key, v: torch.tensor([s[key] + [v] * (T - len(s["ids"])) for s in c])
-            ids = pad("ids", pad_id)  # [B, T]
-            attn = torch.tensor([[1] * len(s["ids"]) + [0] * (T - len(s["ids"])) for s in c])
-            sel, old, adv = pad("mask", 0)[:, 1:].bool(), pad("old", 0.0), pad("adv", 0.0)
+        for ids, attn, _, sel, old, adv in micro:
             with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
                 logits = plain(input_ids=ids, attention_mask=attn).logits  # [B, T, V]
             logp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
-            ratio = torch.exp(logp - old[:, 1:])  # [B, T-1]
-            a = adv[:, 1:]
-            pg = -torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
-            loss = (pg * sel).sum() / n
+            ratio = torch.exp(logp[sel] - old)  # [N]
+            pg = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+            loss = pg.sum() / n
             loss.backward()
             total += loss.item()
         plain_finish(plain, popt)
