@@ -39,6 +39,7 @@ class UpdateConfig:
     kl_in_reward: float = 0.0       # PPO: -beta (logp_old - logp_ref) in the token rewards
     gae: bool = False               # PPO: advantages from the critic in the update
                                     # (every row counts)
+    flex: bool = False              # packed groups' tree masks as FlexAttention block masks
 
 @dataclass
 class Micro:
@@ -83,7 +84,7 @@ def micro_batches(rows, cfg, pad_id, device, vis=None):
     keys = ("old", "adv", "reward") if cfg.gae else ("old", "adv")
     micro = []
     for m in chunks:
-        c = collate(m or stand_in, pad_id, device, keys)
+        c = collate(m or stand_in, pad_id, device, keys, cfg.flex)
         pix = (vis.pixels([s.get("images", []) for s in m or stand_in], device, c[0], always=True)
                if vis else {})
         micro.append(Micro(*c[:6], pix=pix, weight=float(bool(m)),

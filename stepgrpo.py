@@ -105,6 +105,8 @@ def get_args(argv=None):
     arg("--save_every", type=int, default=6)
     arg("--eval_questions", type=int, default=100, help="dev questions a checkpoint (0: off)")
     arg("--activation_checkpointing", action="store_true")
+    arg("--flex_attention", action="store_true",
+        help="packed groups' tree masks as FlexAttention block masks (CUDA)")
     arg("--offload", action="store_true", help="FSDP2 CPU offload of shards and optimizer state")
     arg("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 where native")
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -137,7 +139,8 @@ def rollout_config(args):
 def update_config(args):
     return learner.UpdateConfig(args.micro_batch, args.minibatches, args.clip_low, args.clip_high,
                                 args.kl_coef, args.entropy_coef, args.ratio, args.tis_cap,
-                                args.old_logprobs, args.kl_in_reward, args.adv_estimator == "gae")
+                                args.old_logprobs, args.kl_in_reward, args.adv_estimator == "gae",
+                                args.flex_attention)
 
 def reward_weights(args, questions, judge=None):
     """steprewards.Weights of --w_format, --w_hit, --w_rag with its judge; with --balance_kb the
@@ -197,10 +200,11 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     tree = args.rollout != "onpolicy"  # packed groups: 4D attention masks (SDPA, not flash-attn)
     bf16 = args.dtype == "bf16"
     model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=bf16,
-                                   tree_mask=tree, lora=lora, offload=args.offload)
+                                   tree_mask=tree, lora=lora, offload=args.offload,
+                                   flex=args.flex_attention)
     kl = (args.kl_coef > 0 or args.kl_in_reward > 0) and not lora  # LoRA's: its adapters off
     ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=bf16, tree_mask=tree,
-                                 offload=args.offload) if kl else None
+                                 offload=args.offload, flex=args.flex_attention) if kl else None
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     crit = critic.load(args.model, args.critic_lr, device, world, lora, bf16,
@@ -258,7 +262,7 @@ def main(argv=None, close=True):
     import retrievers  # faiss: not at import (the tests import this module)
     args = get_args(argv)
     rank, world, device, print0 = trainutil.env_rank(args.device)
-    check_args(args, world)
+    check_args(args, world, device)
     lora = trainutil.lora_of(args.lora_r, args.quant)
     args.dtype = trainutil.resolve_dtype(args.dtype, device)  # a checkpoint records this one
     out = Path(args.out)
@@ -398,7 +402,7 @@ def load_judge(args, cache):
 
 #### argument checks: one-line errors before anything is loaded
 
-def check_args(args, world):
+def check_args(args, world, device=torch.device("cpu")):
     """Flag combinations that cannot work. --tis_cap and --quant int8 set --old_logprobs trainer:
     the IS weights are pi_trainer / pi_sampler, and LLM.int8 quantises activations, so the engine's
     logprobs are not the trainer's."""
@@ -447,6 +451,10 @@ def check_args(args, world):
     elif args.kl_in_reward:
         sys.exit("error: --kl_in_reward is PPO's (--adv_estimator gae); group advantages take "
                  "--kl_coef")
+    if args.flex_attention and (args.rollout == "onpolicy" or device.type != "cuda"):
+        sys.exit(f"error: --flex_attention on {device.type} with --rollout {args.rollout}: it is "
+                 "for packed groups (teacher_prefix, branch) on CUDA; FlexAttention has no "
+                 "backward on CPU (torch 2.13)")
     rollout.check_multi_query(args.max_pairs, args.max_rets, args.structure, args.actions)
     if err := transcript.check_format(args.model, args):
         sys.exit(f"error: {err}")

@@ -206,10 +206,12 @@ def is_quantized(p):
     """A bitsandbytes-quantised parameter (FSDP2 leaves these out: each rank holds them whole)."""
     return type(p).__name__ in ("Params4bit", "Int8Params")
 
-def attention(device, bf16, tree_mask=False):
-    """The attention implementation: flash-attn 2 when installed, on CUDA with bf16 compute only (it
-    has no fp32 kernels: --dtype fp32 would raise in the first forward) and without 4D masks
-    (tree_mask); else SDPA."""
+def attention(device, bf16, tree_mask=False, flex=False):
+    """The attention implementation: FlexAttention for tree masks given as block masks (flex);
+    flash-attn 2 when installed, on CUDA with bf16 compute only (it has no fp32 kernels: --dtype
+    fp32 would raise in the first forward) and without 4D masks (tree_mask); else SDPA."""
+    if tree_mask and flex:
+        return "flex_attention"
     if device.type != "cuda" or not bf16 or tree_mask:
         return "sdpa"
     try:
@@ -219,7 +221,7 @@ def attention(device, bf16, tree_mask=False):
     return "flash_attention_2"
 
 def load_sharded(path, device, world, activation_checkpointing=False, train=True, bf16=True,
-                 tree_mask=False, lora=None, value_head=False, offload=False):
+                 tree_mask=False, lora=None, value_head=False, offload=False, flex=False):
     """fp32 master weights; each block (blocks(): decoder layers, vision-encoder layers) is one FSDP
     unit, the root holds the rest (embeddings, final norm, lm_head; a VL model's patch embedding and
     connector).
@@ -230,7 +232,7 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     bf16: FSDP2 mixed precision, i.e. bf16 forward/backward compute, fp32 gradient reduction and
     optimizer state, on CPU as on GPU (resolve_dtype says where it is native).
     tree_mask: the model will get 4D attention masks (stepgrpo's packed groups), which SDPA takes
-    and flash-attn not.
+    and flash-attn not; with flex, as FlexAttention block masks (grpo.tree_block_mask).
     lora: a Lora, adapters on the frozen base (the same sharding; only the adapters get gradients
     and Adam state).
     value_head: PPO's critic, the model with its LM head swapped for a scalar head (to_critic;
@@ -251,7 +253,7 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, BitsAndBytesConfig
-    auto, attn = auto_model(path), attention(device, bf16, tree_mask)
+    auto, attn = auto_model(path), attention(device, bf16, tree_mask, flex)
     quant = lora.quant if lora else "none"
     full, buffers, generation_config = {}, {}, None
     if quant != "none":

@@ -12,6 +12,7 @@ scripts' main() in this process:
     grpo-hf    Step-GRPO 2 steps, --backend hf, the engine checked against the trainer after every sync
     grpo-vllm  the same with the vLLM engine (skipped where vllm does not import)
     onpolicy   Step-GRPO 1 step over the policy's own trajectories (--rollout onpolicy, --backend hf)
+    flex       Step-GRPO 1 step with the packed groups' tree masks as FlexAttention block masks (--flex_attention)
     offload    PPO 1 step with --offload: policy and critic shards, gradients and Adam in host memory (--backend hf)
     lora       Step-GRPO 1 step with LoRA adapters (the merged weights synced and checked)
     qlora      the same on an nf4 base (skipped where bitsandbytes does not import)
@@ -289,6 +290,8 @@ def checks(c):
             ("onpolicy", step_grpo(sft_final, "hf", "onpolicy", 1, "--rollout", "onpolicy"), None),
             ("offload", step_grpo(sft_final, "hf", "offload", 1, "--rollout", "onpolicy", "--adv_estimator", "gae", "-n", 1,
                                   "--critic_warmup", 0, "--offload"), None),
+            ("flex", None if c.dry else step_grpo(sft_final, "hf", "flex", 1, "--flex_attention"),
+             "FlexAttention has no backward on CPU"),
             ("lora", step_grpo(sft_final, "hf", "lora", 1, "--lora_r", 4), None),
             ("qlora", step_grpo(sft_final, "hf", "qlora", 1, "--lora_r", 4, "--quant", "nf4")
              if has("bitsandbytes") else None, "bitsandbytes is not installed"),
@@ -363,7 +366,7 @@ def main():
     c.data = world(c.work, c.text, c.vl)
     print(f"gpu_check: models, world and trajectories in {time.perf_counter() - t:.0f} s", flush=True)
     if c.dry:
-        print("dry run: CPU, fp32; skipped (GPU only): the cuda and budget checks, bf16 compute, GPU memory (peaks are this "
+        print("dry run: CPU, fp32; skipped (GPU only): the cuda, budget and flex checks, bf16 compute, GPU memory (peaks are this "
               "process's RSS)", flush=True)
     rows = [run_check(name, fn) if fn else (name, "skip", 0.0, 0.0, why) for name, fn, why in checks(c)]
     vllm = sys.modules["vllm"].__version__ if "vllm" in sys.modules else "none"

@@ -92,6 +92,34 @@ def engine_sleeps_and_follows_a_bf16_sync(model_dir):
     engine.close()
 
 @needs_vllm
+def test_flex_attention_trains_packed_groups_as_the_dense_tree_mask(tiny_model_dir):
+    # --flex_attention: a packed micro-batch's logprobs and gradients through FlexAttention's compiled kernels (their
+    # backward runs on CUDA only) against SDPA's under the dense tree mask, both the trainer's bf16 FSDP2 model: apart
+    # by at most twice what bf16 moves the dense ones from fp32 (a mask that let branches see each other: order 1)
+    import torch.distributed as dist
+
+    import grpo
+    import trainutil
+    cuda = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(3, 100, (n,), generator=g).tolist()
+    rows = [grpo.pack_group(rand(40), [(rand(150 + 9 * i), [-1.0] * (150 + 9 * i)) for i in range(3)], [1.0, -1.0, 0.5])]
+    own = trainutil.init_group(1, device=cuda)
+    try:
+        got = {}
+        for name, bf16, flex in (("fp32", False, False), ("dense", True, False), ("flex", True, True)):
+            model = trainutil.load_sharded(tiny_model_dir, cuda, 1, bf16=bf16, tree_mask=True, flex=flex)
+            ids, attn, pos, sel, _, adv = grpo.collate(rows, 0, cuda, flex=flex)
+            logp = grpo.token_logprobs(model, ids, attn, sel, pos)[0]
+            (logp * adv).sum().backward()
+            got[name] = logp.detach(), torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
+    finally:
+        if own:
+            dist.destroy_process_group()
+    (lp32, g32), (lpd, gd), (lpf, gf) = got["fp32"], got["dense"], got["flex"]
+    assert (lpf - lpd).abs().max() <= 2 * (lpd - lp32).abs().max()
+    assert (gf - gd).norm() <= 2 * (gd - g32).norm()
+
 def test_engine_sleeps_and_follows_a_bf16_sync(tiny_model_dir):
     in_own_process(engine_sleeps_and_follows_a_bf16_sync, tiny_model_dir)
 

@@ -75,6 +75,7 @@ def test_flash_attn_only_for_bf16_compute_on_cuda(monkeypatch):
     assert trainutil.attention(cuda, bf16=True) == "flash_attention_2"
     assert trainutil.attention(cuda, bf16=False) == "sdpa"  # --dtype fp32: flash-attn has no fp32 kernels
     assert trainutil.attention(cuda, bf16=True, tree_mask=True) == "sdpa"  # packed groups' 4D masks
+    assert trainutil.attention(cuda, bf16=True, tree_mask=True, flex=True) == "flex_attention"  # as block masks
     assert trainutil.attention(torch.device("cpu"), bf16=True) == "sdpa"
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed: the import fails
     assert trainutil.attention(cuda, bf16=True) == "sdpa"
@@ -130,6 +131,16 @@ def test_int8_qlora_takes_old_logprobs_from_the_trainer(monkeypatch, capsys):
     args = stepgrpo.get_args(["--lora_r", "8", "--quant", "nf4"])
     stepgrpo.check_args(args, 1)
     assert args.old_logprobs == "sampler" and capsys.readouterr().out == ""
+
+def test_flex_attention_is_for_packed_groups_on_cuda():
+    # FlexAttention has no backward on CPU, and on-policy rows are unpacked (no tree mask to give it)
+    cuda = torch.device("cuda", 0)
+    args = lambda *extra: stepgrpo.get_args(["--flex_attention", *extra])
+    stepgrpo.check_args(args(), 1, cuda)  # teacher_prefix's packed groups on CUDA
+    stepgrpo.check_args(args("--rollout", "branch"), 1, cuda)
+    for a, device in ((args(), torch.device("cpu")), (args("--rollout", "onpolicy"), cuda)):
+        assert "--flex_attention" in one_line_exit(stepgrpo.check_args, a, 1, device)
+    assert stepgrpo.update_config(args()).flex and not stepgrpo.update_config(stepgrpo.get_args([])).flex
 
 def test_device_cuda_fails_fast_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

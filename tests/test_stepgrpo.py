@@ -254,6 +254,29 @@ def test_packed_group_scores_like_separate_rows(tiny_model_dir):
     loss = lambda L: grpo.grpo_loss(L, A[4] - 0.1, L, A[5], (0.2, 0.2), 0.0, len(la))[0]
     assert loss(la).item() == pytest.approx(loss(lb).item(), abs=1e-6)
 
+def test_flex_block_mask_scores_packed_groups_as_the_dense_tree_mask(tiny_model_dir):
+    # --flex_attention: collate's BlockMask through transformers' FlexAttention gives the dense tree mask's logprobs
+    # (forward only: FlexAttention has no backward on CPU; tests/test_gpu.py compares gradients on CUDA), and it skips
+    # blocks: completions of 150 tokens, 128-token blocks, so a later branch's queries never visit an earlier branch
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+    from transformers import AutoModelForCausalLM
+    load = lambda attn: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attn)
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(3, 100, (n,), generator=g).tolist()
+    rows = [grpo.pack_group(rand(40), [(rand(150 + 9 * i), [-1.0] * (150 + 9 * i)) for i in range(3)], [1.0, -1.0, 0.5]),
+            grpo.pack_group(rand(70), [(rand(120), [-1.0] * 120), (rand(5), [-1.0] * 5)], [1.0, -1.0])]
+    ids, dense, pos, sel, _, _ = grpo.collate(rows, 0, "cpu")
+    flex = grpo.collate(rows, 0, "cpu", flex=True)[1]
+    T = ids.shape[1]  # a causal block mask lets branches see each other
+    causal = create_block_mask(lambda b, h, q, kv: kv <= q, 2, None, T, T, device="cpu")
+    assert isinstance(flex, BlockMask) and flex.sparsity() > causal.sparsity() + 5  # % of blocks skipped
+    with torch.no_grad():
+        want = grpo.token_logprobs(load("sdpa"), ids, dense, sel, pos)[0]
+        model = load("flex_attention")
+        got = grpo.token_logprobs(model, ids, flex, sel, pos)[0]
+        wrong = grpo.token_logprobs(model, ids, causal, sel, pos)[0]
+    assert (got - want).abs().max() < 1e-5 and (wrong - want).abs().max() > 1e-3
+
 def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
     # main() skips rows whose advantages are all 0 when --kl_coef is 0, keeping the full batch's denominator: the
     # gradient must equal the one over every row. With a KL term such a row does move the policy, so it is kept
