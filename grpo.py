@@ -287,27 +287,39 @@ def group_rows(prefix, group, adv, images=(), mrope=False, keep=None):
                  images=images)
             for (ids, lps), a, k in zip(group, adv, keep)]
 
-def tree_visible(seg, b, q, kv):
-    """Whether token q of packed row b (pack_group) sees token kv: kv not after q, and in the shared
-    prompt (seg -1) or in q's own branch. seg [B, T] (padding: 1 << 30). The indices broadcast
-    (collate's dense mask) or are scalars (FlexAttention's mask_mod)."""
-    return (kv <= q) & ((seg[b, kv] == -1) | (seg[b, kv] == seg[b, q]))
+def merge_rows(rows):
+    """Training rows end to end as one (learner's --micro_tokens): each keeps its tree (seg; -1
+    throughout for a row that is no packed group) and its position ids, and doc gives each token its
+    row's index, so collate's mask lets no token see another row's."""
+    keys = [k for k in ("ids", "mask", "old", "adv", "reward") if k in rows[0]]
+    out = {k: [v for s in rows for v in s[k]] for k in keys}
+    out["seg"] = [v for s in rows for v in s.get("seg", [-1] * len(s["ids"]))]
+    out["pos"] = [v for s in rows for v in s.get("pos", range(len(s["ids"])))]
+    out["doc"] = [r for r, s in enumerate(rows) for _ in s["ids"]]
+    return out
 
-def tree_block_mask(seg):
-    """The tree mask of seg [B, T] as a FlexAttention BlockMask: blocks no query sees are skipped
-    (~half of a group's attention with long completions). Its compiled kernels have a backward on
-    CUDA only (torch 2.13)."""
+def tree_visible(seg, doc, b, q, kv):
+    """Whether token q of packed row b (pack_group, merge_rows) sees token kv: kv not after q, of
+    the same row (doc), and in the shared prompt (seg -1) or in q's own branch. seg, doc [B, T]
+    (padding: 1 << 30, -1). The indices broadcast (collate's dense mask) or are scalars
+    (FlexAttention's mask_mod)."""
+    return (kv <= q) & (doc[b, kv] == doc[b, q]) & ((seg[b, kv] == -1) | (seg[b, kv] == seg[b, q]))
+
+def tree_block_mask(seg, doc):
+    """The tree mask of seg, doc [B, T] as a FlexAttention BlockMask: blocks no query sees are
+    skipped (~half of a group's attention with long completions). Its compiled kernels have a
+    backward on CUDA only (torch 2.13)."""
     from torch.nn.attention.flex_attention import create_block_mask
     B, T = seg.shape
-    return create_block_mask(lambda b, h, q, kv: tree_visible(seg, b, q, kv), B, None, T, T,
+    return create_block_mask(lambda b, h, q, kv: tree_visible(seg, doc, b, q, kv), B, None, T, T,
                              device=seg.device)
 
 def collate(rows, pad_id, device, keys=("old", "adv"), flex=False):
     """Right-pad to ids [B, T]; sel [B, T-1] marks positions whose next token is a policy token; the
     per-token values `keys` of those tokens (old logprobs and advantages; PPO's rows add "reward"),
     each flattened to [N] in sel's (row-major) order. attn: the padding mask [B, T] and pos None,
-    or, if a row is packed (pack_group), a tree mask [B, 1, T, T] (flex: a BlockMask of it, for a
-    model loaded with FlexAttention) and position ids [B, T]."""
+    or, if a row is packed (pack_group, merge_rows), a tree mask [B, 1, T, T] (flex: a BlockMask of
+    it, for a model loaded with FlexAttention) and position ids [B, T]."""
     T = max(len(s["ids"]) for s in rows)
     ids = torch.tensor([s["ids"] + [pad_id] * (T - len(s["ids"])) for s in rows], device=device)
     attn = torch.tensor([[1] * len(s["ids"]) + [0] * (T - len(s["ids"])) for s in rows],
@@ -318,12 +330,13 @@ def collate(rows, pad_id, device, keys=("old", "adv"), flex=False):
                                      if m], device=device).float()
     pos = None
     if any("seg" in s for s in rows):
-        seg = torch.tensor([s.get("seg", [-1] * len(s["ids"])) + [1 << 30] * (T - len(s["ids"]))
-                            for s in rows], device=device)
+        seg, doc = (torch.tensor([s.get(k, [v] * len(s["ids"])) + [p] * (T - len(s["ids"]))
+                                  for s in rows], device=device)
+                    for k, v, p in (("seg", -1, 1 << 30), ("doc", 0, -1)))  # [B, T] each
         i = torch.arange(T, device=device)
         # [B, 1, T, T]
-        attn = tree_block_mask(seg) if flex else tree_visible(
-            seg, torch.arange(len(rows), device=device)[:, None, None], i[:, None], i)[:, None]
+        attn = tree_block_mask(seg, doc) if flex else tree_visible(
+            seg, doc, torch.arange(len(rows), device=device)[:, None, None], i[:, None], i)[:, None]
         pos = torch.tensor([s.get("pos", list(range(len(s["ids"])))) + [0] * (T - len(s["ids"]))
                             for s in rows], device=device)
     return (ids, attn, pos, sel, *map(pick, keys))

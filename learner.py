@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import critic
 import trainutil
-from grpo import CLIP_LOW, collate, grpo_loss, spans_of, tis_weights, token_logprobs
+from grpo import CLIP_LOW, collate, grpo_loss, merge_rows, spans_of, tis_weights, token_logprobs
 
 TEMPERATURE = 1.0  # rollouts sample from softmax(logits / T);
                    # the trainer's logprobs are of that distribution
@@ -26,6 +26,7 @@ GRAD_CLIP = 1.0    # global gradient norm
 class UpdateConfig:
     """The update's settings (stepgrpo.py's flags; docs/stepgrpo.md gives each one's source)."""
     micro_batch: int = 2            # rows a forward/backward
+    micro_tokens: int = 0           # or rows end to end up to this many tokens (0: off)
     minibatches: int = 1            # optimizer steps a rollout,
                                     # each over a shuffled share of its rows
     clip_low: float = CLIP_LOW      # the ratio's clip below 1
@@ -68,23 +69,27 @@ def micro_batches(rows, cfg, pad_id, device, vis=None):
     tokens all have advantage 0 (a unanimous group) has zero gradient: it is skipped, but `denom`
     still counts it, so the update is exactly the one over every row. Every rank runs the same
     number of micro-batches (FSDP all-gathers inside each forward), at least one: a rank with none
-    left runs a copy of its first row with weight 0; a VL policy's micro-batch without images a
-    dummy picture (VisionIO.pixels always), since another rank's may have some and run the vision
-    blocks.
+    left (micro_tokens: whose rows pack into fewer) runs a copy of its first row with weight 0; a VL
+    policy's micro-batch without images a dummy picture (VisionIO.pixels always), since another
+    rank's may have some and run the vision blocks.
     Returns [Micro], denom (the global count of policy tokens), the fraction of rows skipped."""
     rows = sorted(rows, key=lambda s: len(s["ids"]))  # similar lengths pad less;
                                                       # the loss is a global sum
     live = [s for s in rows if cfg.gae or cfg.kl_coef > 0 or cfg.entropy_coef > 0
             or any(a for a, m in zip(s["adv"], s["mask"]) if m)]
-    n_micro = torch.tensor([max(1, math.ceil(len(live) / cfg.micro_batch))], device=device)
+    # micro_tokens: a micro-batch is its rows end to end, one row (merge_rows), no padding
+    chunks = (trainutil.pack(live, cfg.micro_tokens, lambda s: len(s["ids"])) if cfg.micro_tokens
+              else [live[k:k + cfg.micro_batch] for k in range(0, len(live), cfg.micro_batch)])
+    n_micro = torch.tensor([max(1, len(chunks))], device=device)
     dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
-    chunks = [live[k * cfg.micro_batch:(k + 1) * cfg.micro_batch] for k in range(int(n_micro))]
+    chunks += [[]] * (int(n_micro) - len(chunks))
     stand_in = rows[:1] or [dict(ids=[pad_id] * 2, mask=[0, 1], old=[0.0] * 2, adv=[0.0] * 2,
                                  reward=[0.0] * 2)]  # this rank has no rows
     keys = ("old", "adv", "reward") if cfg.gae else ("old", "adv")
     micro = []
     for m in chunks:
-        c = collate(m or stand_in, pad_id, device, keys, cfg.flex)
+        c = collate([merge_rows(m)] if m and cfg.micro_tokens else m or stand_in, pad_id, device,
+                    keys, cfg.flex)
         pix = (vis.pixels([s.get("images", []) for s in m or stand_in], device, c[0], always=True)
                if vis else {})
         micro.append(Micro(*c[:6], pix=pix, weight=float(bool(m)),

@@ -150,17 +150,6 @@ def collate(rows, pad_id, device):
         labels[i, :len(x)] = torch.where(torch.tensor(m, dtype=torch.bool), torch.tensor(x), -100)
     return ids.to(device), labels.to(device)
 
-def pack(rows, budget):
-    """A step's rows in micro-batches of at most `budget` tokens (a longer row alone), in order."""
-    out, n = [], budget
-    for row in rows:
-        if n + len(row[0]) > budget:
-            out.append([])
-            n = 0
-        out[-1].append(row)
-        n += len(row[0])
-    return out
-
 def collate_packed(rows, device):
     """rows [(ids, mask, ...)] end to end, without padding: ids, labels (as collate's; each row's
     first token -100: nothing before it is its context) and position ids restarting at each row,
@@ -297,7 +286,8 @@ def micro_batches(t, rows, r):
         chunks = [rows[a * r.batch_size:(a + 1) * r.batch_size] for a in range(r.grad_accum)]
         return [(ids, labels, None, pixels(c, t.vis, ids), 1.0)
                 for c in chunks for ids, labels in [collate(c, t.pad_id, t.device)]]
-    micro = [(*collate_packed(c, t.device), {}, 1.0) for c in pack(rows, r.pack_tokens)]
+    micro = [(*collate_packed(c, t.device), {}, 1.0)
+             for c in trainutil.pack(rows, r.pack_tokens, lambda row: len(row[0]))]
     most = torch.tensor([len(micro)], device=t.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     return micro + [(*micro[0][:4], 0.0)] * (int(most) - len(micro))

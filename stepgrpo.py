@@ -100,6 +100,8 @@ def get_args(argv=None):
     arg("--tis_cap", type=float, default=0.0, help="truncated importance sampling's cap (0: off)")
     arg("--minibatches", type=int, default=1, help="optimizer steps a rollout")
     arg("--micro_batch", type=int, default=2, help="rows a forward/backward")
+    arg("--micro_tokens", type=int, default=0,
+        help="or rows end to end up to this many tokens a forward/backward (0: off)")
     arg("--max_nonfinite", type=int, default=3, help="stop at this many non-finite steps in a row")
     arg("--train_steps", type=int, default=12)
     arg("--save_every", type=int, default=6)
@@ -137,10 +139,10 @@ def rollout_config(args):
                                 args.dynamic_sampling)
 
 def update_config(args):
-    return learner.UpdateConfig(args.micro_batch, args.minibatches, args.clip_low, args.clip_high,
-                                args.kl_coef, args.entropy_coef, args.ratio, args.tis_cap,
-                                args.old_logprobs, args.kl_in_reward, args.adv_estimator == "gae",
-                                args.flex_attention)
+    return learner.UpdateConfig(args.micro_batch, args.micro_tokens, args.minibatches,
+                                args.clip_low, args.clip_high, args.kl_coef, args.entropy_coef,
+                                args.ratio, args.tis_cap, args.old_logprobs, args.kl_in_reward,
+                                args.adv_estimator == "gae", args.flex_attention)
 
 def reward_weights(args, questions, judge=None):
     """steprewards.Weights of --w_format, --w_hit, --w_rag with its judge; with --balance_kb the
@@ -220,7 +222,9 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     else:
         vllm = engines.VLLMEngine
         share = vllm.OFFLOAD_FRACTION if args.offload else vllm.GPU_FRACTION
-        tokens = rollout_config(args).update_tokens(args.micro_batch)
+        run = rollout_config(args)  # a micro-batch's most policy tokens: within its token budget
+        tokens = (max(args.micro_tokens, run.update_tokens(1)) if args.micro_tokens
+                  else run.update_tokens(args.micro_batch))
         memory.check_gpu_budget(model, opt, share, world, tokens, crit)
         engine = vllm(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
                       max_images=rollout_config(args).steps.max_images, seed=args.seed + rank,
@@ -252,6 +256,9 @@ def load_inputs(args, weights, device, print0):
     groups.check_questions(questions, args.batch_questions,
                            f"--data {args.data} --split {' '.join(args.split)}")
     vis = vision.VisionIO.load(weights, args.max_pixels)
+    if vis and args.micro_tokens:
+        sys.exit("error: --micro_tokens: a vision-language policy's rows keep their pictures and "
+                 "3-D positions apart; use --micro_batch")
     files = vis.proc if vis else tok  # saved beside the weights: a VL processor, else the tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return questions, dev_qs, ret, files, pad_id, store
@@ -451,6 +458,9 @@ def check_args(args, world, device=torch.device("cpu")):
     elif args.kl_in_reward:
         sys.exit("error: --kl_in_reward is PPO's (--adv_estimator gae); group advantages take "
                  "--kl_coef")
+    if args.micro_tokens and args.rollout == "onpolicy":
+        sys.exit(f"error: --micro_tokens {args.micro_tokens} is for packed groups (--rollout "
+                 "teacher_prefix, branch): on-policy rows take --micro_batch")
     if args.flex_attention and (args.rollout == "onpolicy" or device.type != "cuda"):
         sys.exit(f"error: --flex_attention on {device.type} with --rollout {args.rollout}: it is "
                  "for packed groups (teacher_prefix, branch) on CUDA; FlexAttention has no "

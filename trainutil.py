@@ -349,6 +349,18 @@ def compute_device(model):
         return p.device
     return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
+def pack(rows, budget, size):
+    """rows in micro-batches of at most `budget` tokens, size(row) a row's (a longer row alone), in
+    order (sft.py's --pack_tokens, stepgrpo.py's --micro_tokens)."""
+    out, n = [], budget
+    for row in rows:
+        if n + size(row) > budget:
+            out.append([])
+            n = 0
+        out[-1].append(row)
+        n += size(row)
+    return out
+
 def accumulate(model, last):
     """Before each micro-batch's backward of an optimizer step (last: the step's last). At world
     size 1 without --offload the gradients accumulate unreduced and the blocks stay gathered until

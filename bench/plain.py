@@ -100,9 +100,10 @@ def update_rows(rows, model_dir, seed):
             out.append(dict(ids=ids, mask=mask, old=old, adv=[a] * len(ids)))
     return out
 
-def update_sides(model_dir, pad_id, micro_batch, dtype, lr):
-    """{name: step(rows) -> (seconds, loss)}: learner.update and the plain loop's clipped loss."""
-    cfg = learner.UpdateConfig(micro_batch=micro_batch)
+def update_sides(model_dir, pad_id, micro_batch, dtype, lr, micro_tokens=0):
+    """{name: step(rows) -> (seconds, loss)}: learner.update (micro_tokens: its rows end to end) and the plain
+    loop's clipped loss (micro_batch rows, padded)."""
+    cfg = learner.UpdateConfig(micro_batch=micro_batch, micro_tokens=micro_tokens)
     model, opt = ours_model(model_dir, dtype, lr)
 
     def ours(rows):
@@ -194,6 +195,7 @@ def main():
     ap.add_argument("--pack_tokens", type=int, default=0, help="sft.py's --pack_tokens")
     ap.add_argument("--update_rows", type=int, default=8, help="rows an update step")
     ap.add_argument("--micro_batch", type=int, default=2, help="stepgrpo.py's default")
+    ap.add_argument("--micro_tokens", type=int, default=0, help="stepgrpo.py's --micro_tokens (ours only)")
     ap.add_argument("--max_len", type=int, default=2048, help="sft.py's default")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     ap.add_argument("--lr", type=float, default=4e-4)
@@ -220,8 +222,9 @@ def main():
         picked = [rows[i] for i in perm[-U * args.steps:]]
         urows = update_rows(picked, args.model, args.seed)
         batches = [urows[s * U:(s + 1) * U] for s in range(args.steps)]
-        sides = update_sides(args.model, pad_id, args.micro_batch, dtype, args.lr)
-        report(f"Step-GRPO update, {U} rows in micro-batches of {args.micro_batch}, {head}",
+        sides = update_sides(args.model, pad_id, args.micro_batch, dtype, args.lr, args.micro_tokens)
+        ours = f" (ours end to end, {args.micro_tokens} tokens a micro-batch)" if args.micro_tokens else ""
+        report(f"Step-GRPO update, {U} rows in micro-batches of {args.micro_batch}{ours}, {head}",
                *run(sides, batches, args.profile), args.profile)
 
 if __name__ == "__main__":

@@ -141,6 +141,8 @@ def test_flex_attention_is_for_packed_groups_on_cuda():
     for a, device in ((args(), torch.device("cpu")), (args("--rollout", "onpolicy"), cuda)):
         assert "--flex_attention" in one_line_exit(stepgrpo.check_args, a, 1, device)
     assert stepgrpo.update_config(args()).flex and not stepgrpo.update_config(stepgrpo.get_args([])).flex
+    cfg = stepgrpo.update_config(stepgrpo.get_args(["--micro_tokens", "4096", "--micro_batch", "3"]))
+    assert (cfg.micro_tokens, cfg.micro_batch, cfg.flex) == (4096, 3, False)  # each flag to its field
 
 def test_device_cuda_fails_fast_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -382,7 +384,8 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
     monkeypatch.setattr(memory, "check_gpu_budget", lambda *a: calls.append(a) or sys.exit("checked"))
     own = trainutil.init_group(1)
     try:
-        for extra in ([], ["--rollout", "onpolicy", "--adv_estimator", "gae"]):  # --backend vllm, the default
+        for extra in ([], ["--rollout", "onpolicy", "--adv_estimator", "gae"],  # --backend vllm, the default
+                      ["--micro_tokens", "5000"], ["--micro_tokens", "100"]):  # a token budget; a row past it alone
             args = stepgrpo.get_args(["--model", str(tiny_model_dir), "--micro_batch", "3", *extra])
             with pytest.raises(SystemExit, match="checked"):  # before the engine is built
                 stepgrpo.setup_policy(args, tiny_model_dir, tiny_model_dir, False, None, 0, 1, torch.device("cpu"), print)
@@ -392,6 +395,7 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
     assert calls[0][2:] == (engines.VLLMEngine.GPU_FRACTION, 1, 3 * 8 * 96, None)
     crit, crit_opt = calls[1][5]  # PPO: the critic, whose shards and Adam state the budget counts beside the policy's
     assert calls[1][4] == 3 * (3 * 96 + 96) and crit.get_output_embeddings().out_features == 1
+    assert [c[4] for c in calls[2:]] == [5000, 8 * 96]
     assert isinstance(crit_opt, torch.optim.AdamW)
     # the budget adds gradients and Adam state for the critic's trainable bytes beside the policy's
     seen = []

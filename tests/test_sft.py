@@ -191,9 +191,10 @@ def test_two_ranks_fsdp_equal_one_process(single_run, tiny_model, traj_dir, tmp_
 
 def test_pack_keeps_the_rows_in_order_within_the_budget():
     rows = [([0] * n, [0] * n) for n in (5, 4, 9, 2, 2, 1)]
-    packs = sft.pack(rows, 9)
+    pack = lambda rows, budget: trainutil.pack(rows, budget, lambda row: len(row[0]))
+    packs = pack(rows, 9)
     assert [[len(r[0]) for r in p] for p in packs] == [[5, 4], [9], [2, 2, 1]]
-    assert [[len(r[0]) for r in p] for p in sft.pack(rows, 4)] == [[5], [4], [9], [2, 2], [1]]  # a longer row alone
+    assert [[len(r[0]) for r in p] for p in pack(rows, 4)] == [[5], [4], [9], [2, 2], [1]]  # a longer row alone
 
 def token_logprobs(model, ids, labels, pos=None):
     """[N] logprob of each label token (the trainer's selected_logits)."""
@@ -250,7 +251,9 @@ def test_packed_two_ranks_equal_one_process_and_resume_exactly(tiny_model, traj_
     it ended."""
     rows = sft.load_rows(traj_dir / "train.jsonl", 2048, 10**9)  # uncut: rows of unequal length
     first = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()[:8]]
-    budget = next(b for b in range(600, 3000, 50) if len(sft.pack(first[:4], b)) != len(sft.pack(first[4:], b)))
+    size = lambda row: len(row[0])
+    budget = next(b for b in range(600, 3000, 50) if len(trainutil.pack(first[:4], b, size)) !=
+                  len(trainutil.pack(first[4:], b, size)))
     args = ["--model", str(tiny_model), "--data", str(traj_dir), *FAST, *SGD, "--max_len", "2048",
             "--pack_tokens", str(budget)]
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"

@@ -277,6 +277,38 @@ def test_flex_block_mask_scores_packed_groups_as_the_dense_tree_mask(tiny_model_
         wrong = grpo.token_logprobs(model, ids, causal, sel, pos)[0]
     assert (got - want).abs().max() < 1e-5 and (wrong - want).abs().max() > 1e-3
 
+def test_rows_end_to_end_score_as_padded_micro_batches(tiny_model_dir):
+    # --micro_tokens: a step's packed groups end to end, one row a micro-batch (merge_rows), give every policy token the
+    # logprob, old logprob and advantage the padded micro-batches of --micro_batch give it, with the same denominator;
+    # without doc in the mask a row would see the rows before it
+    import trainutil
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(3, 100, (n,), generator=g).tolist()
+    rows = [grpo.pack_group(rand(p), [(rand(c + i), [-1.0 - i] * (c + i)) for i in range(3)], [1.0, -0.5, 0.25])
+            for p, c in ((9, 4), (20, 2), (5, 7), (14, 3))]
+    cpu = torch.device("cpu")
+    scored = lambda micro: torch.cat([grpo.token_logprobs(model, m.ids, m.attn, m.sel, m.pos)[0] for m in micro])
+    cat = lambda micro, key: torch.cat([getattr(m, key) for m in micro])
+    own = trainutil.init_group(1)
+    try:
+        padded, d1, _ = learner.micro_batches(rows, learner.UpdateConfig(micro_batch=2), 0, cpu)
+        merged, d2, _ = learner.micro_batches(rows, learner.UpdateConfig(micro_tokens=60), 0, cpu)
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+    assert [m.ids.shape[0] for m in merged] == [1] * len(merged) and len(merged) == 3 and d1 == d2
+    assert sum(m.ids.numel() for m in merged) == sum(len(r["ids"]) for r in rows)  # no padding
+    for key in ("logp_sampler", "adv"):
+        assert torch.equal(cat(padded, key), cat(merged, key))
+    with torch.no_grad():
+        want, got = scored(padded), scored(merged)
+        one = grpo.merge_rows(rows)
+        leaky = grpo.collate([dict(one, doc=[0] * len(one["ids"]))], 0, cpu)
+        wrong = grpo.token_logprobs(model, leaky[0], leaky[1], leaky[3], leaky[2])[0]
+    assert (got - want).abs().max() < 1e-5 and (wrong - want).abs().max() > 1e-3
+
 def test_zero_advantage_rows_add_no_gradient(tiny_model_dir):
     # main() skips rows whose advantages are all 0 when --kl_coef is 0, keeping the full batch's denominator: the
     # gradient must equal the one over every row. With a KL term such a row does move the policy, so it is kept
@@ -669,7 +701,8 @@ def test_bad_flags_exit_with_an_error_naming_the_flag(tmp_path):
                         (["--rollout", "onpolicy", "--w_rag", "2"], "--judge"),  # the judged reward needs its judge
                         (["--rollout", "onpolicy", "--w_rag", "2", "1", "1", "--judge", "j"], "--w_rag"),
                         (["--w_rag", "2", "--judge", "j"], "--rollout onpolicy or branch"),
-                        (["--rollout", "onpolicy", "--judge_url", "http://x"], "--judge_url needs --judge")):
+                        (["--rollout", "onpolicy", "--judge_url", "http://x"], "--judge_url needs --judge"),
+                        (["--rollout", "onpolicy", "--micro_tokens", "4096"], "--micro_tokens")):
         with pytest.raises(SystemExit) as e:
             stepgrpo.check_args(stepgrpo.get_args(["--data", str(tmp_path), *extra]), 1)
         msg = str(e.value.code)  # what the command prints: one line, not a traceback
