@@ -12,7 +12,8 @@ scripts' main() in this process:
     grpo-hf    Step-GRPO 2 steps, --backend hf, the engine checked against the trainer after every sync
     grpo-vllm  the same with the vLLM engine (skipped where vllm does not import)
     onpolicy   Step-GRPO 1 step over the policy's own trajectories (--rollout onpolicy, --backend hf)
-    flex       Step-GRPO 1 step with the packed groups' tree masks as FlexAttention block masks (--flex_attention)
+    flex       Step-GRPO 1 step with the packed groups' tree masks as FlexAttention block masks (--flex_attention), the
+               step's groups end to end in micro-batches of 4096 tokens (--micro_tokens)
     offload    PPO 1 step with --offload: policy and critic shards, gradients and Adam in host memory (--backend hf)
     lora       Step-GRPO 1 step with LoRA adapters (the merged weights synced and checked)
     qlora      the same on an nf4 base (skipped where bitsandbytes does not import)
@@ -290,7 +291,7 @@ def checks(c):
             ("onpolicy", step_grpo(sft_final, "hf", "onpolicy", 1, "--rollout", "onpolicy"), None),
             ("offload", step_grpo(sft_final, "hf", "offload", 1, "--rollout", "onpolicy", "--adv_estimator", "gae", "-n", 1,
                                   "--critic_warmup", 0, "--offload"), None),
-            ("flex", None if c.dry else step_grpo(sft_final, "hf", "flex", 1, "--flex_attention"),
+            ("flex", None if c.dry else step_grpo(sft_final, "hf", "flex", 1, "--flex_attention", "--micro_tokens", 4096),
              "FlexAttention has no backward on CPU"),
             ("lora", step_grpo(sft_final, "hf", "lora", 1, "--lora_r", 4), None),
             ("qlora", step_grpo(sft_final, "hf", "qlora", 1, "--lora_r", 4, "--quant", "nf4")
