@@ -291,8 +291,7 @@ def merge_rows(rows):
     """Training rows end to end as one (learner's --micro_tokens): each keeps its tree (seg; -1
     throughout for a row that is no packed group) and its position ids, and doc gives each token its
     row's index, so collate's mask lets no token see another row's."""
-    keys = [k for k in ("ids", "mask", "old", "adv", "reward") if k in rows[0]]
-    out = {k: [v for s in rows for v in s[k]] for k in keys}
+    out = {k: [v for s in rows for v in s[k]] for k in ("ids", "mask", "old", "adv")}
     out["seg"] = [v for s in rows for v in s.get("seg", [-1] * len(s["ids"]))]
     out["pos"] = [v for s in rows for v in s.get("pos", range(len(s["ids"])))]
     out["doc"] = [r for r, s in enumerate(rows) for _ in s["ids"]]

@@ -24,12 +24,16 @@ from prepare import DEFAULT_MODEL
 from prompts import SYSTEM_PROMPT
 from rollout import ReleasedSteps, Settings, TranscriptSteps, begin, rollout
 
+def cache_only(engine, warm):
+    """vLLM's prefix cache emptied, then holding the ids `warm` alone."""
+    engine.llm.reset_prefix_cache()
+    engine.generate([warm], 1)
+
 def raw_run(engine, prompts, counts, temperature, warm):
     """Raw vLLM: prompts[i] [(ids, images)] generates counts[i] tokens (EOS ignored), all submitted at once, the
     prefix cache holding `warm` alone (as when the loop began); returns (policy tokens a second, prefill tokens run)."""
     from vllm import SamplingParams
-    engine.llm.reset_prefix_cache()
-    engine.llm.generate([engine.tokens_prompt(warm)], SamplingParams(max_tokens=1), use_tqdm=False)
+    cache_only(engine, warm)
     sps = [SamplingParams(max_tokens=c, min_tokens=c, ignore_eos=True, temperature=temperature) for c in counts]
     t = time.perf_counter()
     outs = engine.llm.generate([engine.tokens_prompt(p, im) for p, im in prompts], sps, use_tqdm=False)
@@ -54,8 +58,7 @@ def bench_loop(engine, ret, qs, s, k, seed, label):
     starts = [begin(q, i, chat, s) for q in qs for i in range(k)]  # the loop's first prompts
     prompts = [(live.tr.prompt(), live.tr.prompt_images()) for live in starts]
     warm = os.path.commonprefix([p for p, _ in prompts[:2]]) if len(prompts) > 1 else prompts[0][0]
-    engine.llm.reset_prefix_cache()
-    engine.generate([warm], 1)
+    cache_only(engine, warm)
     engine.computed.update(prefill=0, decode=0)
     t = time.perf_counter()
     trajs = rollout(engine, ret, qs, n=k, s=s, seed=seed)
