@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainutil import GIB, compute_device
+from trainutil import GIB, compute_device, local
 
 # What a rank's GPU holds outside torch's allocator, in every phase (estimates;
 # torch.cuda.memory_allocated sees neither):
@@ -71,7 +71,6 @@ def gpu_budget_error(total, allocated, trainable, engine_fraction, world, tokens
 def optimizer_bytes(opt):
     """Bytes of the optimizer state already allocated: 0 before the first step, Adam's two moments
     after a resume."""
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     return sum(local(v).numel() * local(v).element_size()
                for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
 
@@ -91,7 +90,7 @@ def model_budget_error(model, opt, total, allocated, engine_fraction, world, tok
                 "its share of the GPU, where the trainer's memory is: unset it")
     # PPO: the critic's gradients and Adam state beside the policy's
     pairs = [(model, opt)] + ([crit] if crit else [])
-    trainable = sum(p.to_local().numel() * p.element_size()
+    trainable = sum(local(p).numel() * p.element_size()
                     for m, _ in pairs for p in m.parameters() if p.requires_grad)
     vocab = model.get_output_embeddings().weight.shape[0]
     offload = next(model.parameters()).device != compute_device(model)

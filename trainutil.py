@@ -2,9 +2,11 @@
 trainutil.py: the FSDP2 set-up, checkpoints and logging that sft.py and stepgrpo.py share (and
 nothing else).
 
-Same code with or without torchrun: a single process is an FSDP2 world of one (a gloo/nccl group
-over an in-memory store), so the sharding, mixed-precision, state-dict and clipping paths are the
-ones a multi-rank run takes.
+Same code with or without torchrun: a single process is a world of one (a gloo/nccl group over an
+in-memory store), so the mixed-precision, state-dict and clipping paths are the ones a multi-rank
+run takes. Its model is FSDP2's too, except in fp32 without --offload (load_sharded: there FSDP2
+would only copy the whole model at every gather and reduce; the numbers are the same bit for
+bit).
 GPU: NCCL, flash-attn 2 when installed (bf16 compute only). CPU: gloo. Both: bf16 compute with fp32
 master weights and fp32 gradient reduction (--dtype bf16), or fp32 throughout (--dtype fp32);
 --dtype auto (the default) picks bf16 where the hardware computes it natively (CUDA, AVX512-BF16
@@ -287,17 +289,23 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
                    {p for p in model.parameters() if is_quantized(p)})
     kw = dict(mesh=mesh, mp_policy=mp, ignored_params=whole,
               offload_policy=offload_policy(device, offload))
-    # world size 1 (a shard is the whole parameter): the blocks stay gathered from their forward to
-    # the step's last backward (accumulate)
+    # world size 1 in fp32 without offload: the plain module, as transformers' own loop has it (a
+    # shard would be the whole parameter, gathered and reduced by copies: 1 s of an 8 s SFT step on
+    # the CPU); with bf16 FSDP2 keeps the mixed precision, and the blocks stay gathered from their
+    # forward to the step's last backward (accumulate)
+    plain = world == 1 and not bf16 and not offload and quant == "none"
     gathered = train and world == 1 and not offload
-    for block in blocks(model):
+    for block in [] if plain else blocks(model):
         fully_shard(block, **kw, reshard_after_forward=False if gathered else None)
     # the root (embeddings, final norm, head) stays gathered after a forward until a backward
     # reshards it; a frozen model (the KL reference) never runs one, so its root reshards after
     # every forward (+2.2 GB a GPU at 7B)
-    fully_shard(model, **kw, reshard_after_forward=True if not train else None)
+    if not plain:
+        fully_shard(model, **kw, reshard_after_forward=True if not train else None)
     if quant == "none":
         model.to_empty(device=device)
+        if plain:  # to_empty made the tied head and embeddings two tensors (FSDP2 keeps them one)
+            model.tie_weights()
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                    broadcast_from_rank0=True))
         for name, b in model.named_buffers():
@@ -361,6 +369,16 @@ def pack(rows, budget, size):
         n += size(row)
     return out
 
+def local(t):
+    """This rank's shard of an FSDP2 parameter or gradient (a DTensor), or a plain module's tensor
+    itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+def full(t):
+    """An FSDP2 parameter or gradient gathered whole (a collective: every rank calls it), or a plain
+    module's tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
 def accumulate(model, last):
     """Before each micro-batch's backward of an optimizer step (last: the step's last). At world
     size 1 without --offload the gradients accumulate unreduced and the blocks stay gathered until
@@ -368,7 +386,7 @@ def accumulate(model, last):
     (FSDP2's gather and reduce at world size 1 are copies of the whole model). The sum is the same:
     each micro-batch's gradient added in turn, in fp32. At larger worlds, or offloaded, nothing
     changes: unreduced gradients would hold a whole model's on each rank; nor for a model FSDP2 does
-    not hold."""
+    not hold (load_sharded's plain module: autograd accumulates its gradients as they come)."""
     from torch.distributed.fsdp import FSDPModule
     p = next(model.parameters())
     if isinstance(model, FSDPModule) and dist.get_world_size() == 1 \
@@ -378,17 +396,17 @@ def accumulate(model, last):
 
 def clip_grad_norm(model, max_norm):
     """Global grad norm, then scale the grads to at most max_norm (0: no clipping). The grads are
-    FSDP2 shards (DTensors): each element lives on exactly one rank. Each shard's norm accumulates
-    in float64 (vector_norm's dtype: no float64 copy of the gradients; 5x faster than squaring one
-    on the CPU): torch's fp32 clip_grad_norm_ was off by ~3e-5 relative here, and by a different
-    amount per world size, which alone breaks 1-vs-2-rank equality."""
-    local = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in local]
+    FSDP2 shards (DTensors; local()): each element lives on exactly one rank. Each shard's norm
+    accumulates in float64 (vector_norm's dtype: no float64 copy of the gradients; 5x faster than
+    squaring one on the CPU): torch's fp32 clip_grad_norm_ was off by ~3e-5 relative here, and by a
+    different amount per world size, which alone breaks 1-vs-2-rank equality."""
+    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
     sq = torch.stack(norms).pow(2).sum().to(compute_device(model))  # offload: NCCL's GPU
     dist.all_reduce(sq)
     norm = sq.sqrt().item()
     if max_norm > 0 and norm > max_norm:
-        for g in local:
+        for g in grads:
             g.mul_(max_norm / (norm + 1e-6))
     return norm
 
@@ -664,7 +682,7 @@ def policy_params(model):
     "base_model.model." / ".base_layer" parts of peft's names do not appear."""
     # offload: each shard copied there to be gathered (NCCL's tensors are on the GPU)
     dev = compute_device(model)
-    full = lambda p: (p.to(dev).full_tensor() if hasattr(p, "full_tensor") else p).detach()
+    whole = lambda p: full(p.to(dev)).detach()
     modules = dict(model.named_modules())
     # peft and bitsandbytes imported only then (~2 s a process)
     if any(is_quantized(p) for p in model.parameters()):
@@ -674,11 +692,11 @@ def policy_params(model):
             continue
         owner, _, leaf = name.rpartition(".")
         m = modules[owner.removesuffix(".base_layer")]
-        w = dequantize_module_weight(modules[owner]).detach() if is_quantized(p) else full(p)
+        w = dequantize_module_weight(modules[owner]).detach() if is_quantized(p) else whole(p)
         # a LoRA layer (peft wraps its base as .base_layer)
         if m is not modules[owner] and leaf == "weight":
             # [r, in], [out, r]
-            a, b = full(m.lora_A["default"].weight), full(m.lora_B["default"].weight)
+            a, b = whole(m.lora_A["default"].weight), whole(m.lora_B["default"].weight)
             w = w.float() + m.scaling["default"] * (b.float() @ a.float())  # [out, in]
         yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), w
 

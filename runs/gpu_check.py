@@ -216,7 +216,7 @@ def update_peak(model_dir, device):
         torch.cuda.reset_peak_memory_stats(device)
         learner.update(model, opt, micro, [m.logp_sampler for m in micro], [None] * len(micro), denom, cfg)
         measured = torch.cuda.max_memory_allocated(device)
-        trainable = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        trainable = sum(trainutil.local(p).numel() * p.element_size() for p in model.parameters())
         parts = memory.gpu_budget(torch.cuda.mem_get_info(device)[1], allocated, trainable, 0.5, 1, 1024,
                                      model.get_output_embeddings().weight.shape[0])["update"]
         return measured, sum(v for k, v in parts.items() if k not in ("CUDA context", "NCCL buffers"))

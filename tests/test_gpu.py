@@ -112,7 +112,7 @@ def test_flex_attention_trains_packed_groups_as_the_dense_tree_mask(tiny_model_d
             ids, attn, pos, sel, _, adv = grpo.collate(rows, 0, cuda, flex=flex)
             logp = grpo.token_logprobs(model, ids, attn, sel, pos)[0]
             (logp * adv).sum().backward()
-            got[name] = logp.detach(), torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
+            got[name] = logp.detach(), torch.cat([trainutil.full(p.grad).flatten() for p in model.parameters()])
     finally:
         if own:
             dist.destroy_process_group()

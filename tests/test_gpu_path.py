@@ -262,7 +262,8 @@ def test_the_gpu_launch_commands_run_as_written():
 
 def test_no_grad_forwards_leave_the_root_sharded(tiny_model_dir):
     # FSDP2 reshards a root after its backward only: the KL reference (never a backward) and the policy after the sync
-    # check (a no-grad forward, then the rollout) must not keep the embeddings and head gathered
+    # check (a no-grad forward, then the rollout) must not keep the embeddings and head gathered (bf16: in fp32 a world
+    # of one is the plain module)
     from torch.distributed.tensor import DTensor
 
     import engines
@@ -271,11 +272,11 @@ def test_no_grad_forwards_leave_the_root_sharded(tiny_model_dir):
         cpu = torch.device("cpu")
         ids = torch.tensor([[5, 6, 7, 8]])
         sel, attn = torch.ones(1, 3, dtype=torch.bool), torch.ones(1, 4)
-        ref = trainutil.load_sharded(tiny_model_dir, cpu, 1, train=False, bf16=False)
+        ref = trainutil.load_sharded(tiny_model_dir, cpu, 1, train=False, bf16=True)
         with torch.no_grad():
             grpo.token_logprobs(ref, ids, attn, sel)
         assert all(isinstance(p, DTensor) for p in ref.parameters())
-        model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False)
+        model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=True)
         trainutil.sync_gap(model, engines.HFEngine(tiny_model_dir), dict(ids=[5, 6, 7, 8]), cpu)
         assert all(isinstance(p, DTensor) for p in model.parameters())
     finally:
@@ -305,7 +306,7 @@ def test_the_memory_check_gives_the_same_verdict_fresh_and_resumed(tiny_model_di
     try:
         model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-        shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        shards = sum(trainutil.local(p).numel() * p.element_size() for p in model.parameters())
         allocated = lambda: shards + memory.optimizer_bytes(opt)  # noqa: E731  (torch.cuda.memory_allocated's)
         total = 2 * (shards + 2 * shards + memory.CUDA_CONTEXT)  # the rollout phase's edge: it just fits fresh
         verdict = lambda o: memory.model_budget_error(model, o, total, allocated(), 0.5, 1, 16)  # noqa: E731
@@ -400,7 +401,7 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
     # the budget adds gradients and Adam state for the critic's trainable bytes beside the policy's
     seen = []
     monkeypatch.setattr(memory, "gpu_budget_error", lambda total, alloc, trainable, *a: seen.append(trainable))
-    size = lambda m: sum(p.to_local().numel() * p.element_size() for p in m.parameters() if p.requires_grad)  # noqa
+    size = lambda m: sum(trainutil.local(p).numel() * p.element_size() for p in m.parameters() if p.requires_grad)  # noqa
     for c in (None, (crit, crit_opt)):
         memory.model_budget_error(calls[1][0], calls[1][1], 0, 0, 0.5, 1, 16, crit=c)
     assert seen == [size(calls[1][0]), size(calls[1][0]) + size(crit)]

@@ -63,7 +63,7 @@ def test_only_the_adapters_get_gradients_and_the_merge_is_the_adapted_model(tiny
         s, n = sft.loss_sum(model, ids, labels)
         (s / n).backward()
         assert {n for n, p in model.named_parameters() if p.grad is not None} == trained
-        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None})
+        grads.append({n: trainutil.full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
     assert all(torch.allclose(grads[0][k], grads[1][k], atol=1e-6) for k in grads[0])
     assert all(g.abs().max() > 0 for k, g in grads[0].items() if ".lora_B." in k)  # B = 0 at the start: A's grad is 0
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -73,7 +73,7 @@ def test_only_the_adapters_get_gradients_and_the_merge_is_the_adapted_model(tiny
     with torch.no_grad():
         for n, p in model.named_parameters():
             if ".lora_B." in n:
-                p.to_local().normal_(0, 0.1)
+                trainutil.local(p).normal_(0, 0.1)
         merged = dict(trainutil.policy_params(model))
         base_logits = base(ids).logits
         assert (model(ids).logits - base_logits).abs().max() > 1e-2

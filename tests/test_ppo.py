@@ -98,9 +98,9 @@ def test_a_critic_learns_a_fixed_batch(tiny_model_dir):
         assert [n for n, p in crit.named_parameters() if p.requires_grad and "lm_head" in n] == \
             ["lm_head.weight", "lm_head.bias"] and crit.get_output_embeddings().out_features == 1
         head = crit.get_output_embeddings()  # verl's critic head and optimizer: N(0, 0.02), bias 0; AdamW 0.9 / 0.999 / 0.01
-        w = head.weight.full_tensor()
-        assert 0.015 < w.std().item() < 0.025 and head.bias.full_tensor().abs().max() == 0
-        assert torch.equal(w, load()[0].get_output_embeddings().weight.full_tensor())
+        w = trainutil.full(head.weight)
+        assert 0.015 < w.std().item() < 0.025 and trainutil.full(head.bias).abs().max() == 0
+        assert torch.equal(w, trainutil.full(load()[0].get_output_embeddings().weight))
         assert opt.defaults["betas"] == (0.9, 0.999) and opt.defaults["weight_decay"] == 0.01
         micro, denom, _ = learner.micro_batches(critic_rows(), args, 0, torch.device("cpu"))
         losses, ev = [], []
@@ -201,7 +201,7 @@ micro, denom, _ = learner.micro_batches(rows, args, 0, device)
 for _ in range(3):
     critic.advantages(crit, micro, [m.logp_sampler for m in micro], [None] * len(micro))
     rec = critic.record(critic.update(crit, opt, micro, denom)[0])
-w = {n: p.full_tensor() for n, p in crit.named_parameters()}
+w = {n: trainutil.full(p) for n, p in crit.named_parameters()}
 if rank == 0:
     print(json.dumps(dict(rec=rec, head=w["lm_head.weight"].flatten()[:16].tolist(), bias=w["lm_head.bias"].tolist(),
                           embed=w["model.embed_tokens.weight"][5:9].flatten().tolist(),

@@ -165,6 +165,37 @@ def test_rank0_load_fills_every_shard_and_keeps_the_head_tied(tiny_model):
     if own:
         dist.destroy_process_group()
 
+def test_one_process_in_fp32_trains_the_plain_module_as_fsdp2_does_bit_for_bit(tiny_model, traj_dir):
+    """World size 1 in fp32 without --offload: load_sharded leaves the module unwrapped (FSDP2 would only copy it at
+    every gather and reduce); bf16 and --offload keep FSDP2. Two steps of two micro-batches each (sft.py's step:
+    accumulate, the float64 norm, clipping, AdamW) leave the plain module with FSDP2's weights bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    cpu = torch.device("cpu")
+    rows = [(r["ids"], r["mask"]) for r in dataio.read_jsonl(traj_dir / "train.jsonl")[:4]]
+    own = trainutil.init_group(1, device=cpu)
+    try:
+        assert isinstance(trainutil.load_sharded(tiny_model, cpu, 1, bf16=True), FSDPModule)
+        got = {}
+        for offload in (False, True):
+            model = trainutil.load_sharded(tiny_model, cpu, 1, bf16=False, offload=offload)
+            assert isinstance(model, FSDPModule) == offload
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(2):
+                for i, row in enumerate(rows[2 * step:2 * step + 2]):
+                    trainutil.accumulate(model, last=i == 1)
+                    sft.loss_sum(model, *sft.collate([row], 2, cpu))[0].backward()
+                trainutil.clip_grad_norm(model, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            got[offload] = dict(trainutil.policy_params(model))
+    finally:
+        if own:
+            dist.destroy_process_group()
+    plain, fsdp = got[False], got[True]
+    assert plain.keys() == fsdp.keys() and all(torch.equal(plain[k], fsdp[k]) for k in plain)
+    assert max((plain[k] - load_file(tiny_model / "model.safetensors")[k]).abs().max() for k in plain) > 1e-3
+
 @pytest.mark.slow
 def test_two_ranks_fsdp_equal_one_process(single_run, tiny_model, traj_dir, tmp_path):
     """torchrun, 2 gloo ranks x 2 micro-batches (and activation checkpointing) vs 1 process x 4: the same global

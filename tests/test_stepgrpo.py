@@ -190,7 +190,7 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
             loss = -ent.sum() if only_entropy else grpo.grpo_loss(logp, old, logp.detach(), adv, (0.2, 0.2), 0.0, 3.0, ent,
                                                                         coef)[0]
             loss.backward()
-            return model.lm_head.weight.grad.to_local().clone()
+            return trainutil.local(model.lm_head.weight.grad).clone()
         g0, g1, gh = grad(0.0), grad(0.5), grad(0.0, only_entropy=True)
         assert gh.abs().max() > 0 and torch.allclose(g1, g0 + 0.5 / 3.0 * gh, atol=1e-6)
         model.zero_grad()
@@ -406,7 +406,7 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
             micro, denom, _ = learner.micro_batches(rows, cfg, 0, cpu)
             learner.update(model, torch.optim.SGD(model.parameters(), lr=1.0), micro, *learner.score_old(model, None,
                             micro, cfg)[:2], denom, cfg)
-            return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+            return {n: trainutil.full(p).clone() for n, p in model.named_parameters()}
         a, b, c = updated(0, model=model), updated(1), updated(1, shift=0.05)
     finally:
         vllm.close()  # its teardown destroys the default process group too (as at the end of stepgrpo.main)
@@ -1001,7 +1001,7 @@ def test_minibatches_split_the_rows_once_and_one_is_the_whole_batch_bit_for_bit(
             else:
                 sums = learner.learn(model, None, opt, None, rows, cfg, 0, torch.device("cpu"), None, 0, False,
                                      memory.PeakMemory(), {})[1]
-            return {n: p.full_tensor().clone() for n, p in model.named_parameters()}, sums
+            return {n: trainutil.full(p).clone() for n, p in model.named_parameters()}, sums
         one, direct, two = weights(1)[0], weights(1, direct=True)[0], weights(2)
         frozen = weights(2, opt_of=lambda ps: torch.optim.SGD(ps, lr=0.0))[1]  # no step moves the policy
     finally:
@@ -1211,7 +1211,7 @@ def test_a_non_finite_gradient_skips_the_step_and_a_run_of_them_stops(tiny_model
     try:
         model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        weights = lambda: {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        weights = lambda: {n: trainutil.full(p).clone() for n, p in model.named_parameters()}
         before, timing = weights(), {}
         cfg = stepgrpo.update_config(stepgrpo.get_args(["--dtype", "fp32"]))
         learner.learn(model, None, opt, None, rows, cfg, 0, cpu, None, 0, False, memory.PeakMemory(), timing)
