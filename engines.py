@@ -123,10 +123,12 @@ class VLLMEngine:
                              # and CUDA context stay
 
     def __init__(self, model, max_model_len=MAX_LEN, dtype="auto", seed=0,
-                 gpu_memory_utilization=GPU_FRACTION, max_images=16, max_pixels=None, device=None):
+                 gpu_memory_utilization=GPU_FRACTION, max_images=16, max_pixels=None, device=None,
+                 kv_tokens=CPU_KV_TOKENS):
         """max_model_len: tokens of a request (prompt + new), max_pixels: the processor's cap on a
         picture's pixels (VisionIO; None: the processor's), the same for the transcripts' image
-        expansions and for vLLM's. device: the trainer's (None: CUDA when there is one); vLLM's CUDA
+        expansions and for vLLM's. kv_tokens: the CPU's KV cache, in tokens (one question's
+        engine: max_model_len). device: the trainer's (None: CUDA when there is one); vLLM's CUDA
         build runs on the GPU, so a CPU trainer on a GPU host needs the HF engine."""
         if device is not None and torch.device(device).type == "cpu" and torch.cuda.is_available():
             sys.exit("error: --device cpu on a machine with CUDA: vLLM would still run on the GPU; "
@@ -161,7 +163,7 @@ class VLLMEngine:
         # the CPU's KV cache is allocated (and zeroed) whole at start: sized in tokens, not bytes,
         # so a tiny model's engine starts without zeroing GiBs (VLLM_CPU_KVCACHE_SPACE, in GiB,
         # still overrides it)
-        kv = (dict(kv_cache_memory_bytes=CPU_KV_TOKENS * kv_bytes_per_token(model, self.dtype))
+        kv = (dict(kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(model, self.dtype))
               if on_cpu else {})
         self.vis = VisionIO.load(model, max_pixels)  # None: a text-only policy
         # a VL transcript holds the question image and up to max_steps x topk evidence pictures

@@ -2,7 +2,8 @@
 sft.py: supervised fine-tuning on golden step trajectories (synth.py), FSDP2, CPU or GPU.
 Defaults are the recipe. The loss is next-token cross-entropy on the policy's tokens only, summed
 over the global batch and divided by its count of them: any world size x grad_accum split of the
-same global batch gives the same gradient. A single process is an FSDP2 world of one.
+same global batch gives the same gradient. A single process is a world of one (in fp32 its model
+is the plain module, FSDP2's otherwise: trainutil.load_sharded).
 
     python sft.py --model models/SmolLM2-135M-Instruct --data data/mini/traj --out out/sft
     torchrun --standalone --nproc_per_node 2 sft.py --data data/mini/traj --out out/sft

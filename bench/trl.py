@@ -1,6 +1,6 @@
 """
 bench/trl.py: peer benchmark. One single-step GRPO setting run by this repo's own parts ("ours": engines.VLLMEngine,
-grpo.py's loss, trainutil's FSDP2 world of one, engine.sync_weights) and by TRL's GRPOTrainer, on this machine.
+grpo.py's loss, trainutil's world of one, engine.sync_weights) and by TRL's GRPOTrainer, on this machine.
 Reports seconds per step of each and the ratio ours/TRL (target <= 1.0).
 
     python -m bench.trl                               # the measurement: 8 prompts x 4, 64 tokens, 3 timed steps + 1 warm-up
@@ -73,7 +73,7 @@ def run_ours():
     import torch
     import grpo, trainutil
     tok, qs, prompts, score = workload()
-    trainutil.init_group(1)  # FSDP2 world of one, before the engine (as stepgrpo.py)
+    trainutil.init_group(1)  # a world of one, before the engine (as stepgrpo.py)
     model = trainutil.load_sharded(args.model, torch.device("cpu"), 1, bf16=False)  # fp32, as the TRL side (bf16=False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     engine = engines.VLLMEngine(args.model, seed=args.seed)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 @pytest.fixture(scope="module")
 def torch_group():
-    """A process group of one (the trainers' side runs FSDP2 at world size 1)."""
+    """A process group of one (the trainers' side at world size 1)."""
     own = trainutil.init_group(1, device=torch.device("cpu"))
     yield
     if own:

@@ -22,6 +22,7 @@ from urllib.parse import quote
 import pytest
 
 import dataio
+import engines
 import prepare
 import retrievers
 import reward
@@ -156,6 +157,14 @@ def test_ask_takes_a_picture_with_a_vl_policy_and_says_a_text_policy_cannot(tiny
         with pytest.raises(SystemExit) as e:
             serve.ask(serve.get_args(argv[:2] + ["--image", str(pic)]))
         assert e.value.code == f"error: --image {pic}: {why}"
+
+def test_ask_starts_its_engine_with_one_trajectorys_kv_cache(tiny_model_dir, tiny_index):
+    # the server keeps the evaluation's cache (CPU_KV_TOKENS, zeroed whole at start: ~2 s of a 23 s ask with SmolLM2);
+    # one question's trajectory fits in max_model_len tokens (vLLM refuses to start with a cache that cannot hold one)
+    argv = ["ask", "q", "--model", str(tiny_model_dir), "--data", str(tiny_index), "--retriever", "bm25"]
+    engine = serve.load(serve.get_args(argv + ["--max_model_len", "2048"]))[0]
+    cache = engine.llm.llm_engine.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == 2048 * engines.kv_bytes_per_token(tiny_model_dir, "float32")
 
 @pytest.mark.slow
 def test_a_vl_policy_reads_the_requests_picture_and_the_server_keeps_no_copy(tiny_model_dir, tiny_index, tmp_path):
