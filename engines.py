@@ -28,6 +28,7 @@ API_KEY_ENV, JUDGE_KEY_ENV = "OPENAI_API_KEY", "JUDGE_API_KEY"  # a server's key
 REQUEST_TIMEOUT = 300  # seconds a chat request may take (a hosted model under load, long prompts)
 MAX_WAIT = 60  # seconds at most between tries of a chat request, whatever a Retry-After asks
 MAX_LEN = 4096  # tokens of a request (prompt + new) that the engines take in training by default
+CPU_BLOCK = 32  # tokens a KV block holds on the CPU (vLLM's CPU attention: a multiple of 32)
 CPU_KV_TOKENS = 90_000  # the CPU engine's KV cache, in tokens: 100 trajectories x 800 tokens, with
                         # room (SmolLM2: 3.9 GiB)
 # vLLM's INFO lines drown the scripts' own; set it to see them
@@ -127,9 +128,10 @@ class VLLMEngine:
                  kv_tokens=CPU_KV_TOKENS):
         """max_model_len: tokens of a request (prompt + new), max_pixels: the processor's cap on a
         picture's pixels (VisionIO; None: the processor's), the same for the transcripts' image
-        expansions and for vLLM's. kv_tokens: the CPU's KV cache, in tokens (one question's
-        engine: max_model_len). device: the trainer's (None: CUDA when there is one); vLLM's CUDA
-        build runs on the GPU, so a CPU trainer on a GPU host needs the HF engine."""
+        expansions and for vLLM's. kv_tokens: the CPU's KV cache, in tokens (one request of
+        max_model_len needs max_model_len + CPU_BLOCK: vLLM keeps a block out of use). device: the
+        trainer's (None: CUDA when there is one); vLLM's CUDA build runs on the GPU, so a CPU
+        trainer on a GPU host needs the HF engine."""
         if device is not None and torch.device(device).type == "cpu" and torch.cuda.is_available():
             sys.exit("error: --device cpu on a machine with CUDA: vLLM would still run on the GPU; "
                      "use --backend hf")
@@ -189,7 +191,7 @@ class VLLMEngine:
                        # reports the untempered ones
                        logprobs_mode="processed_logprobs",
                        # CPU default 128: each step's prompt re-ran up to 127 cached tokens
-                       block_size=32 if on_cpu else None, **kv, **mm)
+                       block_size=CPU_BLOCK if on_cpu else None, **kv, **mm)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             quiet_rotary)
         self.params = param_names(model)  # what every sync must send (check_sent)

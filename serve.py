@@ -479,9 +479,10 @@ def load(args):
                  ] if not args.retriever.startswith("http") else []
     except dataio.DataError as e:
         sys.exit(f"error: {e}")
-    # ask: one trajectory's KV cache (zeroing the whole server's takes seconds on a CPU)
+    # ask: one trajectory's KV cache (zeroing the whole server's takes seconds on a CPU), and the
+    # block vLLM keeps out of use
     one = args.command == "ask" and args.backend == "vllm"
-    kv = dict(kv_tokens=args.max_model_len) if one else {}
+    kv = dict(kv_tokens=args.max_model_len + engines.CPU_BLOCK) if one else {}
     engine = engines.make_engine(args.backend, args.model, max_images=s.max_images,
                                  max_model_len=args.max_model_len, **kv)
     return engine, ret, s, known

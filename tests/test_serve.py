@@ -164,7 +164,7 @@ def test_ask_starts_its_engine_with_one_trajectorys_kv_cache(tiny_model_dir, tin
     argv = ["ask", "q", "--model", str(tiny_model_dir), "--data", str(tiny_index), "--retriever", "bm25"]
     engine = serve.load(serve.get_args(argv + ["--max_model_len", "2048"]))[0]
     cache = engine.llm.llm_engine.vllm_config.cache_config
-    assert cache.kv_cache_memory_bytes == 2048 * engines.kv_bytes_per_token(tiny_model_dir, "float32")
+    assert cache.kv_cache_memory_bytes == (2048 + 32) * engines.kv_bytes_per_token(tiny_model_dir, "float32")
 
 @pytest.mark.slow
 def test_a_vl_policy_reads_the_requests_picture_and_the_server_keeps_no_copy(tiny_model_dir, tiny_index, tmp_path):
