@@ -252,8 +252,6 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
         sys.exit("error: --offload moves FSDP2's shards to host memory, and a quantised base "
                  "(--quant) is kept whole on each GPU, not sharded: use one or the other")
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, BitsAndBytesConfig
     auto, attn = auto_model(path), attention(device, bf16, tree_mask, flex)
     quant = lora.quant if lora else "none"
@@ -283,25 +281,12 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     model = add_lora(model, lora) if lora else model
     if value_head and lora:  # peft froze everything but the adapters: the new head trains too
         model.get_output_embeddings().requires_grad_(True)
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
-          else MixedPrecisionPolicy())
-    mesh, whole = (init_device_mesh(device.type, (world,)),
-                   {p for p in model.parameters() if is_quantized(p)})
-    kw = dict(mesh=mesh, mp_policy=mp, ignored_params=whole,
-              offload_policy=offload_policy(device, offload))
     # world size 1 in fp32 without offload: the plain module, as transformers' own loop has it (a
     # shard would be the whole parameter, gathered and reduced by copies: 1 s of an 8 s SFT step on
-    # the CPU); with bf16 FSDP2 keeps the mixed precision, and the blocks stay gathered from their
-    # forward to the step's last backward (accumulate)
+    # the CPU); with bf16 FSDP2 keeps the mixed precision
     plain = world == 1 and not bf16 and not offload and quant == "none"
-    gathered = train and world == 1 and not offload
-    for block in [] if plain else blocks(model):
-        fully_shard(block, **kw, reshard_after_forward=False if gathered else None)
-    # the root (embeddings, final norm, head) stays gathered after a forward until a backward
-    # reshards it; a frozen model (the KL reference) never runs one, so its root reshards after
-    # every forward (+2.2 GB a GPU at 7B)
     if not plain:
-        fully_shard(model, **kw, reshard_after_forward=True if not train else None)
+        shard(model, device, world, bf16, offload, train)
     if quant == "none":
         model.to_empty(device=device)
         if plain:  # to_empty made the tied head and embeddings two tensors (FSDP2 keeps them one)
@@ -322,6 +307,26 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     if not train:
         model.requires_grad_(False)
     return model
+
+def shard(model, device, world, bf16, offload, train):
+    """FSDP2 over `model` (load_sharded's): each block a unit, the root the rest; a quantised base's
+    weights are kept whole (ignored)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+          else MixedPrecisionPolicy())
+    kw = dict(mesh=init_device_mesh(device.type, (world,)), mp_policy=mp,
+              ignored_params={p for p in model.parameters() if is_quantized(p)},
+              offload_policy=offload_policy(device, offload))
+    # world size 1: the blocks stay gathered from their forward to the step's last backward
+    # (accumulate)
+    gathered = train and world == 1 and not offload
+    for block in blocks(model):
+        fully_shard(block, **kw, reshard_after_forward=False if gathered else None)
+    # the root (embeddings, final norm, head) stays gathered after a forward until a backward
+    # reshards it; a frozen model (the KL reference) never runs one, so its root reshards after
+    # every forward (+2.2 GB a GPU at 7B)
+    fully_shard(model, **kw, reshard_after_forward=True if not train else None)
 
 def offload_policy(device, offload):
     """FSDP2's offload policy for units that compute on `device`: with offload CPUOffloadPolicy,
