@@ -123,24 +123,36 @@ class VLLMEngine:
     OFFLOAD_FRACTION = 0.85  # with the trainer's shards in host memory (--offload): its buffers
                              # and CUDA context stay
 
+    sleepers = 0  # engines of this process built with sleep mode (at most one: __init__)
+
     def __init__(self, model, max_model_len=MAX_LEN, dtype="auto", seed=0,
                  gpu_memory_utilization=GPU_FRACTION, max_images=16, max_pixels=None, device=None,
-                 kv_tokens=CPU_KV_TOKENS):
+                 kv_tokens=CPU_KV_TOKENS, sleep=False):
         """max_model_len: tokens of a request (prompt + new), max_pixels: the processor's cap on a
         picture's pixels (VisionIO; None: the processor's), the same for the transcripts' image
         expansions and for vLLM's. kv_tokens: the CPU's KV cache, in tokens (one request of
         max_model_len needs max_model_len + CPU_BLOCK: vLLM keeps a block out of use). device: the
         trainer's (None: CUDA when there is one); vLLM's CUDA build runs on the GPU, so a CPU
-        trainer on a GPU host needs the HF engine."""
+        trainer on a GPU host needs the HF engine. sleep: on a GPU the engine hands its memory to
+        the trainer between rollouts (stepgrpo.py's policy engine: self.sleep). vLLM's sleep mode
+        puts the engine's allocations in its CuMem allocator, of which a process has one that one
+        engine may use ("CuMem allocator can only be used for one instance per process",
+        vllm/v1/worker/gpu_worker.py): every other engine (a judge, evaluate.py's) starts without
+        it, and a second sleeping engine in a process is refused here, before it loads."""
         if device is not None and torch.device(device).type == "cpu" and torch.cuda.is_available():
             sys.exit("error: --device cpu on a machine with CUDA: vLLM would still run on the GPU; "
                      "use --backend hf")
+        on_cpu = not torch.cuda.is_available()
+        # sleep mode frees GPU memory for the update; not on CPU
+        self.can_sleep, self.asleep = sleep and not on_cpu, False
+        if self.can_sleep and VLLMEngine.sleepers:
+            sys.exit("error: a second vLLM engine with sleep mode in one process: vLLM's CuMem "
+                     "allocator serves one engine a process; start the other without sleep")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # the V1 model runner on CUDA too (vLLM 0.32 defaults to V2 there): the CPU runner the
         # tests run subclasses V1, so a GPU run takes the code paths (sampling logprobs, prompt
         # logprobs, reload_weights) that were tested
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        on_cpu = not torch.cuda.is_available()
         if on_cpu:  # bind OMP threads to all cores (the default binds one)
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
             # enforce_eager still leaves one op of vLLM's sampler (the logprob ranks) under
@@ -175,8 +187,10 @@ class VLLMEngine:
         # vLLM's processor expands a picture to as many tokens as the transcript holds
         if self.vis and max_pixels:
             mm["mm_processor_kwargs"] = {"max_pixels": max_pixels}
-        # sleep mode frees GPU memory for the update; not on CPU
-        self.can_sleep, self.asleep = not on_cpu, False
+        # sleep: the CUDA graphs' pool offloaded to host memory too (vLLM keeps it on the GPU by
+        # default: vllm/config/vllm.py, use_cumem_cudagraph_pool), the weights and KV cache freed
+        asleep = dict(enable_sleep_mode=True, sleep_mode_offload_cudagraph=True) \
+            if self.can_sleep else {}
         # vLLM's start-up collects garbage five times over the whole heap, then freezes it
         # (gc.freeze: never scanned again); freezing what already lives (torch, transformers, the
         # trainer's model) first makes each of those passes skip it, the same heap frozen after
@@ -184,14 +198,14 @@ class VLLMEngine:
         gc.freeze()
         self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len,
                        enforce_eager=on_cpu, seed=seed, distributed_executor_backend=backend,
-                       gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=self.can_sleep,
+                       gpu_memory_utilization=gpu_memory_utilization, **asleep,
                        # sampled tokens' logprobs under the distribution they were drawn from
                        # (logits / temperature), as the trainer computes them; vLLM's default
                        # reports the untempered ones
                        logprobs_mode="processed_logprobs",
                        # CPU default 128: each step's prompt re-ran up to 127 cached tokens
                        block_size=CPU_BLOCK if on_cpu else None, **kv, **mm)
+        VLLMEngine.sleepers += self.can_sleep
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             quiet_rotary)
         self.params = param_names(model)  # what every sync must send (check_sent)
@@ -316,6 +330,7 @@ class VLLMEngine:
         """Shut the engine down now. NB: vLLM's teardown also destroys torch.distributed's default
         process group."""
         self.llm.llm_engine.engine_core.shutdown()
+        VLLMEngine.sleepers -= self.can_sleep
 
 class HFEngine(Batched):
     """Plain transformers generate: the fallback (stepgrpo.py --backend hf), and the reference the

@@ -194,6 +194,8 @@ def learn(model, ref, opt, crit, rows, cfg, pad_id, device, vis, seed, warmup, p
     cuts = np.cumsum([0] + [len(mb) for mb, *_ in shares])  # shares[j]'s: flat[cuts[j]:cuts[j + 1]]
     with peak("update"):
         olds, refs, trainers, old_gap = score_old(model, ref, flat, cfg, sup)
+    if warmup:  # no policy backward follows to reshard what score_old's forwards gathered
+        trainutil.reshard(model)
     sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in SUMS}
     if crit:
         t_c = time.perf_counter()

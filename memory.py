@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainutil import GIB, compute_device, local
+from trainutil import GIB, SYNC_CHUNK, blocks, compute_device, is_quantized, local
 
 # What a rank's GPU holds outside torch's allocator, in every phase (estimates;
 # torch.cuda.memory_allocated sees neither):
@@ -29,7 +29,8 @@ LOSS_COPIES = 5  # fp32 [N, V] tensors alive at once in grpo.token_logprobs' for
                  # temperature, log_softmax, and the entropy's exp, masked_fill and their product
                  # (a backward holds 3; measured by tests/test_gpu_path.py)
 
-def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab, offload=False):
+def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab, offload=False,
+               row_tokens=0, gathered=0, compute_bytes=2):
     """{phase: {part: bytes}} of one rank's GPU of `total` bytes in Step-GRPO beside an in-process
     vLLM engine. rollout: the engine's share (gpu_memory_utilization: its weights, KV cache and
     CUDA graphs, whose pool vLLM 0.32 estimates into the share: model_budget_error) beside what the
@@ -42,30 +43,56 @@ def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, voca
     (vLLM counts what it allocates after its start-up snapshot: vllm/v1/worker/gpu_worker.py,
     init_device). offload (--offload): the shards, gradients and Adam state are in host memory,
     `allocated` is what stays on the GPU (the buffers), and neither Adam nor the gradients
-    count."""
+    count. sync check (row_tokens > 0: the engine's context, the longest row the check scores;
+    trainutil.sync_weights: before the engine wakes, the gradients freed): what is kept, the
+    `gathered` bytes of weights FSDP2 holds in the compute dtype (gathered_bytes), the row's
+    logits in it (compute_bytes a value) and the two fp32 [SYNC_CHUNK, vocab] slices of its
+    log-softmax."""
     outside = {"CUDA context": CUDA_CONTEXT, "NCCL buffers": NCCL_BUFFERS if world > 1 else 0}
     kept = {"policy shards and reference": allocated, "Adam state": 0 if offload else 2 * trainable}
-    return {"rollout": {f"vLLM engine ({engine_fraction:.0%})": engine_fraction * total, **kept,
-                        **outside},
-            "update": {**kept, "gradients": 0 if offload else trainable,
-                       f"fp32 logits ({LOSS_COPIES} x {tokens} tokens x {vocab})":
-                           LOSS_COPIES * 4 * tokens * vocab,
-                       **outside}}
+    phases = {"rollout": {f"vLLM engine ({engine_fraction:.0%})": engine_fraction * total, **kept,
+                          **outside},
+              "update": {**kept, "gradients": 0 if offload else trainable,
+                         f"fp32 logits ({LOSS_COPIES} x {tokens} tokens x {vocab})":
+                             LOSS_COPIES * 4 * tokens * vocab,
+                         **outside}}
+    if row_tokens:
+        phases["sync check"] = {**kept, "gathered weights": gathered,
+                                f"logits ({row_tokens} tokens x {vocab})":
+                                    compute_bytes * row_tokens * vocab,
+                                "fp32 log-softmax slices": 2 * 4 * SYNC_CHUNK * vocab, **outside}
+    return phases
+
+def gathered_bytes(model, world, offload, compute_bytes):
+    """Bytes of `model`'s weights FSDP2 holds gathered in the compute dtype (compute_bytes a value)
+    during a no-grad forward: every weight at world size 1 without --offload (its blocks stay
+    gathered: trainutil.shard), else the root's and two blocks' (the one computing, the next
+    prefetched); 0 for a plain module (one process in fp32: nothing gathered). A quantised base's
+    weights are whole already."""
+    from torch.distributed.fsdp import FSDPModule
+    if not isinstance(model, FSDPModule):
+        return 0
+    size = lambda m: sum(p.numel() for p in m.parameters() if not is_quantized(p))  # noqa: E731
+    if world == 1 and not offload:
+        return compute_bytes * size(model)
+    units = [size(b) for b in blocks(model)]
+    return compute_bytes * (size(model) - sum(units) + 2 * max(units, default=0))
 
 def gpu_budget_error(total, allocated, trainable, engine_fraction, world, tokens, vocab, device=0,
-                     offload=False):
+                     offload=False, **sync):
     """The one-line error naming a phase of gpu_budget that does not fit and its parts, else
-    None."""
+    None. sync: gpu_budget's row_tokens, gathered and compute_bytes."""
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     for phase, parts in gpu_budget(total, allocated, trainable, engine_fraction, world, tokens,
-                                   vocab, offload).items():
+                                   vocab, offload, **sync).items():
         if sum(parts.values()) > total:
             return (f"error: GPU {device} ({gib(total)}) cannot hold the {phase} phase "
                     f"({gib(sum(parts.values()))}: " +
                     ", ".join(f"{k} {gib(v)}" for k, v in parts.items() if v) +
                     "); use more GPUs (the shards shrink with the world size)" +
                     ("" if offload else ", --offload") +
-                    (" or a smaller --micro_batch" if phase == "update" else ""))
+                    (" or a smaller --micro_batch" if phase == "update" else "") +
+                    (" or a smaller --max_model_len" if phase == "sync check" else ""))
     return None
 
 def optimizer_bytes(opt):
@@ -75,7 +102,7 @@ def optimizer_bytes(opt):
                for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
 
 def model_budget_error(model, opt, total, allocated, engine_fraction, world, tokens, device=0,
-                       crit=None):
+                       crit=None, row_tokens=0, bf16=True):
     """gpu_budget_error for this rank's sharded `model` and its `opt` on a GPU of `total` bytes of
     which torch has `allocated` (check_gpu_budget reads both from CUDA). The Adam state a resume has
     loaded is taken out of `allocated`, since the budget adds it: the same verdict fresh and
@@ -84,7 +111,8 @@ def model_budget_error(model, opt, total, allocated, engine_fraction, world, tok
     VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to 1; gpu_worker.py takes the estimate out of
     the KV cache's room); with the variable 0 their pool would come on top, of a size known only
     once captured. A model loaded with --offload (its shards on the CPU, computing on the GPU)
-    keeps its Adam state and gradients in host memory: the budget leaves them out."""
+    keeps its Adam state and gradients in host memory: the budget leaves them out. row_tokens,
+    bf16: the sync check's longest row (the engine's context) and the compute dtype."""
     if not int(os.environ.get("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "1")):
         return ("error: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 puts vLLM's CUDA graphs outside "
                 "its share of the GPU, where the trainer's memory is: unset it")
@@ -96,19 +124,23 @@ def model_budget_error(model, opt, total, allocated, engine_fraction, world, tok
     offload = next(model.parameters()).device != compute_device(model)
     # offload: the loaded Adam state is on the host
     resumed = 0 if offload else sum(optimizer_bytes(o) for _, o in pairs)
+    width = 2 if bf16 else 4
     return gpu_budget_error(total, allocated - resumed, trainable, engine_fraction, world, tokens,
-                            vocab, device, offload)
+                            vocab, device, offload, row_tokens=row_tokens, compute_bytes=width,
+                            gathered=gathered_bytes(model, world, offload, width))
 
-def check_gpu_budget(model, opt, engine_fraction, world, tokens, crit=None):
+def check_gpu_budget(model, opt, engine_fraction, world, tokens, crit=None, row_tokens=0,
+                     bf16=True):
     """At start-up, before the engine exists: exit with model_budget_error's line if this rank's
     GPU is too small. Only for a policy on a GPU (--device cpu on a GPU host: nothing to check).
     crit: PPO's (critic, optimizer), whose shards are in memory already and whose Adam state comes
-    on top."""
+    on top. row_tokens, bf16: model_budget_error's."""
     device = compute_device(model)
     if device.type == "cuda":
         error = model_budget_error(model, opt, torch.cuda.mem_get_info(device)[1],
                                    torch.cuda.memory_allocated(device),
-                                   engine_fraction, world, tokens, device.index, crit)
+                                   engine_fraction, world, tokens, device.index, crit,
+                                   row_tokens, bf16)
         if error:
             sys.exit(error)
 

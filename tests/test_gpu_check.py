@@ -23,15 +23,16 @@ def gpu_check(tmp_path, dry, *flags):
 def test_dry_mode_runs_every_check_on_the_cpu(tmp_path, tok_dir):
     r = gpu_check(tmp_path, True, "--tokenizer", str(tok_dir))  # the tests' tokenizer: its tiny models, faster
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "dry run: CPU, fp32; skipped (GPU only): the cuda, budget and flex checks" in r.stdout
+    assert "dry run: CPU, fp32; skipped (GPU only): the cuda and budget checks" in r.stdout
     table = r.stdout[r.stdout.index("\ngpu_check (dry, CPU;"):].strip().splitlines()
     assert table[1].split() == ["check", "result", "seconds", "peak", "GiB", "note"]
     results = {line.split()[0]: line.split()[1] for line in table[2:-1]}
     vllm, bnb = ("pass" if importlib.util.find_spec(m) else "skip" for m in ("vllm", "bitsandbytes"))
     assert results == {"cuda": "skip", "budget": "skip", "sft": "pass", "resume": "pass", "grpo-hf": "pass", "grpo-vllm": vllm,
-                       "onpolicy": "pass", "flex": "skip", "offload": "pass", "lora": "pass", "qlora": bnb, "visual": "pass"}
-    skips = (vllm, bnb).count("skip")
-    assert table[-1] == f"{9 - skips} passed, 0 failed, {3 + skips} skipped"
+                       "onpolicy": "pass", "judge": vllm, "sleep": vllm, "sync-mem": "pass", "offload": "pass",
+                       "tokens": "pass", "flex": "pass", "lora": "pass", "qlora": bnb, "visual": "pass"}
+    skips = (vllm, vllm, vllm, bnb).count("skip")
+    assert table[-1] == f"{14 - skips} passed, 0 failed, {2 + skips} skipped"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_without_cuda_it_asks_for_the_dry_mode(tmp_path):

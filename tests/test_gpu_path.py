@@ -266,7 +266,6 @@ def test_no_grad_forwards_leave_the_root_sharded(tiny_model_dir):
     # of one is the plain module)
     from torch.distributed.tensor import DTensor
 
-    import engines
     own = trainutil.init_group(1)
     try:
         cpu = torch.device("cpu")
@@ -277,7 +276,7 @@ def test_no_grad_forwards_leave_the_root_sharded(tiny_model_dir):
             grpo.token_logprobs(ref, ids, attn, sel)
         assert all(isinstance(p, DTensor) for p in ref.parameters())
         model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=True)
-        trainutil.sync_gap(model, engines.HFEngine(tiny_model_dir), dict(ids=[5, 6, 7, 8]), cpu)
+        trainutil.trainer_logprobs(model, dict(ids=[5, 6, 7, 8]))
         assert all(isinstance(p, DTensor) for p in model.parameters())
     finally:
         if own:
@@ -393,14 +392,15 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
     finally:
         if own:
             torch.distributed.destroy_process_group()
-    assert calls[0][2:] == (engines.VLLMEngine.GPU_FRACTION, 1, 3 * 8 * 96, None)
+    # the sync check's row: at most the engine's context; the compute dtype (--dtype auto on this CPU)
+    assert calls[0][2:-1] == (engines.VLLMEngine.GPU_FRACTION, 1, 3 * 8 * 96, None, 4096)
     crit, crit_opt = calls[1][5]  # PPO: the critic, whose shards and Adam state the budget counts beside the policy's
     assert calls[1][4] == 3 * (3 * 96 + 96) and crit.get_output_embeddings().out_features == 1
     assert [c[4] for c in calls[2:]] == [5000, 8 * 96]
     assert isinstance(crit_opt, torch.optim.AdamW)
     # the budget adds gradients and Adam state for the critic's trainable bytes beside the policy's
     seen = []
-    monkeypatch.setattr(memory, "gpu_budget_error", lambda total, alloc, trainable, *a: seen.append(trainable))
+    monkeypatch.setattr(memory, "gpu_budget_error", lambda total, alloc, trainable, *a, **k: seen.append(trainable))
     size = lambda m: sum(trainutil.local(p).numel() * p.element_size() for p in m.parameters() if p.requires_grad)  # noqa
     for c in (None, (crit, crit_opt)):
         memory.model_budget_error(calls[1][0], calls[1][1], 0, 0, 0.5, 1, 16, crit=c)
@@ -418,7 +418,9 @@ def test_each_gpu_test_builds_its_vllm_engine_in_a_process_of_its_own(monkeypatc
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the VL test's 2-GPU torchrun part: not here
     test_gpu.test_engine_sleeps_and_follows_a_bf16_sync(tmp_path / "model")
     test_gpu.test_vl_engine_on_gpu_sleeps_syncs_and_trains(tmp_path, tmp_path / "model", tmp_path / "index")
-    assert [c[:2] for c in children] == [[sys.executable, "-c"]] * 2
+    test_gpu.test_an_in_process_judge_beside_the_sleeping_policy_engine(tmp_path / "model")
+    test_gpu.test_engine_sleep_gives_back_what_it_took(tmp_path / "model")
+    assert [c[:2] for c in children] == [[sys.executable, "-c"]] * 4
 
 def test_device_cpu_keeps_every_part_off_a_gpu(monkeypatch, tiny_model_dir, tiny_index):
     # one device decision (trainutil.env_rank's), passed down: on a machine with CUDA, --device cpu puts the HF engine,
