@@ -28,7 +28,9 @@ The server answers POST /retrieve {"queries": [...], "topk": k, "return_scores":
 "text"|"table"|"image"} with {"result": [[{"document": {id, contents, title, kb}, "score": s}, ...],
 ...]} (Search-R1's response; without return_scores each item is the document itself). `kb` defaults
 to "text", so Search-R1 clients work unchanged. An optional "images": [base64 PNG bytes or null,
-...], one per query, carries the query images.
+...], one per query, carries the query images. Fields are typed strictly and bounded (1..1024
+queries, topk 1..100, no unknown field): a bad one gets FastAPI's 422 naming it; /openapi.json
+shows the limits.
 """
 import argparse
 import json
@@ -529,15 +531,32 @@ def make_retriever(spec, data_dir, device=None):
 # HTTP server (Search-R1 protocol)
 
 def make_app(retriever, max_queries=1024, max_topk=100):
+    """The FastAPI app of `serve`. Its request model is strict (a "3" or 3.0 is no topk, a "yes" no
+    boolean, an unknown field is refused) and holds every limit, so each refusal is FastAPI's 422
+    naming the field, and /openapi.json (/docs) shows the limits."""
+    from typing import Annotated, Literal
     from fastapi import FastAPI, HTTPException
-    from pydantic import BaseModel
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
     class QueryRequest(BaseModel):
-        queries: list[str]
-        topk: int | None = 3
+        """Search-R1's request ({queries, topk, return_scores}) with a `kb` (default "text", so
+        Search-R1 clients work unchanged) and one query image or null per query."""
+        model_config = ConfigDict(strict=True, extra="forbid")
+        queries: Annotated[list[str], Field(min_length=1, max_length=max_queries)]
+        topk: Annotated[int, Field(ge=1, le=max_topk)] | None = 3  # null: 3, as Search-R1's server
         return_scores: bool = False
-        kb: str = "text"
-        images: list[str | None] | None = None
+        kb: Literal[KBS] = "text"
+        images: Annotated[list[str | None], Field(max_length=max_queries)] | None = None
+
+        @field_validator("images")
+        @classmethod
+        def one_per_query(cls, images, info: ValidationInfo):
+            queries = info.data.get("queries")  # None: refused, which the 422 says
+            if images is not None and queries is not None and len(images) != len(queries):
+                raise ValueError(f"'images' must hold one entry per query ({len(queries)}), got "
+                                 f"{len(images)}")
+            return images
 
     app = FastAPI(title="R1-Router retrievers")
 
@@ -546,29 +565,18 @@ def make_app(retriever, max_queries=1024, max_topk=100):
         return {"status": "ok", "kbs": {kb: len(d) for kb, d in retriever.docs.items()},
                 "method": retriever.method}
 
-    # FastAPI answers malformed JSON / wrong types with 422 and the reason
     @app.post("/retrieve")
     def retrieve(req: QueryRequest):
-        if req.kb not in KBS:
-            raise HTTPException(422, f"unknown kb {req.kb!r}: expected one of {', '.join(KBS)}")
-        if not req.queries or len(req.queries) > max_queries:
-            raise HTTPException(422, f"'queries' must hold 1 to {max_queries} strings, got "
-                                     f"{len(req.queries)}")
-        topk = 3 if req.topk is None else req.topk
-        if not 1 <= topk <= max_topk:
-            raise HTTPException(422, f"'topk' must be in 1..{max_topk}, got {topk}")
         images = None
         if req.images is not None:
-            if len(req.images) != len(req.queries):
-                raise HTTPException(422, f"'images' must hold one entry per query "
-                                         f"({len(req.queries)}), got {len(req.images)}")
             try:
                 images = [None if x is None else decode_image(x, f"images[{n}]")
                           for n, x in enumerate(req.images)]
-            except ValueError as e:
-                raise HTTPException(422, str(e))
+            except ValueError as e:  # in the model's refusals' shape
+                raise RequestValidationError([dict(type="value_error", loc=("body", "images"),
+                                                   msg=str(e), input=None)])
         try:
-            results = retriever.search(req.queries, req.kb, topk, images=images)
+            results = retriever.search(req.queries, req.kb, req.topk or 3, images=images)
         except Exception as e:  # never let one bad request kill the server
             raise HTTPException(500, f"search failed: {type(e).__name__}: {e}")
         strip = lambda d: {key: d[key] for key in ("id", "contents", "title", "kb", "path")

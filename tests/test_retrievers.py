@@ -1,5 +1,5 @@
 """retrievers.py: embeddings, faiss vs brute force, BM25, recall on gold sub-questions, retrieval by image, errors, the
-HTTP server."""
+HTTP server (its strict request model)."""
 import base64
 import json
 import shutil
@@ -230,6 +230,8 @@ def test_server_speaks_search_r1_protocol(server, tiny_index, encoder):
         np.testing.assert_allclose([g["score"] for g in got], [w["score"] for w in want], atol=1e-5)
     code, body = post(server + "/retrieve", {"queries": ["Who founded it?"], "topk": 2})  # a plain Search-R1 client
     assert code == 200 and set(body["result"][0][0]) == {"id", "contents", "title", "kb"} and body["result"][0][0]["kb"] == "text"
+    code, body = post(server + "/retrieve", {"queries": ["Who founded it?"], "topk": None})  # null: the default, 3
+    assert code == 200 and len(body["result"][0]) == 3
     remote = retrievers.RemoteRetriever(server).search(queries, "table", 3)
     assert [[d["id"] for d in r] for r in remote] == [[d["id"] for d in r] for r in local]
 
@@ -249,26 +251,55 @@ def test_server_answers_image_queries(server, tiny_index, encoder):
     remote = retrievers.RemoteRetriever(server).search(texts, "image", 3, images=images)
     assert [[d["id"] for d in r] for r in remote] == [[d["id"] for d in r] for r in local]
 
-@pytest.mark.parametrize("payload, raw, reason", [
-    ({"queries": ["q"], "kb": "video"}, None, "unknown kb 'video'"),
-    ({"queries": []}, None, "'queries' must hold 1 to"),
-    ({"queries": ["q"], "topk": 0}, None, "'topk' must be in"),
-    ({"queries": "not a list"}, None, "list"),
-    ({"topk": 3}, None, "queries"),
-    (None, b'{"queries": ["unterminated', "JSON"),
-    ({"queries": ["q", "r"], "kb": "image", "images": [None]}, None, "'images' must hold one entry per query (2), got 1"),
-    ({"queries": ["q"], "kb": "image", "images": ["not base64!"]}, None, "images[0]: not a base64-encoded image"),
-    ({"queries": ["q", "r"], "kb": "image", "images": [None, base64.b64encode(b"no image").decode()]}, None,
+NO_IMAGE = base64.b64encode(b"no image").decode()
+
+@pytest.mark.parametrize("payload, raw, loc, words", [
+    ({"queries": ["q"], "kb": "video"}, None, ["kb"], "Input should be 'text', 'table' or 'image'"),
+    ({"queries": []}, None, ["queries"], "at least 1 item"),
+    ({"queries": ["q"] * 1025}, None, ["queries"], "at most 1024 items"),
+    ({"queries": "not a list"}, None, ["queries"], "valid list"),
+    ({"topk": 3}, None, ["queries"], "Field required"),
+    ({"queries": ["q"], "topk": "3"}, None, ["topk"], "valid integer"),
+    ({"queries": ["q"], "topk": 3.0}, None, ["topk"], "valid integer"),
+    ({"queries": ["q"], "topk": True}, None, ["topk"], "valid integer"),
+    ({"queries": ["q"], "topk": 0}, None, ["topk"], "greater than or equal to 1"),
+    ({"queries": ["q"], "topk": 101}, None, ["topk"], "less than or equal to 100"),
+    ({"queries": ["q"], "return_scores": "yes"}, None, ["return_scores"], "valid boolean"),
+    ({"queries": ["q"], "top_k": 2}, None, ["top_k"], "Extra inputs are not permitted"),
+    (None, b'{"queries": ["unterminated', [], "JSON decode error"),
+    ({"queries": ["q", "r"], "kb": "image", "images": [None]}, None, ["images"],
+     "'images' must hold one entry per query (2), got 1"),
+    ({"queries": ["q"], "kb": "image", "images": [None, None]}, None, ["images"],
+     "'images' must hold one entry per query (1), got 2"),
+    ({"queries": ["q"], "kb": "image", "images": ["not base64!"]}, None, ["images"],
+     "images[0]: not a base64-encoded image"),
+    ({"queries": ["q", "r"], "kb": "image", "images": [None, NO_IMAGE]}, None, ["images"],
      "images[1]: not a base64-encoded image (cannot identify image file"),
-    ({"queries": ["q"], "kb": "image", "images": [3]}, None, "images"),
+    ({"queries": ["q"], "kb": "image", "images": [3]}, None, ["images", 0], "valid string"),
 ])
-def test_server_rejects_bad_requests_and_stays_up(server, payload, raw, reason):
+def test_server_rejects_bad_requests_in_one_shape_and_stays_up(server, payload, raw, loc, words):
+    # FastAPI's 422: one error, its loc the field refused, its msg why
     code, body = post(server + "/retrieve", payload, raw)
-    assert code == 422 and reason.lower() in json.dumps(body).lower(), body
+    assert code == 422 and set(body) == {"detail"} and len(body["detail"]) == 1, body
+    err = body["detail"][0]
+    assert {"type", "loc", "msg"} <= set(err) and err["loc"][:len(loc) + 1] == ["body", *loc], err
+    assert words in err["msg"], err
     assert post(server + "/retrieve", {"queries": ["still alive?"]})[0] == 200
 
+def test_the_servers_openapi_shows_its_limits(server):
+    with urllib.request.urlopen(server + "/openapi.json", timeout=30) as r:
+        schema = json.loads(r.read())["components"]["schemas"]["QueryRequest"]
+    fields = schema["properties"]
+    assert schema["required"] == ["queries"] and schema["additionalProperties"] is False
+    assert (fields["queries"]["minItems"], fields["queries"]["maxItems"]) == (1, 1024)
+    assert fields["topk"]["default"] == 3
+    assert {"type": "integer", "minimum": 1, "maximum": 100} in fields["topk"]["anyOf"]  # or null: the default
+    assert fields["return_scores"] == {"type": "boolean", "title": "Return Scores", "default": False}
+    assert fields["kb"]["enum"] == list(dataio.KBS) and fields["kb"]["default"] == "text"
+    assert [x.get("maxItems") for x in fields["images"]["anyOf"]] == [1024, None]
+
 def test_remote_client_reports_refusals(server):
-    with pytest.raises(RuntimeError, match="refused the request \\(422\\).*unknown kb"):
+    with pytest.raises(RuntimeError, match=r"refused the request \(422\): .*\"kb\".*Input should be 'text'"):
         retrievers.RemoteRetriever(server).search(["q"], "video", 3)
     with pytest.raises(RuntimeError, match="unreachable"):
         retrievers.RemoteRetriever(f"http://127.0.0.1:{free_port()}").search(["q"], "text", 3)
