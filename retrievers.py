@@ -467,30 +467,58 @@ class Retriever:
                       **path(docs[i])) for i, s in ranked[n] if i >= 0]
                 for n in range(len(queries))]
 
+RETRY = (6, 1.0, 30.0)  # a retrieval request's tries, first wait (doubling) and longest wait, s
+
 class RemoteRetriever:
     """The same search() against a running `retrievers.py serve` (or any Search-R1-style server for
-    kb='text')."""
+    kb='text'), over plain urllib: the openai client speaks OpenAI's API, not Search-R1's, and one
+    JSON POST needs no other HTTP client."""
     def __init__(self, url, timeout=60):
         self.url, self.timeout = url.rstrip("/") + "/retrieve", timeout
 
     def search(self, queries, kb, k=3, images=None):
+        """Retriever.search's results from the server. A server on another machine may restart,
+        drop a connection or be overloaded hours into a run, so a refused or reset connection, a
+        timeout, a reply cut short or not JSON, a 429 or 5xx is tried again after a doubling wait
+        (RETRY) or the one a Retry-After asks (at most RETRY's longest); a 4xx other than 429 is
+        the request's own fault and is not. RuntimeError, one line naming the server and its last
+        answer, on a refusal or after the last try."""
+        import http.client
         import urllib.error
         import urllib.request
+        from engines import retry_after
         body = dict(queries=list(queries), topk=k, return_scores=True, kb=kb)
         # only then: a plain Search-R1 server may refuse fields it does not know
         if images is not None:
             body["images"] = [None if x is None else png_base64(x) for x in images]
-        body = json.dumps(body).encode()
-        req = urllib.request.Request(self.url, data=body,
+        req = urllib.request.Request(self.url, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                result = json.loads(r.read())["result"]
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"retrieval server {self.url} refused the request ({e.code}): "
-                               f"{e.read().decode()[:500]}") from None
-        except urllib.error.URLError as e:
-            raise RuntimeError(f"retrieval server {self.url} unreachable: {e.reason}") from None
+        tries, wait, max_wait = RETRY
+        for attempt in range(tries):
+            pause = min(wait * 2 ** attempt, max_wait)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    raw = r.read()
+            except urllib.error.HTTPError as e:
+                text = " ".join(e.read().decode(errors="replace").split())[:500]
+                if e.code != 429 and e.code < 500:
+                    raise RuntimeError(f"retrieval server {self.url} refused the request "
+                                       f"({e.code}): {text}") from None
+                last = f"HTTP {e.code}: {text}"
+                pause = min(retry_after(e.headers.get("Retry-After"), pause), max_wait)
+            # refused (a URLError), reset or timed out (OSErrors), cut short (HTTPExceptions)
+            except (OSError, http.client.HTTPException) as e:
+                last = repr(getattr(e, "reason", e))
+            else:
+                try:
+                    result = json.loads(raw)["result"]
+                    break
+                except ValueError:  # json's and UTF-8's errors
+                    last = f"not JSON: {raw[:100]!r}"
+            if attempt + 1 == tries:
+                raise RuntimeError(f"retrieval server {self.url} gave no result after {tries} "
+                                   f"tries (the last: {last})")
+            time.sleep(pause)
         return [[dict(**item["document"], score=item["score"]) for item in per_q]
                 for per_q in result]
 

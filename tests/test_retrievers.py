@@ -1,11 +1,14 @@
 """retrievers.py: embeddings, faiss vs brute force, BM25, recall on gold sub-questions, retrieval by image, errors, the
-HTTP server (its strict request model)."""
+HTTP server (its strict request model) and its client (retries through a server's faults and restart)."""
 import base64
+import contextlib
+import http.server
 import json
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +19,7 @@ import pytest
 
 import dataio
 import retrievers
+import rollout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,19 +206,26 @@ def post(url, payload, raw=None):
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
 
-@pytest.fixture(scope="module")
-def server(tiny_index):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "retrievers.py"), "serve", "--data", str(tiny_index), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+def serve(data, port, *flags):
+    """`retrievers.py serve` of data on loopback's port, started (not yet answering)."""
+    return subprocess.Popen([sys.executable, str(ROOT / "retrievers.py"), "serve", "--data", str(data), "--port",
+                             str(port), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+def wait_up(proc, base):
     for _ in range(120):
         try:
             urllib.request.urlopen(base + "/health", timeout=1)
-            break
+            return
         except OSError:
             assert proc.poll() is None, proc.stdout.read().decode()
             time.sleep(0.5)
+    raise AssertionError(f"{base} did not answer in 60 s")
+
+@pytest.fixture(scope="module")
+def server(tiny_index):
+    port = free_port()
+    proc, base = serve(tiny_index, port), f"http://127.0.0.1:{port}"
+    wait_up(proc, base)
     yield base
     proc.terminate()
     proc.wait(10)
@@ -298,11 +309,112 @@ def test_the_servers_openapi_shows_its_limits(server):
     assert fields["kb"]["enum"] == list(dataio.KBS) and fields["kb"]["default"] == "text"
     assert [x.get("maxItems") for x in fields["images"]["anyOf"]] == [1024, None]
 
-def test_remote_client_reports_refusals(server):
-    with pytest.raises(RuntimeError, match=r"refused the request \(422\): .*\"kb\".*Input should be 'text'"):
-        retrievers.RemoteRetriever(server).search(["q"], "video", 3)
-    with pytest.raises(RuntimeError, match="unreachable"):
-        retrievers.RemoteRetriever(f"http://127.0.0.1:{free_port()}").search(["q"], "text", 3)
+class FlakyProxy(http.server.BaseHTTPRequestHandler):
+    """Passes each POST on to the retrieval server at `server.upstream`, but first answers `server.faults` in turn,
+    (status, headers, body) each, status None closing the connection unanswered: what a load balancer before the
+    server, or the server itself, sends while it restarts or is busy. Each request's time goes to `server.times`."""
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.times.append(time.perf_counter())
+        if self.server.faults:
+            status, headers, reply = self.server.faults.pop(0)
+        else:
+            req = urllib.request.Request(self.server.upstream + self.path, data=body,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    status, headers, reply = r.status, {}, r.read()
+            except urllib.error.HTTPError as e:
+                status, headers, reply = e.code, {}, e.read()
+        if status is None:
+            return
+        self.send_response(status)
+        for key, value in {"Content-Length": str(len(reply)), **headers}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+@contextlib.contextmanager
+def flaky_proxy(upstream, faults=()):
+    """A FlakyProxy before `upstream` on loopback: yields it (its URL, its faults left and its requests' times)."""
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FlakyProxy)
+    proxy.upstream, proxy.faults, proxy.times = upstream, list(faults), []
+    proxy.url = f"http://127.0.0.1:{proxy.server_port}"
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        yield proxy
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+def test_remote_client_retries_what_a_busy_or_restarting_server_answers(server, tiny_index, monkeypatch):
+    faults = [(502, {}, b"<html>Bad Gateway</html>"),           # a proxy whose server is down
+              (None, {}, b""),                                   # the connection closed unanswered
+              (503, {"Retry-After": "1"}, b"busy"),              # asks for a second's wait
+              (200, {}, b"<html>down for maintenance</html>"),   # not JSON
+              (200, {"Content-Length": "1000"}, b'{"result": [[{"docu'),  # cut short
+              (429, {}, b"slow down")]
+    monkeypatch.setattr(retrievers, "RETRY", (len(faults) + 1, 0.01, 2.0))
+    queries = [s["sub_question"] for q in dataio.load_questions(tiny_index, "dev")[:4] for s in q["steps"]]
+    want = retrievers.RemoteRetriever(server).search(queries, "text", 3)
+    with flaky_proxy(server, faults) as proxy:
+        assert retrievers.RemoteRetriever(proxy.url).search(queries, "text", 3) == want
+        assert not proxy.faults and len(proxy.times) == len(faults) + 1
+        assert proxy.times[3] - proxy.times[2] >= 1.0  # the Retry-After's second, not the back-off's 0.04 s
+
+def test_remote_client_does_not_retry_a_refusal_and_names_a_server_that_stays_down(server, monkeypatch):
+    monkeypatch.setattr(retrievers, "RETRY", (3, 0.01, 0.05))
+    with flaky_proxy(server) as proxy:
+        with pytest.raises(RuntimeError, match=r"refused the request \(422\): .*\"kb\".*Input should be 'text'") as e:
+            retrievers.RemoteRetriever(proxy.url).search(["q"], "video", 3)
+        assert len(proxy.times) == 1 and "\n" not in str(e.value)  # the request's own fault: asked once
+    port = free_port()  # nothing listens there
+    with pytest.raises(RuntimeError) as e:
+        retrievers.RemoteRetriever(f"http://127.0.0.1:{port}").search(["q"], "text", 3)
+    assert str(e.value) == (f"retrieval server http://127.0.0.1:{port}/retrieve gave no result after 3 tries (the "
+                            "last: ConnectionRefusedError(111, 'Connection refused'))")
+
+class Outage(rollout.GoldPolicy):
+    """The gold policy, which calls `outage` once as the step loop waits for its second turns: the loop's later
+    searches find the retrieval server as `outage` left it."""
+    def __init__(self, tok, questions, outage):
+        super().__init__(tok, questions)
+        self.outage, self.polls = outage, 0
+
+    def poll(self):
+        self.polls += 1
+        if self.polls == 2:
+            self.outage()
+        return super().poll()
+
+def test_a_rollout_rides_out_a_retrieval_server_restart(tiny_index, tok):
+    # the step loop (evaluate.py's and the trainers') through --retriever http://: the server stops after the first
+    # searches and starts again on the same port 1 s later; the trajectories equal an undisturbed run's
+    qs = dataio.load_questions(tiny_index, "dev")[:8]
+    port = free_port()
+    base, procs = f"http://127.0.0.1:{port}", [serve(tiny_index, port, "--method", "bm25")]
+    def outage():
+        procs[0].terminate()
+        procs[0].wait(10)
+        restart.start()
+    restart = threading.Timer(1.0, lambda: procs.append(serve(tiny_index, port, "--method", "bm25")))
+    rows = lambda trajs: [{k: v for k, v in t.items() if k != "timings"} for t in trajs]
+    try:
+        wait_up(procs[0], base)
+        want = rows(rollout.rollout(rollout.GoldPolicy(tok, qs), retrievers.RemoteRetriever(base), qs))
+        assert sum(len(t["steps"]) for t in want) > len(qs)  # searches after the outage too
+        t = time.perf_counter()
+        got = rows(rollout.rollout(Outage(tok, qs, outage), retrievers.RemoteRetriever(base), qs))
+        assert len(procs) == 2 and procs[1].poll() is None and time.perf_counter() - t > 1.0
+        assert got == want
+    finally:
+        restart.cancel()
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Approximate indexes (--index hnsw | ivfpq)
