@@ -18,8 +18,9 @@ Checkpoint layout (in --out):
                        + trainer/ (sharded trainable weights and optimizer state,
                          torch.distributed.checkpoint)
                        + trainer_state.pt (step, RNG, and the script's own data position, args)
-                       LoRA (--lora_r): adapter/ (peft's format: PeftModel.from_pretrained(base,
-                       "step_<N>/adapter")) instead of the full weights, except in the final (and
+                       LoRA (--lora_r): adapter/ (peft's save_pretrained, naming the --model base:
+                       PeftModel.from_pretrained(base, "step_<N>/adapter"), or AutoPeftModel's
+                       from_pretrained alone) instead of the full weights, except in the final (and
                        stepgrpo's best) checkpoint, which has the merged weights too; trainer/ then
                        holds the adapters and their optimizer state only
     .step_<N>.tmp/     a checkpoint being written (renamed to step_<N> when whole; never resumed
@@ -192,17 +193,59 @@ def lora_of(r, quant="none", alpha=None, dropout=0.0, targets=("all-linear",)):
 def add_lora(model, lora):
     """model -> peft model with fresh adapters (A seeded the same on every rank and on the meta
     device; B = 0, so the adapted model starts equal to the base). Only the adapters require
-    gradients."""
+    gradients. lora: a Lora, or a peft LoraConfig as is (a fork's own options); one whose merge is
+    not policy_params' is refused (refuse_unmergeable). peft names the base after the model's
+    config: the folder it was read from, the run's --model."""
     from peft import LoraConfig, get_peft_model
-    targets = lora.targets[0] if lora.targets == ("all-linear",) else list(lora.targets)
-    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                     target_modules=targets)
+    if isinstance(lora, LoraConfig):
+        cfg, targets = lora, lora.target_modules
+    else:
+        targets = " ".join(lora.targets)
+        cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                         target_modules=targets if lora.targets == ("all-linear",)
+                         else list(lora.targets))
     with torch.random.fork_rng(devices=[]):  # the adapters' init leaves training's RNG stream alone
         torch.manual_seed(0)
         try:
-            return get_peft_model(model, cfg)
+            model = get_peft_model(model, cfg)
         except ValueError as e:  # e.g. a target module name the model does not have
-            sys.exit(f"error: --lora_targets {' '.join(lora.targets)}: {str(e).splitlines()[0]}")
+            sys.exit(f"error: --lora_targets {targets}: {str(e).splitlines()[0]}")
+    refuse_unmergeable(model)
+    return model
+
+# The LoraConfig fields policy_params' merge W + scaling B A follows: which layers, their rank and
+# scale (peft's scaling holds alpha / r, rsLoRA's alpha / sqrt(r), the patterns' per layer), the
+# dropout (training only) and peft's bookkeeping. Any other field away from its default changes
+# what a layer computes (DoRA's magnitude, lora_bias, fan_in_fan_out's transpose, modules_to_save's
+# copies) or the base itself (PiSSA's init rewrites W: the adapter folder's base would not be it)
+MERGEABLE = {"r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "use_rslora",
+             "rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern",
+             "base_model_name_or_path", "revision", "task_type", "inference_mode", "peft_type",
+             "peft_version", "auto_mapping"}
+
+def refuse_unmergeable(model):
+    """Exit with one line unless the peft model's adapters are plain LoRA, one adapter named
+    "default" on Linear layers: policy_params merges each layer as W + scaling B A by hand across
+    FSDP2's shards, and anything else (DoRA, lora_bias, LoRA on an embedding or a convolution)
+    would reach the engine, and the merged export, as silently wrong weights."""
+    import dataclasses
+    from peft import PeftType
+    from peft.tuners.lora import LoraLayer
+    why = "unsupported: trainutil.policy_params merges plain LoRA only (W + scaling B A)"
+    if set(model.peft_config) != {"default"}:
+        sys.exit(f"error: LoRA adapters {sorted(model.peft_config)}: {why}, one adapter named "
+                 f"'default'")
+    cfg = model.peft_config["default"]
+    if cfg.peft_type != PeftType.LORA:
+        sys.exit(f"error: LoRA variant {cfg.peft_type.value}: {why}")
+    for f in dataclasses.fields(cfg):
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        if f.name not in MERGEABLE and getattr(cfg, f.name) != default:
+            sys.exit(f"error: LoRA config {f.name}={getattr(cfg, f.name)!r}: {why}")
+    for name, m in model.get_base_model().named_modules():
+        base = m.get_base_layer() if isinstance(m, LoraLayer) else None
+        if base is not None and not isinstance(base, torch.nn.Linear):
+            sys.exit(f"error: LoRA on {name} ({type(base).__name__}): {why}, on Linear layers")
 
 def is_quantized(p):
     """A bitsandbytes-quantised parameter (FSDP2 leaves these out: each rank holds them whole)."""
@@ -589,19 +632,17 @@ def save_checkpoint(model, opt, tok, out, step, state, rank, keep=2, protect=Non
     # this rank's shards
     dcp.save(trainer_state(model, opt, crit), checkpoint_id=str(tmp / "trainer"))
     if lora:
-        from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
-        # rank 0 only
+        # a collective: the adapters gathered whole into rank 0's host memory (empty elsewhere)
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                   cpu_offload=True,
                                                                   ignore_frozen_params=True))
         # a folder of its own: transformers would read adapter files beside weights as "load the
-        # base"
+        # base". peft's own writer, given the gathered weights so that it reads no shard: the
+        # folder peft and the Hub load (the base's folder and class, inference mode, safetensors
+        # marked "pt"); the embeddings are never adapted (refuse_unmergeable), so it need not look
+        # for the base's config to compare vocabularies
         if rank == 0:
-            (tmp / "adapter").mkdir()
-            save_file(get_peft_model_state_dict(model, state_dict=sd),
-                      tmp / "adapter" / "adapter_model.safetensors")
-            model.peft_config["default"].save_pretrained(tmp / "adapter")
+            model.save_pretrained(tmp / "adapter", state_dict=sd, save_embedding_layers=False)
     if merged or not lora:
         export_hf(model, tmp, rank)
     cuda = [None] * dist.get_world_size()  # each rank's own accelerator generator, by rank
@@ -734,8 +775,9 @@ def policy_params(model):
     """(name, full tensor) of each of the policy's effective weights, named as in the base model's
     HF state dict, for the engine's streamed sync and export_hf. Each is all-gathered from its FSDP2
     shards only when the consumer asks for it (a collective: every rank must iterate, in the same
-    order). A LoRA layer gives W + (alpha / r) B A, its base W dequantised first when quantised
-    (what the trainer's forward computes with); the adapters themselves and the
+    order). A LoRA layer gives W + scaling B A (peft's scaling: alpha / r; rsLoRA's alpha /
+    sqrt(r)), its base W dequantised first when quantised (what the trainer's forward computes
+    with; add_lora refuses adapters whose merge is another, such as DoRA); the adapters and the
     "base_model.model." / ".base_layer" parts of peft's names do not appear."""
     # offload: each shard copied there to be gathered (NCCL's tensors are on the GPU)
     dev = compute_device(model)

@@ -132,6 +132,32 @@ def test_lora_flags_that_cannot_work_exit_with_one_line(tiny_model_dir):
     with pytest.raises(SystemExit, match="--lora_targets qkv_proj: .*not found"):
         trainutil.add_lora(model, trainutil.Lora(4, targets=("qkv_proj",)))
 
+def test_an_adapter_whose_merge_is_not_w_plus_scaling_b_a_is_refused_with_one_line(tiny_model_dir):
+    """policy_params merges each LoRA layer as W + scaling B A: a fork's DoRA (its magnitude vector), lora_bias, LoRA on
+    the embeddings or an adapter not named "default" would reach the engine as silently wrong weights, so add_lora
+    refuses them. rsLoRA changes only the scale, which peft's scaling holds: accepted, and its merge is the model."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+    load = lambda: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    refused = ((LoraConfig(r=4, use_dora=True), r"use_dora=True"),
+               (LoraConfig(r=4, lora_bias=True), r"lora_bias=True"),
+               (LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]), r"model\.embed_tokens \(Embedding\)"))
+    for cfg, what in refused:
+        with pytest.raises(SystemExit, match=rf"^error: LoRA .*{what}.*unsupported.*trainutil\.policy_params") as e:
+            trainutil.add_lora(load(), cfg)
+        assert "\n" not in str(e.value)
+    assert trainutil.add_lora(load(), trainutil.Lora(4)).peft_config["default"].r == 4  # the scripts' plain LoRA
+    model = trainutil.add_lora(load(), LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules="all-linear"))
+    ids = torch.arange(1, 33)[None]
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.1)
+        base = load()
+        base.load_state_dict(dict(trainutil.policy_params(model)), strict=False)
+        assert torch.allclose(model(ids).logits, base(ids).logits, atol=1e-4)  # W + (alpha / sqrt(r)) B A
+        assert (base(ids).logits - load()(ids).logits).abs().max() > 1e-2
+
 #### sft.py: 2 ranks, resume, the checkpoints
 
 @pytest.mark.slow
@@ -145,6 +171,8 @@ def test_two_ranks_lora_sft_equal_one_process(lora_run, tiny_model_dir, traj_dir
     assert "world 2" in r.stdout and "M trained" in r.stdout
     for step in (1, 2):
         assert adapter_diff(out / f"step_{step}", lora_run / f"step_{step}") < 1e-5
+    cfg = json.loads((out / "step_2" / "adapter" / "adapter_config.json").read_text())  # peft's writer on rank 0
+    assert cfg["inference_mode"] and cfg["base_model_name_or_path"] == str(tiny_model_dir)
     assert adapter_diff(lora_run / "step_2", lora_run / "step_1") > 1e-3  # step 2 did something
 
 @pytest.mark.slow
@@ -156,6 +184,8 @@ def test_lora_sft_resumes_exactly_and_keeps_checkpoints_small(lora_run, tiny_mod
     sft.main(["--model", str(tiny_model_dir), "--data", str(traj_dir), "--out", str(b), "--grad_accum", "4",
               "--train_steps", "2", "--save_every", "1", "--lr", "1e-2", *FAST, "--resume"])
     assert adapter_diff(lora_run / "step_2", b / "step_2") == 0.0
+    resumed = json.loads((b / "step_2" / "adapter" / "adapter_config.json").read_text())
+    assert resumed["base_model_name_or_path"] == str(tiny_model_dir)  # --model, not the checkpoint resumed from
     a, c = load_file(lora_run / "step_2" / "model.safetensors"), load_file(b / "step_2" / "model.safetensors")
     assert all(torch.equal(a[k], c[k]) for k in a)
     # an intermediate checkpoint holds adapters and their optimizer state only; the final one the merged weights too
@@ -167,6 +197,25 @@ def test_lora_sft_resumes_exactly_and_keeps_checkpoints_small(lora_run, tiny_mod
         trainutil.resolve_start(str(lora_run / "step_1"), tmp_path / "c", None)
     with pytest.raises(SystemExit, match="is a LoRA checkpoint but --lora_r is 0"):
         trainutil.resolve_start(str(tiny_model_dir), lora_run, "yes")
+
+@pytest.mark.slow
+def test_the_adapter_folder_is_peft_s_own_and_names_the_base_the_run_started_from(lora_run, tiny_model_dir, traj_dir):
+    """The adapter folder as peft's save_pretrained writes it: its config names the base folder the run started from
+    (and the base's class), so peft builds the adapted model from the folder alone, whose logits are the merged
+    export's; the config is in inference mode, the safetensors file marked "format": "pt" as the Hub expects."""
+    from peft import AutoPeftModel, PeftConfig
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    adapter = lora_run / "final" / "adapter"
+    cfg = PeftConfig.from_pretrained(adapter)
+    assert cfg.base_model_name_or_path == str(tiny_model_dir) and cfg.inference_mode
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    adapted = AutoPeftModel.from_pretrained(adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(lora_run / "final", dtype=torch.float32).eval()
+    x = torch.tensor([sft.load_rows(traj_dir / "dev.jsonl", 300, 10**9)[0][0]])
+    with torch.no_grad():
+        assert (adapted(x).logits - merged(x).logits).abs().max() < 1e-4
 
 
 @pytest.mark.slow
