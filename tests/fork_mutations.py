@@ -5,6 +5,7 @@ fork test that should catch it run there: a mutation its test passes is MISSED, 
     .venv/bin/python tests/fork_mutations.py         # all of them, one after another (~5 min on 2 cores)
     .venv/bin/python tests/fork_mutations.py 5 13    # some, by number
     .venv/bin/python tests/fork_mutations.py --trainer   # the trainer's, listed in test_stepgrpo.py's docstring
+    .venv/bin/python tests/fork_mutations.py --gpu       # the GPU path's, listed in test_gpu_phases.py's docstring
 
 Each mutation is a real edit a fork could make by mistake (or an earlier version of this code had), as one exact
 string replaced in one file; the list is the one in test_fork.py's docstring, in its order.
@@ -112,6 +113,31 @@ TRAINER = [
      "tests/test_stepgrpo.py::test_fewer_rows_than_minibatches_take_one_step_a_row"),
 ]
 
+# the GPU path's that the CPU can catch (--gpu), listed in test_gpu_phases.py's docstring
+PHASES = "tests/test_gpu_phases.py::"
+GPU = [
+    ("every vLLM engine built with sleep mode on a GPU (a judge beside the policy's dies)", "engines.py",
+     "if self.can_sleep else {}", "if not on_cpu else {}",
+     PHASES + "test_only_the_engine_that_sleeps_takes_vllms_sleep_mode"),
+    ("the CUDA graphs kept on the GPU through the engine's sleep", "engines.py",
+     "dict(enable_sleep_mode=True, sleep_mode_offload_cudagraph=True)", "dict(enable_sleep_mode=True)",
+     PHASES + "test_only_the_engine_that_sleeps_takes_vllms_sleep_mode"),
+    ("the sync check's trainer forward after the engine wakes", "trainutil.py",
+     "            mine = trainer_logprobs(model, row, engine.vis)\n        t = time.perf_counter()\n"
+     "        engine.sync_weights(policy_params(model))\n",
+     "            pass\n        t = time.perf_counter()\n        engine.sync_weights(policy_params(model))\n"
+     "        mine = trainer_logprobs(model, row, engine.vis) if check else None\n",
+     PHASES + "test_the_sync_check_scores_the_trainer_before_the_engine_wakes"),
+    ("the sync check's forward left gathered", "trainutil.py", "    reshard(model)\n    return mine",
+     "    return mine", PHASES + "test_the_sync_check_scores_the_trainer_before_the_engine_wakes"),
+    ("a packed group scored whole by the sync check", "trainutil.py", 'if "seg" in row:', "if False:",
+     PHASES + "test_the_sync_check_scores_a_row_the_engine_takes"),
+    ("the KL reference in eval mode under FlexAttention", "trainutil.py", "model.train(train or frozen_flex)",
+     "model.train(train)", PHASES + "test_the_reference_keeps_the_policys_training_flag_under_flex_attention"),
+    ("the policy left gathered after a critic warm-up", "learner.py", "    if warmup:  # no policy backward",
+     "    if False:  # no policy backward", PHASES + "test_a_critic_warmup_leaves_the_policy_sharded"),
+]
+
 def checkout_copy(dest):
     """The tracked files (as they are in the working tree), the venv and the model folder linked."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -144,7 +170,7 @@ def stale(root=ROOT):
     docstring (test_fork.py's, test_stepgrpo.py's), its string not exactly once in its file (the code moved on), or
     its test gone."""
     out = []
-    for name, mutations in (("", MUTATIONS), ("trainer ", TRAINER)):
+    for name, mutations in (("", MUTATIONS), ("trainer ", TRAINER), ("gpu ", GPU)):
         for i, (what, path, old, new, test) in enumerate(mutations, 1):
             file, fn = node(test).split("::")
             tests, n = (root / file).read_text(), (root / path).read_text().count(old)
@@ -157,9 +183,8 @@ if __name__ == "__main__":
     problems = stale()
     if problems:
         sys.exit("\n".join(problems))
-    trainer = "--trainer" in sys.argv
-    mutations = TRAINER if trainer else MUTATIONS
-    picks = [int(a) for a in sys.argv[1:] if a != "--trainer"] or range(1, len(mutations) + 1)
+    mutations = TRAINER if "--trainer" in sys.argv else GPU if "--gpu" in sys.argv else MUTATIONS
+    picks = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or range(1, len(mutations) + 1)
     missed = [i for i in picks if not run(i, mutations)]
     print(f"{len(picks) - len(missed)} of {len(picks)} caught" + (f"; missed: {missed}" if missed else ""))
     sys.exit(1 if missed else 0)

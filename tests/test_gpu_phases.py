@@ -2,7 +2,16 @@
 tiny models, a real vLLM engine where vLLM itself refuses): only the policy's engine sleeps, and with its CUDA graphs;
 the sync check scores the trainer before the engine wakes, a row the engine takes, in slices; the KL reference keeps
 the policy's training flag under FlexAttention; no-grad forwards leave nothing gathered; the budget's sync check phase.
-tests/test_gpu.py runs the same on a GPU."""
+tests/test_gpu.py runs the same on a GPU. Each of these mutations makes one of its tests fail (tests/fork_mutations.py
+--gpu applies each to a copy and runs that test):
+   1. every vLLM engine built with sleep mode on a GPU (a judge beside the policy's dies)
+   2. the CUDA graphs kept on the GPU through the engine's sleep
+   3. the sync check's trainer forward after the engine wakes
+   4. the sync check's forward left gathered
+   5. a packed group scored whole by the sync check
+   6. the KL reference in eval mode under FlexAttention
+   7. the policy left gathered after a critic warm-up
+"""
 from types import SimpleNamespace
 
 import pytest
