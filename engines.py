@@ -7,13 +7,10 @@ Outputs stop after the first stop string or EOS; logprobs are those of the distr
     VLLMEngine  vLLM in-process (continuous batching; weights reloaded in place after each update)
     HFEngine    plain transformers generate (the fallback, and the reference the vLLM path is
                 tested against)
-    OpenAIEngine  any OpenAI-compatible completions server that takes and returns token ids
-                  (vLLM's, SGLang's): scoring a served model, token for token
-    ChatEngine    any OpenAI-compatible chat API (a hosted model, a VL model behind a chat-only
-                  gateway): scoring it, a teacher, a judge; not token-exact
-A new engine goes here and into make_engine.
+A served model's engines (OpenAIEngine, ChatEngine: a server's completions or chat API) are in
+remote.py; make_engine builds any of the four. A new engine goes into one of the two and into
+make_engine.
 """
-import functools
 import gc
 import logging
 import os
@@ -22,32 +19,15 @@ from pathlib import Path
 
 import torch
 
+from transcript import truncate
 from vision import VisionIO
 
-API_KEY_ENV, JUDGE_KEY_ENV = "OPENAI_API_KEY", "JUDGE_API_KEY"  # a server's key, a judge's
-REQUEST_TIMEOUT = 300  # seconds a chat request may take (a hosted model under load, long prompts)
-MAX_WAIT = 60  # seconds at most between tries of a chat request, whatever a Retry-After asks
 MAX_LEN = 4096  # tokens of a request (prompt + new) that the engines take in training by default
 CPU_BLOCK = 32  # tokens a KV block holds on the CPU (vLLM's CPU attention: a multiple of 32)
 CPU_KV_TOKENS = 90_000  # the CPU engine's KV cache, in tokens: 100 trajectories x 800 tokens, with
                         # room (SmolLM2: 3.9 GiB)
 # vLLM's INFO lines drown the scripts' own; set it to see them
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-def truncate(tok, ids, logprobs, stop, eos):
-    """Cut after the first EOS, then after the first token that completes a stop string (HF pads
-    finished rows)."""
-    if eos in ids:
-        n = ids.index(eos) + 1
-        ids, logprobs = ids[:n], logprobs[:n]
-    if not any(s in tok.decode(ids) for s in stop):
-        return ids, logprobs
-    # a stop string, once decoded, stays in every longer prefix: binary-search the first one
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if any(s in tok.decode(ids[:mid]) for s in stop) else (mid + 1, hi)
-    return ids[:lo], logprobs[:lo]
 
 def param_names(model):
     """The HF names of a model folder's parameters, from a weightless copy on the meta device: what
@@ -440,323 +420,22 @@ def hf_dtype(dtype, device):
         return getattr(torch, dtype)
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
-def api_key(flag, env=API_KEY_ENV):
-    """The key a server wants: the flag's value, else the environment variable `env` (which keeps
-    it out of the process list), else None. Scripts drop it from what they write (without_keys)."""
-    return flag or os.environ.get(env) or None
-
-def without_keys(flags):
-    """A script's flags {name: value} without the API keys: what a run's config, log and
-    signature may hold."""
-    return {k: v for k, v in flags.items() if not k.endswith("api_key")}
-
-class OpenAIEngine(Batched):
-    """The step loop against an OpenAI-compatible completions server. The prompt goes as token ids
-    (vLLM's and SGLang's /v1/completions take them), so the transcript is exactly the local one, and
-    the completion comes back as token ids (vLLM's return_token_ids; a server without them: the text
-    re-encoded, not token-exact) with the sampled tokens' logprobs where the server returns them.
-    The local model folder gives the tokenizer and chat format (nothing downloads); the server's
-    model is the first /v1/models lists. Each request is tried `tries` times, then a one-line error
-    names the server. A VL prompt, a weight sync and prompt logprobs are refused."""
-    dtype, vis = "remote", None
-
-    def __init__(self, model, base_url, api_key=None, max_model_len=MAX_LEN, timeout=120, tries=3,
-                 workers=8, **_):
-        from transformers import AutoTokenizer
-        if VisionIO.load(model) is not None:
-            sys.exit(f"error: --backend openai: {model} is a VL policy; its pictures would need "
-                     "the chat endpoint, which is not token-exact: score it in-process")
-        self.tok, self.max_len, self.url = (AutoTokenizer.from_pretrained(model), max_model_len,
-                                            base_url.rstrip("/"))
-        self.headers = {"Content-Type": "application/json",
-                        **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-        self.timeout, self.tries, self.workers = timeout, tries, workers
-        self.name = self.request("/models")["data"][0]["id"]
-        self.mode = f"token-exact: {self.name} at {self.url}/completions (token ids in and out)"
-
-    def request(self, path, body=None):
-        """GET (body None) or POST JSON to the server, with retries; a one-line error naming it
-        after the last try."""
-        import json
-        import time
-        import urllib.error
-        import urllib.request
-        data = None if body is None else json.dumps(body).encode()
-        for attempt in range(self.tries):
-            try:
-                req = urllib.request.Request(self.url + path, data=data, headers=self.headers)
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    return json.loads(r.read())
-            except urllib.error.HTTPError as e:
-                if e.code < 500:  # the request itself is wrong: no retry
-                    sys.exit(f"error: {self.url}{path} refused the request ({e.code}): "
-                             f"{e.read().decode()[:300]}")
-                why = f"HTTP {e.code}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-                why = str(getattr(e, "reason", e))
-            if attempt + 1 < self.tries:
-                time.sleep(min(2 ** attempt, 10))
-        sys.exit(f"error: the server {self.url} did not answer {path} after {self.tries} tries "
-                 f"({why})")
-
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None,
-                 top_k=0, images=None, keys=None):
-        from concurrent.futures import ThreadPoolExecutor
-        if images and any(images):
-            sys.exit("error: --backend openai: a prompt holds pictures (a VL trajectory): score it "
-                     "in-process")
-        def one(prompt):
-            body = dict(model=self.name, prompt=list(prompt), max_tokens=max_tokens,
-                        temperature=temperature,
-                        top_p=top_p, stop=list(stop) or None, logprobs=0, return_token_ids=True,
-                        include_stop_str_in_output=True, **({"top_k": top_k} if top_k else {}),
-                        **({"seed": seed} if seed is not None and temperature > 0 else {}))
-            c = self.request("/completions", body)["choices"][0]
-            ids = c.get("token_ids") or self.tok.encode(c["text"], add_special_tokens=False)
-            lps = [lp or 0.0 for lp in ((c.get("logprobs") or {}).get("token_logprobs")
-                                        or [0.0] * len(ids))]
-            return truncate(self.tok, list(ids), lps[:len(ids)], stop, self.tok.eos_token_id)
-        with ThreadPoolExecutor(max(1, min(self.workers, len(prompts)))) as ex:
-            return list(ex.map(one, prompts))
-
-    def sleep(self):
-        pass
-
-    def close(self):
-        pass
-
-    def sync_weights(self, weights):
-        sys.exit("error: --backend openai: a served model cannot take new weights (training, "
-                 "several --model)")
-
-class ChatEngine:
-    """The step loop, a teacher or a judge against any OpenAI-compatible chat API
-    (/v1/chat/completions): a hosted model, a large model on a shared service, a VL model behind a
-    chat-only gateway. A prompt (transcript ids, as every caller hands one) goes as chat messages
-    read back from the ids by the local policy's template (transcript.ChatTurns), its pictures as
-    image_url parts with data URLs; the server renders them with its own chat template; the reply's
-    text is re-encoded with the local tokenizer for the transcript's bookkeeping. Not token-exact:
-    the server's template and tokenizer may differ from the policy's, and a reply's tokens are the
-    canonical encoding of its text, not the tokens sampled; logprobs are 0.0 (the server's tokens
-    are not the local ones); the token-exact mode is OpenAIEngine. A stop string the server cut off
-    is put back, and a reply that ended its turn gets the end-of-turn token, as an in-process
-    engine writes them (reply). Requests run concurrently (at most max_concurrency in flight, each
-    `timeout` seconds); 429 and 5xx are tried again after the server's Retry-After or a back-off,
-    `tries` times, then one line names the server. The key goes only into the Authorization
-    header; an error line that would hold it shows <key>. model None (a judge): no local
-    tokenizer, prompts are messages (texts)."""
-    dtype = "remote"
-
-    def __init__(self, model, base_url, name=None, api_key=None, max_model_len=MAX_LEN,
-                 timeout=REQUEST_TIMEOUT, max_concurrency=8, seed=0, max_pixels=None, tries=6):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from transcript import ChatTurns
-        self.url, self.key, self.timeout, self.tries = base_url.rstrip("/"), api_key, timeout, tries
-        self.headers = {"Content-Type": "application/json",
-                        **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-        if max_concurrency < 1:
-            sys.exit(f"error: --max_concurrency {max_concurrency}: at least 1")
-        self.pool = ThreadPoolExecutor(max_concurrency)
-        self.pending, self.n_requests, self.seed, self.max_len = {}, 0, seed, max_model_len
-        self.tok = self.vis = self.turns = None
-        if model is not None:  # the local policy: its tokenizer, chat format and processor
-            from transformers import AutoTokenizer
-            self.tok, self.vis = AutoTokenizer.from_pretrained(model), VisionIO.load(model,
-                                                                                     max_pixels)
-            self.turns = ChatTurns(self.tok)
-        self.name = name or self.served_model()
-        self.mode = (f"chat: {self.name} at {self.url}/chat/completions (the server's chat "
-                     "template; replies re-encoded with the local tokenizer: not token-exact)")
-
-    def fail(self, what):
-        """End with one line naming the server (from a request's thread: the caller's poll
-        raises it), the key never in it."""
-        line = " ".join(f"error: the server {self.url} {what}".split())
-        raise SystemExit(line.replace(self.key, "<key>") if self.key else line)
-
-    def served_model(self):
-        """The model /v1/models lists, when it lists one (else the name must be given)."""
-        ids = [m.get("id") for m in self.call("/models").get("data") or []]
-        if len(ids) != 1:
-            self.fail(f"serves {len(ids)} models ({', '.join(map(str, ids[:5]))}): name one "
-                      "(evaluate.py --served_model, synth.py --teacher, --judge)")
-        return ids[0]
-
-    def call(self, path, body=None):
-        """GET (body None) or POST JSON, its JSON reply; tried again on 429, 5xx, a timeout or a
-        refused connection, after the Retry-After the server sent or a doubling back-off."""
-        import http.client
-        import json
-        import time
-        import urllib.error
-        import urllib.request
-        data = None if body is None else json.dumps(body).encode()
-        for attempt in range(self.tries):
-            wait = min(0.5 * 2 ** attempt, MAX_WAIT)
-            try:
-                req = urllib.request.Request(self.url + path, data=data, headers=self.headers)
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    raw = r.read()
-                break
-            except urllib.error.HTTPError as e:
-                text = e.read().decode(errors="replace")[:300]
-                if e.code != 429 and e.code < 500:  # the request itself is wrong: no retry
-                    self.fail(f"refused {path} ({e.code}): {text}")
-                why = f"HTTP {e.code}: {text}"
-                wait = retry_after(e.headers.get("Retry-After"), wait)
-            # refused, reset, timed out, cut short
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                why = str(getattr(e, "reason", e)) or type(e).__name__
-            if attempt + 1 == self.tries:
-                self.fail(f"did not answer {path} after {self.tries} tries ({why})")
-            time.sleep(wait)
-        try:
-            return json.loads(raw)
-        except ValueError:
-            self.fail(f"answered {path} with something that is not JSON: {raw[:100]!r}")
-
-    def ask(self, messages, max_tokens, temperature, top_p=1.0, stop=(), top_k=0, seed=None,
-            go_on=False):
-        """One chat request -> (the reply's text, the server's choice); stop strings the local
-        tokenizer's own special tokens (its end of turn) are not sent: another model's tokenizer
-        does not know them, and a server ends a turn by itself."""
-        specials = self.turns.fmt.specials if self.turns else None
-        stops = [s for s in stop if not (specials and specials.fullmatch(s))]
-        body = dict(model=self.name, messages=messages, max_tokens=max_tokens,
-                    temperature=temperature, top_p=top_p, **({"stop": stops} if stops else {}),
-                    # top-k is not OpenAI's: an API that refuses it needs top-k 0 (synth.py)
-                    **({"top_k": top_k} if top_k else {}),
-                    **({"seed": seed} if seed is not None and temperature > 0 else {}))
-        if go_on:  # the last assistant message continued (IRCoT's sentences): vLLM's extension
-            body.update(continue_final_message=True, add_generation_prompt=False)
-        out = self.call("/chat/completions", body)
-        try:
-            choice = out["choices"][0]
-            return choice["message"].get("content") or "", choice
-        except (KeyError, IndexError, TypeError, AttributeError):
-            self.fail(f"answered /chat/completions without choices[0].message: {str(out)[:200]}")
-
-    def texts(self, conversations, max_tokens, temperature=0.0):
-        """The reply texts of several message lists, concurrently (the judge's prompts)."""
-        futures = [self.pool.submit(self.ask, m, max_tokens, temperature) for m in conversations]
-        return [f.result()[0] for f in futures]
-
-    def submit(self, key, prompt, max_tokens, temperature=1.0, top_p=1.0, stop=(), top_k=0,
-               images=(), seed=None):
-        """Send one step-loop request (prompt: ids of a chat of the local template); it runs
-        beside the others in flight. seed: the base of its seed (None: the engine's), which is
-        mixed with the request's key so a rerun asks the same whatever the order of replies."""
-        import zlib
-        messages, go_on = self.messages(prompt, images)
-        seed = zlib.crc32(repr((self.seed if seed is None else seed, key)).encode())
-        self.n_requests += 1
-        future = self.pool.submit(self.ask, messages, max_tokens, temperature, top_p, stop, top_k,
-                                  seed, go_on)
-        self.pending[future] = (self.n_requests, key, tuple(stop))
-
-    def messages(self, prompt, images=()):
-        """(OpenAI's messages of a prompt's ids, whether the last one is continued): ChatTurns',
-        pictures as image_url parts."""
-        messages, go_on = self.turns.messages(prompt, images)
-        return [dict(m, content=[image_url(p) for p in m["content"]])
-                if isinstance(m["content"], list) else m for m in messages], go_on
-
-    def poll(self):
-        """Wait until at least one request is answered; those, [(key, ids, logprobs)] in the order
-        sent (empty when nothing is in flight)."""
-        from concurrent.futures import FIRST_COMPLETED, wait
-        if not self.pending:
-            return []
-        done, _ = wait(self.pending, return_when=FIRST_COMPLETED)
-        res = []
-        for f in sorted(done, key=lambda f: self.pending[f][0]):
-            _, key, stop = self.pending.pop(f)
-            ids = self.reply(*f.result(), stop)
-            res.append((key, *truncate(self.tok, ids, [0.0] * len(ids), stop,
-                                       self.tok.eos_token_id)))
-        return res
-
-    def reply(self, text, choice, stop):
-        """A reply's token ids as an in-process engine writes the turn: the stop string the
-        server cut off put back (vLLM's stop_reason or SGLang's matched_stop names it; a server
-        that names none, OpenAI's: the stop tag the text left open), the end-of-turn token after
-        a reply that ended by itself."""
-        ended = choice.get("finish_reason") == "stop" and not any(s in text for s in stop)
-        matched = choice.get("stop_reason", choice.get("matched_stop"))
-        if ended and not ("stop_reason" in choice or "matched_stop" in choice):
-            matched = next((s for s in stop if s.startswith("</")
-                            and text.rfind("<" + s[2:]) > text.rfind(s)), None)
-        if ended and isinstance(matched, str) and matched in stop:
-            text, ended = text + matched, False
-        return self.turns.reply_ids(text) + [self.tok.eos_token_id] * ended
-
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None,
-                 top_k=0, images=None, keys=None):
-        """keys: the requests' keys (their seeds; default the prompts' indexes)."""
-        keys = keys or list(range(len(prompts)))
-        for i, p in enumerate(prompts):
-            self.submit((i, keys[i]), p, max_tokens, temperature, top_p, stop, top_k,
-                        images[i] if images else (), seed)
-        res = {}
-        while len(res) < len(prompts):
-            res.update((k[0], (ids, lps)) for k, ids, lps in self.poll())
-        return [res[i] for i in range(len(prompts))]
-
-    def sleep(self):
-        pass
-
-    def close(self):
-        """Requests not yet sent are dropped; those in flight end at their timeout."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-    def sync_weights(self, weights):
-        sys.exit("error: --backend chat: a served model cannot take new weights (training, "
-                 "several --model)")
-
-def retry_after(value, default):
-    """Seconds a 429's or 503's Retry-After asks for (seconds or an HTTP date; MAX_WAIT at most),
-    else default."""
-    import email.utils
-    import time
-    if not value:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
-            return default
-    return min(max(seconds, 0.0), MAX_WAIT)
-
-@functools.lru_cache(maxsize=64)
-def data_url(path):
-    """A picture file as a data: URL (its type from its name; PNG where unknown)."""
-    import base64
-    import mimetypes
-    kind = mimetypes.guess_type(str(path))[0] or "image/png"
-    return f"data:{kind};base64,{base64.b64encode(Path(path).read_bytes()).decode()}"
-
-def image_url(part):
-    """A ChatTurns part as OpenAI's: a picture as an image_url part with its data URL."""
-    if part["type"] != "image":
-        return part
-    return dict(type="image_url", image_url=dict(url=data_url(part["path"])))
-
 def make_engine(backend, model, max_images=16, base_url=None, api_key=None, served=None,
-                max_concurrency=8, timeout=REQUEST_TIMEOUT, **kw):
+                max_concurrency=8, timeout=None, **kw):
     """backend vllm | hf | openai | chat; kw: the settings the engines take (dtype, seed,
     max_model_len, max_pixels, device); max_images: a VL vLLM engine's pictures a prompt
-    (rollout.Settings.max_images; HF takes any number); base_url, api_key: the openai and chat
-    backends' server; served, max_concurrency, timeout: the chat backend's model name on it (None:
-    the one /v1/models lists), requests in flight and seconds a request."""
-    if backend in ("openai", "chat") and not base_url:
-        sys.exit(f"error: --backend {backend} needs --base_url (e.g. http://localhost:8000/v1)")
-    if backend == "openai":
-        return OpenAIEngine(model, base_url, api_key, kw.get("max_model_len") or MAX_LEN)
-    if backend == "chat":
-        return ChatEngine(model, base_url, served, api_key, kw.get("max_model_len") or MAX_LEN,
-                          timeout, max_concurrency, kw.get("seed") or 0, kw.get("max_pixels"))
+    (rollout.Settings.max_images; HF takes any number); base_url, api_key, served,
+    max_concurrency, timeout: a served model's (remote.py): its server, key, name there (None: the
+    one /v1/models lists), requests in flight and seconds a try (None: remote.REQUEST_TIMEOUT)."""
+    if backend in ("openai", "chat"):
+        import remote
+        if not base_url:
+            sys.exit(f"error: --backend {backend} needs --base_url (e.g. http://localhost:8000/v1)")
+        engine = remote.OpenAIEngine if backend == "openai" else remote.ChatEngine
+        extra = dict(max_pixels=kw.get("max_pixels")) if backend == "chat" else {}
+        return engine(model, base_url, served=served, api_key=api_key,
+                      timeout=timeout or remote.REQUEST_TIMEOUT, max_concurrency=max_concurrency,
+                      seed=kw.get("seed") or 0, max_model_len=kw.get("max_model_len") or MAX_LEN,
+                      **extra)
     return (VLLMEngine(model, max_images=max_images, **kw) if backend == "vllm"
             else HFEngine(model, **kw))

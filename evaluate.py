@@ -452,6 +452,7 @@ def main(args):
     after the first has its weights swapped in (engine.sync_weights, as Step-GRPO syncs); each
     report goes to its own --out."""
     import engines  # here, not at the top: --paired and --combine need no engine (nor torch)
+    import remote
     if not args.methods and not args.probe:
         sys.exit("error: nothing to do: give --methods and/or --probe N")
     split = "+".join(args.split)
@@ -466,16 +467,16 @@ def main(args):
     max_len = args.max_model_len or engines.MAX_LEN
     engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=max_len,
                                  max_pixels=args.max_pixels, max_images=settings.max_images,
-                                 base_url=args.base_url, api_key=engines.api_key(args.api_key),
+                                 base_url=args.base_url, api_key=remote.api_key(args.api_key),
                                  served=args.served_model, max_concurrency=args.max_concurrency,
-                                 timeout=args.timeout or engines.REQUEST_TIMEOUT)
+                                 timeout=args.timeout)
     judge = load_judge(args.judge, args.judge_url, max_len, args.seed,
-                       engines.api_key(args.judge_api_key, engines.JUDGE_KEY_ENV),
+                       remote.api_key(args.judge_api_key, remote.JUDGE_KEY_ENV),
                        args.judge_backend)
     shots = few_shot_prompt(engine.tok, ret, args.data, args.few_shot, settings)
     plan = Plan(methods=tuple(args.methods), probe=args.probe, data=args.data, split=split,
                 seed=args.seed, iters=args.iters, few_shot=args.few_shot, protocol=args.protocol,
-                flags=engines.without_keys(vars(args)))
+                flags=remote.without_keys(vars(args)))
     try:
         for i, (model, name, out) in enumerate(zip(args.model, names, outs)):
             if i:
@@ -529,5 +530,9 @@ if __name__ == "__main__":
         combine(args.combine, args.out[0] if args.out else "out/eval/summary", title)
     else:
         import engines
-        main(args)
+        import retrievers
+        try:
+            main(args)
+        except retrievers.RetrievalError as e:
+            sys.exit(f"error: {e}")
         engines.exit_now()

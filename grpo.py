@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import trainutil
-from engines import truncate
+from transcript import truncate
 
 CLIP_LOW = 0.2  # PPO's ratio clip below 1 (verl's clip_ratio_low);
                 # above it, stepgrpo.py --clip_high
@@ -241,7 +241,7 @@ def split_credit(tok, group, rewards, kb_part, std, scale, estimator="grpo"):
 
 def ret_start(tok, ids):
     """The number of tokens before the first one that completes "<ret>" (len(ids) if none does):
-    engines.truncate's search for the first prefix holding a stop string."""
+    transcript.truncate's search for the first prefix holding a stop string."""
     if "<ret>" not in tok.decode(ids):
         return len(ids)
     return len(truncate(tok, ids, ids, ["<ret>"], None)[0]) - 1

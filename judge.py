@@ -245,7 +245,7 @@ class Judge:
         """The judge's reply to each prompt, sent as one user turn at temperature 0: a chat API
         takes the message, another engine its tokenizer's rendering of it."""
         user = [[dict(role="user", content=p)] for p in prompts]
-        if hasattr(self.engine, "texts"):  # engines.ChatEngine
+        if hasattr(self.engine, "texts"):  # remote.ChatEngine
             return self.engine.texts(user, REPLY_TOKENS, temperature=0.0)
         tok = self.engine.tok
         ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in user]

@@ -481,12 +481,11 @@ class RemoteRetriever:
         drop a connection or be overloaded hours into a run, so a refused or reset connection, a
         timeout, a reply cut short or not JSON, a 429 or 5xx is tried again after a doubling wait
         (RETRY) or the one a Retry-After asks (at most RETRY's longest); a 4xx other than 429 is
-        the request's own fault and is not. RuntimeError, one line naming the server and its last
+        the request's own fault and is not. RetrievalError, one line naming the server and its last
         answer, on a refusal or after the last try."""
         import http.client
         import urllib.error
         import urllib.request
-        from engines import retry_after
         body = dict(queries=list(queries), topk=k, return_scores=True, kb=kb)
         # only then: a plain Search-R1 server may refuse fields it does not know
         if images is not None:
@@ -502,7 +501,7 @@ class RemoteRetriever:
             except urllib.error.HTTPError as e:
                 text = " ".join(e.read().decode(errors="replace").split())[:500]
                 if e.code != 429 and e.code < 500:
-                    raise RuntimeError(f"retrieval server {self.url} refused the request "
+                    raise RetrievalError(f"retrieval server {self.url} refused the request "
                                        f"({e.code}): {text}") from None
                 last = f"HTTP {e.code}: {text}"
                 pause = min(retry_after(e.headers.get("Retry-After"), pause), max_wait)
@@ -516,11 +515,31 @@ class RemoteRetriever:
                 except ValueError:  # json's and UTF-8's errors
                     last = f"not JSON: {raw[:100]!r}"
             if attempt + 1 == tries:
-                raise RuntimeError(f"retrieval server {self.url} gave no result after {tries} "
+                raise RetrievalError(f"retrieval server {self.url} gave no result after {tries} "
                                    f"tries (the last: {last})")
             time.sleep(pause)
         return [[dict(**item["document"], score=item["score"]) for item in per_q]
                 for per_q in result]
+
+class RetrievalError(RuntimeError):
+    """A retrieval server that refused a search or gave no result after its tries: the scripts end
+    with its line (serve.py answers the requests waiting on it with it)."""
+
+def retry_after(value, default):
+    """Seconds a 429's or 503's Retry-After asks for (seconds or an HTTP date; never negative),
+    else default."""
+    import email.utils
+    import time
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return default
+    return max(seconds, 0.0)
 
 def png_base64(image):
     """A file path or PIL image -> base64 of its PNG bytes, as the server's `images` field carries

@@ -32,6 +32,7 @@ import grpo
 import judge as judges
 import learner
 import memory
+import remote
 import rollout
 import steprewards
 import trainutil
@@ -287,7 +288,7 @@ def main(argv=None, close=True):
     run, upd, w = rollout_config(args), update_config(args), reward_weights(args, questions, judge)
     greedy = replace(run.steps, temperature=0.0)  # the dev evaluation's
     dev = lambda: evaluate.dev_scores(p.engine, ret, dev_qs, greedy, rank, world)  # noqa: E731
-    log = trainutil.Log(out, rank, step, resuming, engines.without_keys(vars(args)))
+    log = trainutil.Log(out, rank, step, resuming, remote.without_keys(vars(args)))
     if args.adv_estimator == "gae":
         critic.check_resumed(out, step, args.critic_warmup)  # a resume past it meets the gate again
     announce(args, p.model, w, len(questions), world, device, lora, print0)
@@ -391,7 +392,7 @@ def checkpoint(p, files, out, step, args, dev_hist, rank):
     """Save step `step` (the newest KEEP kept, and the best on dev's), and link <out>/best to the
     best."""
     best = max(dev_hist, key=dev_hist.get) if dev_hist else None  # the earliest of equal scores
-    state = dict(args=engines.without_keys(vars(args)), dev=dev_hist)
+    state = dict(args=remote.without_keys(vars(args)), dev=dev_hist)
     trainutil.save_checkpoint(p.model, p.opt, files, out, step, state, rank, KEEP,
                               protect=f"step_{best}" if best else None, crit=p.crit,
                               merged=step == args.train_steps or best == step,  # LoRA's: merged
@@ -402,7 +403,7 @@ def checkpoint(p, files, out, step, args, dev_hist, rank):
 def load_judge(args, cache):
     """--w_rag's judge (judge.py), its ratings cached in `cache`; a server is asked now."""
     try:
-        key = engines.api_key(args.judge_api_key, engines.JUDGE_KEY_ENV)
+        key = remote.api_key(args.judge_api_key, remote.JUDGE_KEY_ENV)
         return judges.Judge.load(args.judge, args.judge_url, key, cache, args.judge_backend,
                                  seed=args.seed, max_model_len=args.max_model_len)
     except dataio.DataError as e:
@@ -471,5 +472,9 @@ def check_args(args, world, device=torch.device("cpu")):
         sys.exit(f"error: {err}")
 
 if __name__ == "__main__":
-    main(close=False)
+    import retrievers
+    try:
+        main(close=False)
+    except retrievers.RetrievalError as e:  # the search's line, not a traceback a rank
+        sys.exit(f"error: {e}")
     engines.exit_now()

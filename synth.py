@@ -23,6 +23,7 @@ from pathlib import Path
 import baselines
 import dataio
 import engines
+import remote
 import prepare
 import prompts
 import reward
@@ -335,7 +336,7 @@ def get_args(argv=None):
                          "is written")
     ap.add_argument("--max_concurrency", type=int, default=8,
                     help="--backend chat: requests in flight")
-    ap.add_argument("--timeout", type=float, default=engines.REQUEST_TIMEOUT,
+    ap.add_argument("--timeout", type=float, default=remote.REQUEST_TIMEOUT,
                     help="--backend chat: seconds a request may take")
     ap.add_argument("--r1router", default=None,
                     help="import R1-Router's released step-unrolled JSONL")
@@ -428,7 +429,7 @@ def teacher_engine(args, max_images):
     return engines.make_engine(args.backend, args.model if chat else args.teacher, seed=args.seed,
                                max_model_len=args.max_model_len, max_pixels=args.max_pixels,
                                max_images=max_images, base_url=args.base_url,
-                               api_key=engines.api_key(args.api_key), served=args.teacher,
+                               api_key=remote.api_key(args.api_key), served=args.teacher,
                                max_concurrency=args.max_concurrency, timeout=args.timeout)
 
 def import_r1router(path, out, tok, settings, fmt, max_pixels):
@@ -441,5 +442,9 @@ def import_r1router(path, out, tok, settings, fmt, max_pixels):
           f"well-formed) -> {out}/train.jsonl")
 
 if __name__ == "__main__":
-    main(get_args())
+    import retrievers
+    try:
+        main(get_args())
+    except retrievers.RetrievalError as e:
+        sys.exit(f"error: {e}")
     engines.exit_now()

@@ -4,7 +4,8 @@ the string pieces of any concatenative chat template (ChatML, Llama-3, ...) by r
 messages; `Transcript` grows token by token, so the ids that were sampled are exactly the ids
 trained on. rollout.py builds trajectories with it and sft.py renders golden ones through the same
 code, so training and evaluation never drift apart. Text from outside (a question, retrieved
-evidence) is encoded with the template's special tokens' strings as text (`Template`).
+evidence) is encoded with the template's special tokens' strings as text (`Template`). `truncate`
+cuts every engine's completion after its first EOS or stop string.
 """
 import functools
 import hashlib
@@ -19,6 +20,21 @@ from vision import Img, images_in
 
 META = "meta.json"  # beside a folder of trajectories (synth.py): tokenizer_meta of the tokenizer
                     # that wrote their ids
+
+def truncate(tok, ids, logprobs, stop, eos):
+    """Cut after the first EOS, then after the first token that completes a stop string (HF pads
+    finished rows)."""
+    if eos in ids:
+        n = ids.index(eos) + 1
+        ids, logprobs = ids[:n], logprobs[:n]
+    if not any(s in tok.decode(ids) for s in stop):
+        return ids, logprobs
+    # a stop string, once decoded, stays in every longer prefix: binary-search the first one
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if any(s in tok.decode(ids[:mid]) for s in stop) else (mid + 1, hi)
+    return ids[:lo], logprobs[:lo]
 
 def tokenizer_meta(tok):
     """Whose token ids a trajectory holds: the tokenizer's name and a hash of its vocabulary (sha256
@@ -303,7 +319,7 @@ def next_turn(fmt, user_text=None):
 
 class ChatTurns:
     """A chat of a transcript (token ids, ChatFormat's pieces around its turns) read back as chat
-    messages, for an engine behind a chat API (engines.ChatEngine). Why from the ids: every caller
+    messages, for an engine behind a chat API (remote.ChatEngine). Why from the ids: every caller
     of an engine (the step loop in both structures, few-shot prefixes, the baselines, the route
     probe, golden prefixes) hands it a prompt as ids, so reading them back serves all of them
     without a second description of the transcript that could drift from the ids. It is exact

@@ -6,23 +6,22 @@ checked against the one-at-a-time answer of its question (greedy: the same unles
     python -m bench.serve --model out/demo/stepgrpo/final --data data/mini -n 8
 """
 import argparse
-import json
 import statistics
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import dataio
+import remote
 import serve
 import trainutil
 
-def post(url, question):
-    """One chat request; (seconds, answer, the steps' sub-questions)."""
-    body = json.dumps(dict(model="r1router", messages=[dict(role="user", content=question)])).encode()
+def post(client, question):
+    """One chat request through the openai client (its kept-open connections, as a user's client has them); (seconds,
+    answer, the steps' sub-questions)."""
+    body = dict(model="r1router", messages=[dict(role="user", content=question)])
     t = time.perf_counter()
-    with urllib.request.urlopen(urllib.request.Request(url, body, {"Content-Type": "application/json"}), timeout=600) as r:
-        out = json.loads(r.read())
+    out = client.post("/chat/completions", body=body, cast_to=object)
     subs = [p["sub_question"] for s in out.get("steps", []) for p in s["sub_questions"]]
     return time.perf_counter() - t, out["choices"][0]["message"]["content"], subs
 
@@ -43,14 +42,16 @@ def main(args):
     threading.Thread(target=srv.run, daemon=True).start()
     while not srv.started:
         time.sleep(0.05)
-    url, qs = f"http://127.0.0.1:{args.port}/v1/chat/completions", dataio.load_questions(args.data, "test")[:args.n]
-    post(url, qs[0]["question"])  # warm-up: the first request's start-up costs
+    qs = dataio.load_questions(args.data, "test")[:args.n]
+    # no retry: a failure is the bench's finding
+    client = remote.client(f"http://127.0.0.1:{args.port}/v1", None, timeout=600, tries=1)
+    post(client, qs[0]["question"])  # warm-up: the first request's start-up costs
     t = time.perf_counter()
-    alone = [post(url, q["question"]) for q in qs]
+    alone = [post(client, q["question"]) for q in qs]
     one = figures("one at a time", [r[0] for r in alone], time.perf_counter() - t)
     t = time.perf_counter()
     with ThreadPoolExecutor(args.n) as ex:
-        together = list(ex.map(lambda q: post(url, q["question"]), qs))
+        together = list(ex.map(lambda q: post(client, q["question"]), qs))
     many = figures(f"{args.n} concurrent clients", [r[0] for r in together], time.perf_counter() - t)
     same = sum(a[1:] == b[1:] for a, b in zip(alone, together))
     print(f"ratio: {many / one:.2f}x the requests a second; {same} of {args.n} answers and steps as one at a time")

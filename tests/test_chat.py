@@ -1,4 +1,4 @@
-"""The chat backend (engines.ChatEngine, `--backend chat`) without a server: every prompt the step loop and the
+"""The chat backend (remote.ChatEngine, `--backend chat`) without a server: every prompt the step loop and the
 baselines build reads back (transcript.ChatTurns) into chat messages that the policy's own template renders to the
 prompt's text and tokens again, a question's special-token strings stay inside its message, and a reply's stop string
 and end of turn are put back as an in-process engine writes them. Against real vLLM servers on loopback (the text
@@ -7,7 +7,7 @@ import pytest
 
 import baselines
 import dataio
-import engines
+import remote
 import retrievers
 import rollout
 import transcript
@@ -77,8 +77,7 @@ def test_a_questions_special_token_strings_stay_inside_its_message(tok):
 
 
 def test_a_reply_gets_its_stop_string_and_end_of_turn_back(tok, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(engines.ChatEngine, "served_model", lambda self: "m")
-    eng = engines.ChatEngine(tiny_model_dir, "http://127.0.0.1:9/v1")
+    eng = remote.ChatEngine(tiny_model_dir, "http://127.0.0.1:9/v1", served="m")
     route = "<think>t</think><sub-question>q</sub-question><ret>Text Retriever"
     enc = lambda t: tok.encode(t, add_special_tokens=False)
     stop, eos = ["</ret>"], [tok.eos_token_id]
@@ -94,7 +93,6 @@ def test_a_reply_gets_its_stop_string_and_end_of_turn_back(tok, tiny_model_dir, 
     assert eng.reply(route, dict(finish_reason="length"), stop) == enc(route)  # cut at max_tokens: as it is
     # a reply's special-token strings stay text
     assert eng.reply("a<|im_end|>", dict(finish_reason="length"), stop) != enc("a") + eos
-    assert engines.without_keys(dict(api_key="k", judge_api_key="j", model="m")) == dict(model="m")
-    assert engines.retry_after("3", 1.0) == 3.0 and engines.retry_after(None, 1.5) == 1.5
-    assert engines.retry_after("Wed, 21 Oct 2015 07:28:00 GMT", 1.0) == 0.0  # a date past: at once
-    assert engines.retry_after("9999", 1.0) == engines.MAX_WAIT
+    assert remote.without_keys(dict(api_key="k", judge_api_key="j", model="m")) == dict(model="m")
+    assert retrievers.retry_after("3", 1.0) == 3.0 and retrievers.retry_after(None, 1.5) == 1.5
+    assert retrievers.retry_after("Wed, 21 Oct 2015 07:28:00 GMT", 1.0) == 0.0  # a date past: at once

@@ -1,4 +1,4 @@
-"""engines.ChatEngine (`--backend chat`) against real vLLM OpenAI servers on loopback, through /v1/chat/completions:
+"""remote.ChatEngine (`--backend chat`) against real vLLM OpenAI servers on loopback, through /v1/chat/completions:
 the step loop, evaluate.py and synth.py's teacher mode give the in-process engine's steps and answers at temperature 0
 (the server renders the messages with the same chat template); a recording proxy between client and server answers
 429 with Retry-After twice and shows the key only in the Authorization header; a judge by its served name alone, with
@@ -18,6 +18,7 @@ from test_remote import free_port
 
 import dataio
 import engines
+import remote
 import retrievers
 import rollout
 
@@ -71,9 +72,7 @@ def server_prompt_ids(chat, ids, images=()):
     rendering, tokenized, each picture expanded by its processor."""
     messages, go_on = chat.messages(ids, images)
     body = dict(model="tiny", messages=messages, max_tokens=1, return_token_ids=True)
-    req = urllib.request.Request(chat.url + "/chat/completions", json.dumps(body).encode(), headers=chat.headers)
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["prompt_token_ids"]
+    return chat.call("/chat/completions", body)["prompt_token_ids"]
 
 
 def span_texts(x, tok):
@@ -138,7 +137,10 @@ def test_the_step_loop_evaluate_and_synth_through_chat_give_the_in_process_steps
 class Recorder(BaseHTTPRequestHandler):
     """A recording proxy on loopback between a client and the server: each request's path, headers and body
     recorded, with its arrival time and the requests in flight; the first `busy` chat requests answered 429 with
-    Retry-After 1, then each one passed through (mode "html": a page instead of JSON; "stall": no answer for 3 s)."""
+    Retry-After 1, then each one passed through (mode "html": a page instead of JSON; "stall": no answer for 3 s).
+    `faults`: what the next completion requests (chat or token ids) meet, one each, in order: "429" (Retry-After 1),
+    "drop" (half the reply, then the connection closed), "html" (a 502 page, a gateway's), "slow" (the reply 3 s
+    late)."""
     def do_GET(self):
         self.relay(None)
 
@@ -150,14 +152,33 @@ class Recorder(BaseHTTPRequestHandler):
         with p.lock:
             p.inflight += 1
             p.max_inflight = max(p.max_inflight, p.inflight)
-            p.seen.append(dict(t=time.monotonic(), path=self.path, headers=dict(self.headers), body=body or b""))
+            p.seen.append(dict(t=time.monotonic(), path=self.path, body=body or b"",
+                               headers={k.lower(): v for k, v in self.headers.items()}))
             busy = self.path.endswith("/chat/completions") and p.busy > 0
             p.busy -= busy
+            fault = p.faults.pop(0) if self.path.endswith("/completions") and p.faults else None
+        if fault == "slow":
+            time.sleep(3)
+        if fault in ("429", "html"):
+            self.answer(*{"429": (429, b'{"error": {"message": "slow down"}}', {"Retry-After": "1"}),
+                          "html": (502, b"<html><body>502 Bad Gateway</body></html>",
+                                   {"Content-Type": "text/html"})}[fault])
+            with p.lock:
+                p.inflight -= 1
+            return
         try:
             reply = self.reply(busy, body)
         finally:
             with p.lock:  # out of flight before the answer is written: its client may send the next at once
                 p.inflight -= 1
+        if fault == "drop":  # the headers and half the body, then the connection closed
+            code, data, _ = reply
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[:len(data) // 2])
+            self.close_connection = True
+            return
         self.answer(*reply)
 
     def reply(self, busy, body):
@@ -194,7 +215,7 @@ def proxy(server):
     p = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
     p.daemon_threads, p.upstream, p.lock, p.seen = True, server, threading.Lock(), []
     p.inflight = p.max_inflight = 0
-    p.busy, p.mode = 2, "pass"
+    p.busy, p.mode, p.faults = 2, "pass", []
     threading.Thread(target=p.serve_forever, daemon=True).start()
     yield p, f"http://127.0.0.1:{p.server_address[1]}/v1"
     p.shutdown()
@@ -215,7 +236,7 @@ def test_a_recording_proxy_sees_retries_after_429_bounded_requests_and_the_key_o
     assert len(dataio.read_jsonl(tmp_path / "eval" / "trajectories-routed.jsonl")) == 8
     assert p.max_inflight == 2  # --max_concurrency: never more in flight, and the loop keeps that many busy
     # the key: in every request's Authorization header (the server wants it), in no body, no output, no file
-    assert all(r["headers"].get("Authorization") == f"Bearer {KEY}" for r in p.seen)
+    assert all(r["headers"].get("authorization") == f"Bearer {KEY}" for r in p.seen)
     assert not any(KEY.encode() in r["body"] for r in p.seen)
     out, err = capfd.readouterr()
     assert KEY not in out + err + caplog.text
@@ -223,13 +244,13 @@ def test_a_recording_proxy_sees_retries_after_429_bounded_requests_and_the_key_o
     # one-line errors naming the server: a wrong key (401, no retry), a page that is not JSON, a request that times
     # out after its tries; the key never in them
     with pytest.raises(SystemExit, match=f"^error: the server {url} refused /models \\(401\\)") as e:
-        engines.ChatEngine(tiny_model_dir, url, api_key=KEY + "x")
+        remote.ChatEngine(tiny_model_dir, url, api_key=KEY + "x")
     assert KEY not in str(e.value) and "\n" not in str(e.value)
     p.mode = "html"
     with pytest.raises(SystemExit, match=f"^error: the server {url} answered /models with something that is not JSON"):
-        engines.ChatEngine(tiny_model_dir, url, api_key=KEY)
+        remote.ChatEngine(tiny_model_dir, url, api_key=KEY)
     p.mode = "stall"
-    eng = engines.ChatEngine(tiny_model_dir, url, name="tiny", api_key=KEY, timeout=1, tries=2)
+    eng = remote.ChatEngine(tiny_model_dir, url, served="tiny", api_key=KEY, timeout=1, tries=2)
     with pytest.raises(SystemExit, match=f"^error: the server {url} did not answer /chat/completions after 2 tries"):
         eng.generate([eng.tok.encode("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
                                      "<|im_start|>assistant\n")], 8, 0.0)
@@ -238,7 +259,7 @@ def test_a_recording_proxy_sees_retries_after_429_bounded_requests_and_the_key_o
 def test_a_judge_by_its_served_name_with_a_key(tiny_model_dir, tiny_index, server, tmp_path, monkeypatch):
     import judge
     j = judge.Judge.load("tiny", server, api_key=KEY, cache=tmp_path / "judge.jsonl")  # no folder: the chat API
-    assert isinstance(j.engine, engines.ChatEngine) and j.engine.tok is None and j.name == "tiny"
+    assert isinstance(j.engine, remote.ChatEngine) and j.engine.tok is None and j.name == "tiny"
     items = [("Where was Ulla born?", "Selstoa", "Selstoa"), ("Who founded X?", "Ivo Lund", "Oslo")]
     scores = j.accuracy(items)
     assert j.asked == 4 and all(s in (None, 0.0, 0.25, 0.5, 0.75, 1.0) for s in scores), scores
@@ -280,3 +301,38 @@ def test_the_vl_policys_pictures_go_as_image_parts(tiny_model_dir, tiny_index, r
         proc.terminate()
         proc.wait(timeout=60)
     assert [chat.tok.decode(i) for i, _ in got] == [chat.tok.decode(i) for i, _ in want]
+
+
+def test_faults_on_the_way_leave_each_served_engines_trajectories_as_they_were(tiny_model_dir, tiny_index, server, proxy,
+                                                                               tmp_path, monkeypatch):
+    # one request meets a 429 with Retry-After, a reply cut half-way, a gateway's HTML error page and a reply later than
+    # the timeout, one after another, through each served engine (chat, token ids) inside an evaluation, which ends
+    # with the trajectories of the same evaluation sent straight to the server; the environment's OPENAI_* key,
+    # organisation and headers reach no server, and an engine given no key sends none of them
+    p, url = proxy
+    p.busy = 0
+    env = dict(OPENAI_API_KEY="sk-env-secret", OPENAI_ORG_ID="org-env", OPENAI_CUSTOM_HEADERS="X-From-Env: yes")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    common = ["--model", tiny_model_dir, "--data", tiny_index, "--split", "test", "--n_questions", "4", "--methods",
+              "routed", "--retriever", "bm25", "--max_active", "1", "--max_concurrency", "1", "--api_key", KEY,
+              "--timeout", "2"]
+    for backend in ("chat", "openai"):
+        run_script("evaluate", *common, "--backend", backend, "--base_url", server, "--out", tmp_path / "direct")
+        p.faults, n = ["429", "drop", "html", "slow"], len(p.seen)
+        run_script("evaluate", *common, "--backend", backend, "--base_url", url, "--out", tmp_path / "faults")
+        want, got = (dataio.read_jsonl(tmp_path / k / "trajectories-routed.jsonl") for k in ("direct", "faults"))
+        assert [(x["spans"], x["steps"], x["final_answer"], x["error"]) for x in got] == \
+            [(x["spans"], x["steps"], x["final_answer"], x["error"]) for x in want], backend
+        asked = [r for r in p.seen[n:] if r["path"].endswith("/completions")]
+        assert p.faults == [] and len({r["body"] for r in asked[:5]}) == 1, backend  # one request, tried 5 times
+        assert asked[1]["t"] - asked[0]["t"] >= 1.0  # after the 429's Retry-After
+    assert all(r["headers"].get("authorization") == f"Bearer {KEY}" for r in p.seen)
+    keyless = remote.ChatEngine(tiny_model_dir, url, served="tiny")
+    with pytest.raises(SystemExit, match=f"^error: the server {url} refused /chat/completions \\(401\\)"):
+        keyless.generate([keyless.tok.encode("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
+                                             "<|im_start|>assistant\n")], 4, 0.0)
+    assert p.seen[-1]["headers"]["authorization"] == f"Bearer {remote.NO_KEY}"
+    for r in p.seen:
+        assert not any(v in str(r["headers"]) or v.encode() in r["body"] for v in (*env.values(), "x-from-env"))
+        assert KEY.encode() not in r["body"]

@@ -1,4 +1,4 @@
-"""engines.OpenAIEngine (`--backend openai`): the step loop against a real vLLM OpenAI server on loopback gives the
+"""remote.OpenAIEngine (`--backend openai`): the step loop against a real vLLM OpenAI server on loopback gives the
 in-process engine's trajectories, token for token, at temperature 0; what a served model cannot do is refused in one
 line."""
 import json
@@ -111,9 +111,10 @@ def test_evaluate_through_a_vllm_server_gives_the_in_process_trajectories(tiny_m
         server.terminate()
         server.wait(timeout=60)
     # a server that is gone: a one-line error naming it, after the retries (the policy's server, and a judge's); their
-    # back-off (1 + 2 s) not slept here
+    # back-off not slept here
+    import remote
     monkeypatch.setattr(time, "sleep", lambda s: None)
     with pytest.raises(SystemExit, match=f"^error: the server {url} did not answer"):
         evaluate(*common, "--backend", "openai", "--base_url", url, "--out", tmp_path / "gone")
-    with pytest.raises(SystemExit, match=f"error: the server {url} did not answer /models after 3 tries"):
+    with pytest.raises(SystemExit, match=f"error: the server {url} did not answer /models after {remote.TRIES} tries"):
         judge.Judge.load(tiny_model_dir, url)  # stepgrpo.py --judge_url's start too
