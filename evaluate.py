@@ -35,7 +35,8 @@ def dev_scores(engine, retriever, qs, settings, rank, world):
     its share on its own engine, gathered and scored: the numbers `--methods routed --split dev
     --n_questions N` gives the checkpoint. dev_score, which picks <out>/best, is the mean of
     F1-Recall and routing accuracy. The RNG state is put back afterwards, so a run trains the same
-    with or without it."""
+    with or without it. Returns the scores and this rank's trajectories as rollout.Samples, each
+    scored by its F1-Recall (the log's table)."""
     import random
 
     import torch
@@ -51,7 +52,8 @@ def dev_scores(engine, retriever, qs, settings, rank, world):
     s = metrics.score([x for p in parts for x in p])
     keys = ("f1_recall", "routing_acc", "routing_macro", "routing_macro0", "route_info0")
     dev = {f"dev_{k}": s[k] for k in keys}
-    return dict(dev, dev_score=(dev["dev_f1_recall"] + dev["dev_routing_acc"]) / 2)
+    samples = [rollout.sample_of(x, score=metrics.answer_scores(x)["f1_recall"]) for x in mine]
+    return dict(dev, dev_score=(dev["dev_f1_recall"] + dev["dev_routing_acc"]) / 2), samples
 
 
 def without_tokens(x):

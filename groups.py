@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import branches
@@ -87,7 +88,7 @@ def teacher_prefix_batch(engine, retriever, questions, run, encode, w, seed, sto
     stats = {k: [] for k in STATS}
     stats.update(retrieve_s=time.perf_counter() - t0,  # the gold policy writes at no cost
                  rollout_tokens=0, rollout_generated=0)  # a group's prefix once, its completions
-    rows = []  # one packed row a group
+    rows, samples = [], []  # one packed row a group; a Sample a completion
     kinds = (("route", *rollout.route_stop(tok, s)), ("answer", ["</answer>"], s.answer_tokens))
     for kind, stop, max_tok in kinds[:1] if run.teacher_spans == "route" else kinds:
         todo = [t for t in prompts if (t[1]["kind"] == "route") == (kind == "route")]
@@ -113,11 +114,14 @@ def teacher_prefix_batch(engine, retriever, questions, run, encode, w, seed, sto
                 adv = grpo.advantages(rs, run.estimator, run.adv_std, scale)
             rows += [dict(r, group=(x["qid"], len(rows)))
                      for r in grpo.group_rows(prefix, group, adv, images, mrope(engine), keep)]
+            samples += [rollout.prefix_sample(x, sp, text, s, r, float(np.mean(a)),
+                                              sc.step if sp["kind"] == "final" else None)
+                        for text, r, a, sc in zip(texts, rs, adv, scores)]
             steprewards.log_group(stats, sp["kind"], scores, cut, [len(ids) for ids, _ in group])
             generated = sum(len(ids) for ids, _ in group)
             stats["rollout_generated"] += generated
             stats["rollout_tokens"] += len(prefix) + generated
-    return rows, stats
+    return rows, stats, samples
 
 def onpolicy_batch(engine, retriever, questions, run, encode, w, seed):
     """n whole trajectories a question form a group; span j of sample i gets A_ij
@@ -130,7 +134,7 @@ def onpolicy_batch(engine, retriever, questions, run, encode, w, seed):
                  rollout_generated=sum(x.n_policy_tokens for x in trajs))
     if w.judge:
         stats["rag"] = steprewards.judge_rag(w, trajs)
-    rows, ppo = [], run.estimator == "gae"
+    rows, samples, ppo = [], [], run.estimator == "gae"
     for g, q in enumerate(questions):
         group = trajs[g * run.n:(g + 1) * run.n]
         scored = [overlong_spans(engine.tok, x, *steprewards.span_rewards(x, encode, w), run, stats)
@@ -148,8 +152,9 @@ def onpolicy_batch(engine, retriever, questions, run, encode, w, seed):
                           adv=adv_tok[c:d], images=vision.images_in(x.images, c, d),
                           group=(q["id"], g), **({"reward": tok_r[c:d]} if ppo else {}))
                      for c, d in x.segments if any(x.mask[c:d])]  # a row a chat
+            samples.append(rollout.sample_of(x, r, a, o))
             steprewards.log_trajectory(stats, x, r, o)
-    return rows, stats
+    return rows, stats, samples
 
 def branch_batch(engine, retriever, questions, run, encode, w, seed):
     """Groups at the policy's own states: one trajectory a question, then at up to --branch_steps of
@@ -169,7 +174,7 @@ def branch_batch(engine, retriever, questions, run, encode, w, seed):
                  + sum(y.generated for y in ys))
     if w.judge:
         stats["rag"] = steprewards.judge_rag(w, ys)  # each branch's outcome
-    rows = []
+    rows, samples = [], []
     for group in (ys[k:k + run.n] for k in range(0, len(ys), run.n)):
         scores, gold = steprewards.score_branches(group, encode, w, run.reward)
         prefix, images, completions = branches.branch_group(group)
@@ -184,7 +189,15 @@ def branch_batch(engine, retriever, questions, run, encode, w, seed):
         tokens = [float(y.spans[y.branch]["end"] - y.spans[y.branch]["start"])
                   for y in group]
         steprewards.log_group(stats, sp["kind"], scores, cut, tokens, group)
-    return rows, stats
+        samples += [branch_sample(y, r, a, sc.outcome)
+                    for y, r, a, sc in zip(group, rs, adv, scores)]
+    return rows, stats, samples
+
+def branch_sample(y, r, adv, outcome):
+    """Branch trajectory y as a rollout.Sample: on its branched step the reward r its advantage adv
+    is of (steprewards.branch_reward's), the outcome its score."""
+    only = lambda v: [v if j == y.branch else None for j in range(len(y.spans))]  # noqa: E731
+    return rollout.sample_of(y, only(r), only(adv), outcome)
 
 def mrope(engine):
     """Whether the policy has 3-D positions (a VL policy's mrope): a group is then a row a
@@ -192,7 +205,9 @@ def mrope(engine):
     return getattr(getattr(engine, "vis", None), "mrope", False)
 
 def rollout_rows(engine, retriever, questions, run, encode, w, seed, store=None, pool=()):
-    """This rank's training rows and rollout stats from its `questions`, by --rollout.
+    """This rank's training rows, rollout stats and sampled trajectories (rollout.Sample: a
+    teacher_prefix completion, an on-policy trajectory, a branch; for the log's tables) from its
+    `questions`, by --rollout.
     --dynamic_sampling (DAPO): only the groups whose advantages are not all 0, and while fewer than
     len(questions) questions have one, as many questions again drawn from `pool` (seeded by the
     step's seed: an exact resume), at most DYNAMIC_TRIES rounds. Logged: refilled, the share of the
@@ -204,14 +219,15 @@ def rollout_rows(engine, retriever, questions, run, encode, w, seed, store=None,
         if run.mode == "branch":
             return branch_batch(engine, retriever, qs, run, encode, w, sd)
         return teacher_prefix_batch(engine, retriever, qs, run, encode, w, sd, store)
-    rows, stats = batch(questions, seed)
+    rows, stats, samples = batch(questions, seed)
     if not run.dynamic_sampling:
-        return rows, stats
+        return rows, stats, samples
     kept, done = [], []  # done: (round, question id) of the questions trained
     for rnd in range(DYNAMIC_TRIES):
         if rnd:
             extra = random.Random(seed + rnd).sample(pool, len(questions))
-            rows, more = batch(extra, seed + 15485863 * rnd)
+            rows, more, drawn = batch(extra, seed + 15485863 * rnd)
+            samples += drawn
             for k, v in more.items():
                 stats[k] += v
         groups = {}
@@ -226,7 +242,7 @@ def rollout_rows(engine, retriever, questions, run, encode, w, seed, store=None,
             break
     stats["refilled"].append(sum(r > 0 for r, _ in done) / max(1, len(done)))
     stats["informative"].append(len(done) / len(questions))
-    return kept, stats
+    return kept, stats, samples
 
 def step_budget(tok, s, kind):
     """(new tokens, stop strings) of a step of `kind` under settings s, the budgets evaluation gives

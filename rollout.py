@@ -26,7 +26,7 @@ longest one of a phase. Engines that run a batch at a time (HF, GoldPolicy) adva
 through the same code. branches.py runs the same loop from a sampled trajectory's own states
 (stepgrpo.py --rollout branch). What a trajectory holds is the Trajectory dataclass (its JSONL row:
 the same fields); while the loop runs it, a Live holds it with its transcript, its phase and the
-loop's other working state.
+loop's other working state; a row of stepgrpo.py's wandb tables shows it as a Sample, a line a step.
 
 The transcript is a chat: system prompt, question, then alternating assistant turns (the policy's,
 mask 1) and user turns (retrieved evidence and template tokens, mask 0). --structure released is
@@ -775,6 +775,95 @@ def show(x, tok):
     f1 = reward.f1_recall(x.final_answer or "", x.answers)
     print(f"  final: {x.final_answer!r}  format_ok={x.format_ok} {x.error}  "
           f"({x.n_policy_tokens} policy tokens of {len(x.ids)}, F1-Recall {f1:.2f})")
+
+# --------------------------------------------------------------------------------------------------
+# A trajectory as a table row (stepgrpo.py's wandb tables)
+
+@dataclass
+class Sample:
+    """One trajectory as a row of stepgrpo.py's wandb tables (a training step's samples, a dev
+    evaluation's): the question and its gold answers, a readable line for each policy step
+    (step_line), the reward each step's advantage is of and that advantage (the mean over its
+    tokens, where --route_credit split gives a route's wording and its KB choice their own), None
+    where a step has none (a teacher's prefix, a branch's steps but the branched one, a dev
+    trajectory's), the final answer and its score: the outcome (F1-Recall, + the judged term with
+    --w_rag; a teacher_prefix final answer: its step reward; dev: F1-Recall)."""
+    COLUMNS = ("question", "gold", "steps", "rewards", "advantages", "final_answer", "score")
+    question: str
+    gold: list            # the gold answers
+    steps: list           # a line a policy step
+    rewards: list         # a value or None a step
+    advantages: list
+    final_answer: str | None
+    score: float | None
+
+    def row(self):
+        """The cells under COLUMNS: the steps one text cell, a line a step, the rewards and
+        advantages lists aligned with its lines."""
+        num = lambda vs: [None if v is None else round(float(v), 4) for v in vs]  # noqa: E731
+        return [self.question, " | ".join(self.gold), "\n".join(self.steps), num(self.rewards),
+                num(self.advantages), self.final_answer, self.score]
+
+def step_line(kind, t, step):
+    """A policy step as one readable line (its whitespace runs one space each, so a Sample's lines
+    stay one a step): its kind and routing step (t, from 0), then a route's sub-questions and KBs or
+    the stop, an action's note, an answer; a step that did not parse, its error. step: what the
+    parser read (a reward.Route or reward.Answer)."""
+    head = "final" if kind == "final" else f"{kind} {t + 1}"
+    if not step.ok:
+        text = f"(did not parse) {step.error}"
+    elif isinstance(step, reward.Answer):
+        text = step.answer
+    elif step.action:
+        text = step.note
+    elif step.stop:
+        text = "stop"
+    else:
+        text = "; ".join(f"{q} -> {', '.join(kbs)}" for q, kbs in step.pairs)
+    return " ".join(f"{head}: {text}".split())
+
+def span_steps(x):
+    """Each policy span of finished trajectory x (a Trajectory or its row) as (kind, routing step,
+    the step the parser read), from x's fields as steprewards.span_rewards reads them: a route's
+    lookups (a backtracked route's from its backtrack), an action's note, an answer, the final
+    answer; the span a format failure ended on fails with x's error."""
+    pred, acts = reward.by_step(x["steps"]), {a["span"]: a for a in x.get("actions", [])}
+    popped = {k: a["popped"] for a in acts.values() if a["kind"] == "backtrack"
+              for k in a["popped_spans"]}
+    out = []
+    for j, sp in enumerate(x["spans"]):
+        t = sp["step"]
+        mine = popped[j] if j in popped else pred[t] if t < len(pred) else []
+        if not x["format_ok"] and j == len(x["spans"]) - 1:
+            step = reward.Answer(ok=False, error=x["error"])
+        elif j in acts:
+            step = reward.Route(ok=True, action=acts[j]["kind"], note=acts[j]["note"])
+        elif sp["kind"] == "route":
+            step = reward.Route(ok=True, stop=not mine, pairs=reward.pairs_of(mine))
+        else:
+            answer = x["final_answer"] if sp["kind"] == "final" else mine[0]["answer"]
+            step = reward.Answer(ok=True, answer=answer or "")
+        out.append((sp["kind"], t, step))
+    return out
+
+def sample_of(x, rewards=None, advantages=None, score=None):
+    """Finished trajectory x as a Sample; rewards and advantages: one a span (None: none)."""
+    lines = [step_line(*st) for st in span_steps(x)]
+    none = [None] * len(lines)
+    return Sample(x["question"], list(x["answers"]), lines, rewards or none, advantages or none,
+                  x["final_answer"], score)
+
+def prefix_sample(x, sp, text, s, r, adv, score=None):
+    """A step sampled at a prefix of trajectory x (teacher_prefix) as a Sample: x's steps before
+    span sp (no rewards: not sampled), then `text` written for sp (parsed as the step loop parses
+    it, under Settings s) with its reward r and advantage adv."""
+    j = x["spans"].index(sp)
+    step = (reward.parse_route(text, s.max_pairs, s.max_rets, s.actions) if sp["kind"] == "route"
+            else reward.parse_answer(text))
+    lines = [step_line(*st) for st in span_steps(x)[:j]] + [step_line(sp["kind"], sp["step"], step)]
+    final = step.answer if sp["kind"] == "final" and step.ok else None
+    return Sample(x["question"], list(x["answers"]), lines, [None] * j + [r], [None] * j + [adv],
+                  final, score)
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__,

@@ -41,6 +41,7 @@ import vision
 from report import curves_chart
 
 KEEP = 3           # newest checkpoints kept (and <out>/best's)
+SAMPLES = 4        # trajectories a step (and a dev evaluation) shows in wandb's tables: rank 0's
 
 def get_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
@@ -184,6 +185,12 @@ def log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd):
                 adv_abs=float(np.mean(adv or [0.0])),
                 **ppo, **{k: tot[k] / world for k in timing})
 
+def log_samples(log, step, **tables):
+    """The first SAMPLES rollout.Samples of each table (name=samples) as that wandb table at `step`:
+    the trajectories behind the step's numbers (wandb alone; rank 0's, the log's)."""
+    for name, samples in tables.items():
+        log.table(step, name, rollout.Sample.COLUMNS, [x.row() for x in samples[:SAMPLES]])
+
 #### main
 
 @dataclass
@@ -295,8 +302,9 @@ def main(argv=None, close=True):
     bar = trainutil.progress(rank, args.train_steps, step, "step-grpo")
     peak, peaks = memory.PeakMemory(device), {}  # peaks: phase -> each rank's highest GiB
     if dev_qs and step == 0:  # the starting policy's dev score: what the checkpoints have to beat
-        scores = dev()
+        scores, samples = dev()
         log(dict(step=0, **scores))
+        log_samples(log, 0, dev_samples=samples)
         print0(f"dev ({len(dev_qs)} questions) at the start: F1-Recall "
                f"{scores['dev_f1_recall']:.1f}, routing acc {scores['dev_routing_acc']:.1f}")
     bad = 0  # steps in a row whose update was skipped for a non-finite gradient norm
@@ -312,8 +320,8 @@ def main(argv=None, close=True):
         # rollout groups, their step rewards and advantages: the training rows
         t = time.perf_counter()
         with peak("rollout"):
-            rows, stats = groups.rollout_rows(p.engine, ret, batch, run, encode, w, seed, store,
-                                              questions)
+            rows, stats, samples = groups.rollout_rows(p.engine, ret, batch, run, encode, w, seed,
+                                                       store, questions)
         timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"),
                       rollout_tokens=stats.pop("rollout_tokens"),  # this rank's (bench/flops.py)
                       rollout_generated=stats.pop("rollout_generated"))
@@ -332,10 +340,13 @@ def main(argv=None, close=True):
         # the log (with the dev score at a checkpoint) and the checkpoint
         rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd)
         rec["memory_gib"] = memory.gather_peaks(peak.gib, world)  # per phase since the last record
+        dev_samples = []
         if saving and dev_qs:
-            rec.update(timed(dev))
+            scores, dev_samples = timed(dev)
+            rec.update(scores)
             dev_hist[step] = rec["dev_score"]
         log(rec)
+        log_samples(log, step, samples=samples, dev_samples=dev_samples)
         peaks = memory.highest(peaks, rec["memory_gib"])
         show(bar, rec)
         if saving:
@@ -351,9 +362,11 @@ def main(argv=None, close=True):
             dist.destroy_process_group()
 
 def timed(dev):
-    """The dev scores (dev: a callable) and the seconds they took (dev_s)."""
+    """The dev scores (dev: a callable returning them and its samples) with the seconds they took
+    (dev_s), and the samples."""
     t = time.perf_counter()
-    return dict(dev(), dev_s=time.perf_counter() - t)
+    scores, samples = dev()
+    return dict(scores, dev_s=time.perf_counter() - t), samples
 
 def announce(args, model, w, n_questions, world, device, lora, print0):
     if w.route_scale:

@@ -858,6 +858,15 @@ class Log:
         if self.run:
             self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
+    def table(self, step, name, columns, rows):
+        """rows (lists of cells under `columns`) as wandb Table `name` at `step`: what TRL's and
+        verl's sample tables are, wandb's alone (log.jsonl keeps the scalars). Mixed cell types are
+        allowed, so that a row of Nones or an empty list never stops a run on wandb's typing."""
+        if self.run and rows:
+            import wandb
+            table = wandb.Table(columns=list(columns), data=rows, allow_mixed_types=True)
+            self.run.log({name: table}, step=step)
+
     def close(self):
         if self.f:
             self.f.close()

@@ -110,7 +110,7 @@ def test_a_new_step_reward_moves_the_advantages_as_it_says(tiny_index, encoder, 
     engine, ret = OddSamplesAskTheTable(tok, qs), retrievers.Retriever(tiny_index, "bm25")
     w = stepgrpo.reward_weights(args, qs)
     batch = groups.teacher_prefix_batch if mode == "teacher_prefix" else groups.onpolicy_batch
-    rows, _ = batch(engine, ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
+    rows, _, _ = batch(engine, ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     runs = [r for row in rows for r in runs_of(row) if r[0]]
     assert runs and all("<answer>" not in text for _, text in runs)  # route tokens only
     scales = set(w.route_scale.values())
@@ -162,7 +162,7 @@ def test_a_new_advantage_estimator_reaches_every_rollout_mode(tiny_index, encode
     for est in ("grpo", "rloo"):
         args = stepgrpo.get_args(["-n", "2", "--rollout", mode, "--adv_estimator", est])
         batch = getattr(groups, f"{mode}_batch")
-        rows, _ = batch(OddSamplesAlsoAnswerWrong(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode,
+        rows, _, _ = batch(OddSamplesAlsoAnswerWrong(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode,
                         stepgrpo.reward_weights(args, qs), seed=0)
         adv[est] = [a for r in rows for a, m in zip(r["adv"], r["mask"]) if m]
     assert any(adv["grpo"]) and adv["rloo"] == pytest.approx([2 * a for a in adv["grpo"]])

@@ -596,7 +596,7 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
     for spans in ("all", "route"):
         tok, qs, ret, args, prefixes = teacher_setup(tiny_index, spans)
         n_route = sum(sp["kind"] == "route" for _, sp, _, _ in prefixes)
-        seqs, st = stepgrpo.groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args),
+        seqs, st, _ = stepgrpo.groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args),
                                                         encoder.encode, steprewards.Weights(), seed=0)
         groups = len(prefixes) if spans == "all" else n_route
         assert len(seqs) == groups and sum(1 + s["seg"][-1] for s in seqs) == 2 * groups
@@ -646,7 +646,7 @@ def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, e
     eng = rollout.GoldPolicy(tok, qs)
     budget = groups.step_budget(tok, stepgrpo.rollout_config(args).steps, "route")[0]
     eng.max_len = lens[len(lens) // 2] + budget
-    seqs, st = groups.teacher_prefix_batch(eng, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
+    seqs, st, _ = groups.teacher_prefix_batch(eng, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
     fits = sum(n + budget <= eng.max_len for n in lens)
     assert 0 < fits < len(lens) and len(seqs) == fits
     assert st["overflow"] == pytest.approx([float(n + budget > eng.max_len)
@@ -662,13 +662,13 @@ def test_released_structure_trains_on_one_row_a_chat(tiny_index, encoder):
     tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
     args.structure, args.rollout, args.reward = "released", "onpolicy", "step"
     w = steprewards.Weights()
-    rows, _ = groups.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
+    rows, _, _ = groups.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     golds = rollout.rollout(rollout.GoldPolicy(tok, qs), ret, qs, 2, rollout.Settings(max_steps=3, topk=3, structure="released"))
     assert len(rows) == sum(len(x["segments"]) for x in golds) and sum(sum(r["mask"]) for r in rows) == sum(x["n_policy_tokens"] for x in golds)
     for r in rows:
         text = tok.decode(r["ids"])
         assert text.startswith("<|im_start|>system") and text.count("<|im_start|>system") == 1
-    seqs, _ = groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
+    seqs, _, _ = groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     assert len(seqs) == sum(len(x["spans"]) for x in golds[::2])
     assert all(tok.decode(s["ids"]).count("<|im_start|>system") == 1 for s in seqs)
 
@@ -760,6 +760,42 @@ def test_dev_eval_keeps_the_best_checkpoint_and_leaves_training_unchanged(straig
     # the newest KEEP checkpoints and the best one are kept
     assert sorted(p.name for p in evald.glob("step_*")) == sorted({f"step_{best}", "step_1", "step_2", "step_3"})
     assert f"best on dev (mean of F1-Recall and routing accuracy): step {best}" in capsys.readouterr().out
+
+def wandb_tables(out, name):
+    """step -> the rows (column -> cell) of the wandb Table `name` an offline run in `out` logged at that step (wandb
+    0.31 writes each as wandb/offline-run-*/files/media/table/<name>_<step>_<hash>.table.json)."""
+    tables = {}
+    for f in Path(out).glob(f"wandb/offline-run-*/files/media/table/{name}_*.table.json"):
+        t = json.loads(f.read_text())
+        tables[int(f.name[len(name) + 1:].split("_")[0])] = [dict(zip(t["columns"], r)) for r in t["data"]]
+    return tables
+
+def test_wandb_tables_hold_the_steps_trajectories_and_the_dev_ones(tmp_path, tiny_model_dir, tiny_index, monkeypatch):
+    # an offline wandb run (the default): at step 1 a table of the step's trajectories (onpolicy, 2 questions x 2
+    # samples: all of them, stepgrpo.SAMPLES = 4), at each dev evaluation (steps 0 and 1) one of the dev trajectories;
+    # their rewards and scores are the ones log.jsonl's means are of, and log.jsonl keeps its scalars alone
+    import rollout
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    stepgrpo.main(common(tiny_model_dir, tiny_index, out) + ["--train_steps", "1", "--backend", "hf", "--rollout",
+                                                             "onpolicy", "--eval_questions", "2"])
+    recs, train, dev = records(out), wandb_tables(out, "samples"), wandb_tables(out, "dev_samples")
+    assert list(train) == [1] and sorted(dev) == [0, 1] and len(train[1]) == stepgrpo.SAMPLES == 4
+    assert all(list(r) == list(rollout.Sample.COLUMNS) for rows in [train[1], *dev.values()] for r in rows)
+    _, batch = groups.step_questions(dataio.load_questions(tiny_index, "train"), 0, 2, 0, 0, 1)
+    assert sorted(r["question"] for r in train[1]) == sorted(q["question"] for q in batch for _ in range(2))
+    for r in train[1]:  # a line a policy step, its reward and advantage beside it
+        assert len(r["steps"].split("\n")) == len(r["rewards"]) == len(r["advantages"]) >= 1
+        assert r["gold"] == " | ".join(next(q["answers"] for q in batch if q["question"] == r["question"]))
+    routes = [v for r in train[1] for line, v in zip(r["steps"].split("\n"), r["rewards"]) if line.startswith("route")]
+    assert np.mean(routes) == pytest.approx(recs[-1]["route_r"], abs=1e-4)  # the table's rounded to 4 places
+    assert np.mean([r["score"] for r in train[1]]) == pytest.approx(recs[-1]["outcome"])
+    dev_qs = dataio.load_questions(tiny_index, "dev")[:2]
+    for step, rows in dev.items():  # greedy and untrained: no rewards; scored by F1-Recall
+        assert [r["question"] for r in rows] == [q["question"] for q in dev_qs]
+        assert all(set(r["rewards"]) == set(r["advantages"]) == {None} for r in rows)
+        assert 100 * np.mean([r["score"] for r in rows]) == pytest.approx(recs[step]["dev_f1_recall"])
+    assert not {"samples", "dev_samples"} & {k for rec in recs for k in rec}
 
 class TinyLM(torch.nn.Module):
     """embedding -> norm -> head, with the interface trainutil.selected_logits uses (HF models read tensor values
@@ -854,13 +890,13 @@ def test_both_rollout_modes_score_gold_multi_query_steps_in_full(tiny_index, enc
     qs = [q for q in qs if q["type"] == "comparison"][:3] + [q for q in qs if q["type"] == "2hop"][:3]
     args.max_pairs, args.rollout, args.reward = 2, "onpolicy", "step"
     w = steprewards.Weights(route_scale=steprewards.kb_balance(qs, 3, max_pairs=2))
-    seqs, st = groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
+    seqs, st, _ = groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     n_route = 2 * (3 * 2 + 3 * 3)  # 2 samples x (a comparison: 1 step + stop, a 2-hop: 2 steps + stop)
     assert st["route_r"] == pytest.approx([1.2] * n_route) and st["kb_acc"] == [1.0] * n_route
     assert st["answer_r"] == pytest.approx([1.2] * 2 * 9) and st["outcome"] == pytest.approx([1.2] * 2 * 6)
     routes = [s for s in seqs if tok.decode([t for t, m in zip(s["ids"], s["mask"]) if m]).count("</ret>")]
     assert len(routes) == n_route // 2 and all(s["ids"][-1] == tok.eos_token_id for s in routes)
-    rows, st = groups.onpolicy_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
+    rows, st, _ = groups.onpolicy_batch(rollout.GoldPolicy(tok, qs, max_pairs=2), ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
     assert st["outcome"] == [1.0] * 12 and st["format_ok"] == [1.0] * 12 and st["kb_acc"] == [1.0] * 2 * (3 * 2 + 3 * 3)
     assert st["retrievals"] == [2] * 12 and st["route_r"] == pytest.approx([1.2] * 2 * (3 * 2 + 3 * 3))
     assert len(rows) == 12 and all(a == 0.0 for r in rows for a in r["adv"])  # the same trajectory twice: no advantage
@@ -931,16 +967,16 @@ def test_dynamic_sampling_keeps_the_groups_with_a_gradient_and_draws_more_questi
     # one of the step's two questions (a) has a mixed group: a second round draws both of the pool's, of which c is
     # mixed, and the step is full
     policy = HalfWrong(tok, qs, mixed=[a["id"], c["id"]])
-    rows, st = groups.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, pool)
+    rows, st, _ = groups.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, pool)
     assert {r["group"][0] for r in rows} == {a["id"], c["id"]}
     assert all(any(v for v, m in zip(r["adv"], r["mask"]) if m) for r in rows)  # no unanimous group is trained
     assert st["informative"] == [1.0] and st["refilled"] == [0.5]
     # a pool with no mixed question: DYNAMIC_TRIES rounds, and the step trains the one question it has
-    rows, st = groups.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, [b, d])
+    rows, st, _ = groups.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, [b, d])
     assert {r["group"][0] for r in rows} == {a["id"]} and st["informative"] == [0.5] and st["refilled"] == [0.0]
     # off: every group, unanimous ones included, and no round but the first
     args.dynamic_sampling = False
-    plain, st = groups.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, pool)
+    plain, st, _ = groups.rollout_rows(policy, ret, mine, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), 7, None, pool)
     assert len(plain) > len(rows) and {r["group"][0] for r in plain} == {q["id"] for q in mine} and st["refilled"] == []
 
 def test_overlong_steps_are_masked_or_penalised(tiny_index, encoder):
@@ -957,7 +993,7 @@ def test_overlong_steps_are_masked_or_penalised(tiny_index, encoder):
     got = {}
     for mode in ("none", "mask", "penalty"):
         args.overlong = mode
-        rows, st = groups.teacher_prefix_batch(Rambles(tok, qs), ret, qs[:2], stepgrpo.rollout_config(args), encoder.encode,
+        rows, st, _ = groups.teacher_prefix_batch(Rambles(tok, qs), ret, qs[:2], stepgrpo.rollout_config(args), encoder.encode,
                                                  steprewards.Weights(), seed=0)
         got[mode] = rows
         assert st["cut"] == [0.0, 1.0] * (len(st["cut"]) // 2)
@@ -1109,7 +1145,7 @@ def test_branch_groups_share_their_prefix_token_for_token(tiny_index, encoder, s
         assert y["steps"][:len([e for e in x["steps"] if e["step"] < x["spans"][b]["step"]])] == \
             [e for e in x["steps"] if e["step"] < x["spans"][b]["step"]]
     assert any(y["ids"] != trajs[y["base"]]["ids"] for y in ys)  # the continuations went elsewhere
-    rows, st = groups.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
+    rows, st, _ = groups.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
     assert len(rows) == len(picks) and st["kb_mixed"] and 0 < np.mean(st["kb_mixed"]) < 1
     for row, (j, b) in zip(rows, picks):
         prefix, _ = rollout.span_prefix(trajs[j], trajs[j]["spans"][b])
@@ -1133,7 +1169,7 @@ def test_branch_advantage_follows_the_outcome_of_the_continuation(tiny_index, en
     tok, qs, ret, args, policy, *_ = branch_setup(tiny_index)
     for mode in ("step", "outcome"):
         args.reward = mode
-        rows, st = groups.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
+        rows, st, _ = groups.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
         assert st["outcome"] == [1.0, 0.0] * len(rows) and st["format_ok"] == [1.0] * 2 * len(rows)
         assert st["kb_acc"] == [1.0] * len(st["kb_acc"]) and st["kb_entropy"] == [0.0] * len(st["kb_entropy"])
         assert st["route_r"] == pytest.approx([1.2] * len(st["route_r"])) and st["route_r"]
@@ -1155,7 +1191,7 @@ def test_branch_rows_train_the_branched_step_alone(tiny_index, encoder):
     # on each branch's repeated last prompt token; the continuation is not in the row; a VL (mrope) policy's group is a
     # row per completion with the same masks
     tok, qs, ret, args, policy, s, trajs, picks, ys = branch_setup(tiny_index, mix=True)
-    rows, st = groups.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
+    rows, st, _ = groups.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, steprewards.Weights(), seed=0)
     assert sum(sum(r["mask"]) for r in rows) == sum(st["tokens"]) == sum(
         y["spans"][y["branch"]]["end"] - y["spans"][y["branch"]]["start"] for y in ys)
     for g, row in enumerate(rows):
@@ -1169,6 +1205,57 @@ def test_branch_rows_train_the_branched_step_alone(tiny_index, encoder):
         vl = grpo.group_rows(prefix, group, [1.0, -1.0], images, mrope=True)
         assert [r["ids"] for r in vl] == [prefix + ids for ids, _ in group]
         assert [r["mask"] for r in vl] == [[0] * len(prefix) + [1] * len(ids) for ids, _ in group]
+
+def gold_lines(q, max_steps=3):
+    """The table's step lines (rollout.step_line) of the gold policy's trajectory of question q, written out here: each
+    gold step's sub-question and KB and its answer, the stop (within max_steps), the final answer."""
+    plan = reward.by_step(reward.group_steps(q["steps"], 1))[:max_steps]
+    lines = [line for t, g in enumerate(plan) for line in (f"route {t + 1}: {g[0]['sub_question']} -> {g[0]['kb']}",
+                                                            f"answer {t + 1}: {reward.group_answer(g)}")]
+    return lines + [f"route {len(plan) + 1}: stop"] * (len(plan) < max_steps) + [f"final: {q['answers'][0]}"]
+
+def test_samples_are_the_scored_trajectories_a_line_a_step(tiny_index, encoder):
+    # the wandb tables' rows (rollout.Sample) of every rollout mode's groups: a readable line a step the policy wrote,
+    # beside it the reward its advantage is of (the one log.jsonl's means are of) and that advantage, the final answer
+    # and its outcome; a teacher's prefix steps and a branch's other steps have none
+    import rollout
+    tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
+    by_q = {q["question"]: q for q in qs}
+    w = steprewards.Weights()
+    args.rollout = "onpolicy"  # -n 2 gold trajectories a question: equal rewards, advantages 0
+    _, st, samples = groups.onpolicy_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args),
+                                           encoder.encode, w, seed=0)
+    assert [s.question for s in samples] == [q["question"] for q in qs for _ in range(2)]
+    assert all(s.steps == gold_lines(by_q[s.question]) and s.final_answer == by_q[s.question]["answers"][0]
+               for s in samples)
+    of = lambda kind: [r for s in samples for line, r in zip(s.steps, s.rewards) if line.startswith(kind)]
+    assert of("route") == pytest.approx(st["route_r"]) and of("answer") == pytest.approx(st["answer_r"])
+    assert [s.score for s in samples] == pytest.approx(st["outcome"]) and st["outcome"] == [1.0] * len(samples)
+    assert {a for s in samples for a in s.advantages} == {0.0}
+    row = samples[0].row()
+    assert row[2] == "\n".join(gold_lines(qs[0])) and len(row) == len(rollout.Sample.COLUMNS)
+    args.rollout = "teacher_prefix"  # a sample a completion: the gold prefix, then the step the policy wrote at it
+    _, st, samples = groups.teacher_prefix_batch(rollout.GoldPolicy(tok, qs), ret, qs, stepgrpo.rollout_config(args),
+                                                 encoder.encode, w, seed=0)
+    assert all(s.steps == gold_lines(by_q[s.question])[:len(s.steps)] for s in samples)
+    assert all(s.rewards[:-1] == s.advantages[:-1] == [None] * (len(s.steps) - 1) for s in samples)
+    last = lambda kind: [s.rewards[-1] for s in samples if s.steps[-1].startswith(kind)]  # noqa: E731
+    assert last("route") == pytest.approx(st["route_r"]) and last("answer") == pytest.approx(st["answer_r"])
+    finals = [s for s in samples if s.steps[-1].startswith("final")]
+    assert [s.score for s in finals] == pytest.approx(st["outcome"]) and len(finals) == 2 * len(qs)
+    assert all(s.final_answer == by_q[s.question]["answers"][0] for s in finals)
+    assert {s.score for s in samples if s not in finals} == {None}
+    # branch: the branched step's reward is its outcome's plus its own; the first branch of a group ends right, the
+    # second wrong (+-0.5)
+    *_, args, policy, s, trajs, picks, ys = branch_setup(tiny_index)
+    _, st, samples = groups.branch_batch(policy, ret, qs, stepgrpo.rollout_config(args), encoder.encode, w, seed=0)
+    assert [x.score for x in samples] == st["outcome"] == [1.0, 0.0] * len(picks)
+    for x, y in zip(samples, ys):
+        assert [r is not None for r in x.rewards] == [j == y["branch"] for j in range(len(y["spans"]))]
+        assert x.advantages[y["branch"]] == pytest.approx(x.score - 0.5)
+    branched = lambda kind: [x.rewards[y["branch"]] - x.score for x, y in zip(samples, ys)  # noqa: E731
+                             if x.steps[y["branch"]].startswith(kind)]
+    assert branched("route") == pytest.approx(st["route_r"]) and branched("answer") == pytest.approx(st["answer_r"])
 
 #### the trainer's guards (found by reading verl's actor and GSPO)
 
