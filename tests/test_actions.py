@@ -273,7 +273,7 @@ def test_step_grpo_builds_a_row_per_chat_and_scores_every_span_of_a_trajectory_w
         args = stepgrpo.get_args(["--model", str(tmp_path), "--data", str(tmp_path), "--rollout", mode, "-n", "2",
                                   "--topk", "2", "--branch_steps", "3"])
         args.actions = True  # (read from the checkpoint: none here)
-        rows, stats = getattr(groups, f"{mode}_batch")(rollout.GoldPolicy(tok, picked, actions=True), ret, picked,
+        rows, stats, _ = getattr(groups, f"{mode}_batch")(rollout.GoldPolicy(tok, picked, actions=True), ret, picked,
                                                          stepgrpo.rollout_config(args), encoder.encode, w, 0)
         assert all(len(r["ids"]) == len(r["mask"]) == len(r["adv"]) for r in rows) and rows
         if mode == "onpolicy":
