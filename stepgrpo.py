@@ -191,6 +191,14 @@ def log_samples(log, step, **tables):
     for name, samples in tables.items():
         log.table(step, name, rollout.Sample.COLUMNS, [x.row() for x in samples[:SAMPLES]])
 
+def log_start(dev, log, n, print0):
+    """The starting policy's dev scores (dev: a callable) and samples, logged at step 0."""
+    scores, samples = dev()
+    log(dict(step=0, **scores))
+    log_samples(log, 0, dev_samples=samples)
+    print0(f"dev ({n} questions) at the start: F1-Recall {scores['dev_f1_recall']:.1f}, "
+           f"routing acc {scores['dev_routing_acc']:.1f}")
+
 #### main
 
 @dataclass
@@ -302,11 +310,7 @@ def main(argv=None, close=True):
     bar = trainutil.progress(rank, args.train_steps, step, "step-grpo")
     peak, peaks = memory.PeakMemory(device), {}  # peaks: phase -> each rank's highest GiB
     if dev_qs and step == 0:  # the starting policy's dev score: what the checkpoints have to beat
-        scores, samples = dev()
-        log(dict(step=0, **scores))
-        log_samples(log, 0, dev_samples=samples)
-        print0(f"dev ({len(dev_qs)} questions) at the start: F1-Recall "
-               f"{scores['dev_f1_recall']:.1f}, routing acc {scores['dev_routing_acc']:.1f}")
+        log_start(dev, log, len(dev_qs), print0)
     bad = 0  # steps in a row whose update was skipped for a non-finite gradient norm
 
     #### training loop
