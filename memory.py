@@ -67,8 +67,8 @@ def gathered_bytes(model, world, offload, compute_bytes):
     """Bytes of `model`'s weights FSDP2 holds gathered in the compute dtype (compute_bytes a value)
     during a no-grad forward: every weight at world size 1 without --offload (its blocks stay
     gathered: trainutil.shard), else the root's and two blocks' (the one computing, the next
-    prefetched); 0 for a plain module (one process in fp32: nothing gathered). A quantised base's
-    weights are whole already."""
+    prefetched); 0 for a plain module (one process: nothing gathered; bf16 autocast casts one
+    weight at a time: trainutil.plain_autocast). A quantised base's weights are whole already."""
     from torch.distributed.fsdp import FSDPModule
     if not isinstance(model, FSDPModule):
         return 0

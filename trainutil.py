@@ -4,9 +4,9 @@ nothing else).
 
 Same code with or without torchrun: a single process is a world of one (a gloo/nccl group over an
 in-memory store), so the mixed-precision, state-dict and clipping paths are the ones a multi-rank
-run takes. Its model is FSDP2's too, except in fp32 without --offload (load_sharded: there FSDP2
-would only copy the whole model at every gather and reduce; the numbers are the same bit for
-bit).
+run takes. Its model is FSDP2's too, except at world size 1 without --offload or --quant
+(load_sharded: there FSDP2 would only copy the whole model at every gather and reduce; in fp32 the
+numbers are the same bit for bit, bf16 computes by autocast: plain_autocast).
 GPU: NCCL, flash-attn 2 when installed (bf16 compute only). CPU: gloo. Both: bf16 compute with fp32
 master weights and fp32 gradient reduction (--dtype bf16), or fp32 throughout (--dtype fp32);
 --dtype auto (the default) picks bf16 where the hardware computes it natively (CUDA, AVX512-BF16
@@ -324,10 +324,10 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     model = add_lora(model, lora) if lora else model
     if value_head and lora:  # peft froze everything but the adapters: the new head trains too
         model.get_output_embeddings().requires_grad_(True)
-    # world size 1 in fp32 without offload: the plain module, as transformers' own loop has it (a
-    # shard would be the whole parameter, gathered and reduced by copies: 1 s of an 8 s SFT step on
-    # the CPU); with bf16 FSDP2 keeps the mixed precision
-    plain = world == 1 and not bf16 and not offload and quant == "none"
+    # world size 1 without offload: the plain module, as transformers' own loop has it (a shard
+    # would be the whole parameter, gathered and reduced by copies: 1 s of an 8 s SFT step on the
+    # CPU); bf16 compute by autocast (plain_autocast)
+    plain = world == 1 and not offload and quant == "none"
     if not plain:
         shard(model, device, world, bf16, offload, train)
     if quant == "none":
@@ -342,6 +342,8 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
             dist.broadcast(b, src=0)
         if dist.get_rank() == 0:
             model.generation_config = generation_config
+    if plain and bf16:
+        plain_autocast(model, device)
     if offload:  # no-op for shards to_empty pinned (above); any an unpinned policy left on `device`
         model.to("cpu")  # go to host memory, and the buffers, moved with them, back to `device`
         for b in model.buffers():
@@ -359,6 +361,15 @@ def load_sharded(path, device, world, activation_checkpointing=False, train=True
     if not train:
         model.requires_grad_(False)
     return model
+
+def plain_autocast(model, device):
+    """A plain module's bf16 compute: its forward under torch.autocast (the weights fp32, the
+    masters; matmuls and attention in bf16, each weight cast as it is used, norms and the residual
+    stream in fp32), as a transformers user's loop has it. FSDP2's mixed precision (world > 1)
+    casts every weight and activation to bf16 instead: the same bf16 matmuls, other rounding
+    around them. No cache of the casts (cache_enabled=False): a no-grad forward (the sync check,
+    the old and the reference logprobs) holds one bf16 weight at a time, not the whole model's."""
+    model.forward = torch.autocast(device.type, torch.bfloat16, cache_enabled=False)(model.forward)
 
 def has_dropout(model):
     """Whether a forward in training mode drops anything: an nn.Dropout with p > 0, or an
@@ -459,19 +470,26 @@ def accumulate(model, last):
 
 def clip_grad_norm(model, max_norm):
     """Global grad norm, then scale the grads to at most max_norm (0: no clipping). The grads are
-    FSDP2 shards (DTensors; local()): each element lives on exactly one rank. Each shard's norm
-    accumulates in float64 (vector_norm's dtype: no float64 copy of the gradients; 5x faster than
-    squaring one on the CPU): torch's fp32 clip_grad_norm_ was off by ~3e-5 relative here, and by a
-    different amount per world size, which alone breaks 1-vs-2-rank equality."""
+    FSDP2 shards (DTensors; local()): each element lives on exactly one rank. The norm is the
+    float64 sum of fp32 row norms (row_norms), the same at every world size: torch's fp32
+    clip_grad_norm_ was off by ~3e-5 relative here, and by a different amount per world size,
+    which alone breaks 1-vs-2-rank equality."""
     grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
-    sq = torch.stack(norms).pow(2).sum().to(compute_device(model))  # offload: NCCL's GPU
+    sq = torch.cat([row_norms(g).square() for g in grads]).sum().to(compute_device(model))
     dist.all_reduce(sq)
     norm = sq.sqrt().item()
     if max_norm > 0 and norm > max_norm:
         for g in grads:
             g.mul_(max_norm / (norm + 1e-6))
     return norm
+
+def row_norms(g):
+    """The fp32 norms, as float64 [R], of g's rows: dim 0, which FSDP2 shards whole, so a row is the
+    same on any world size (a 1-D tensor's rows are its elements). Each row sums at most a few
+    thousand squares in fp32 (within ~1e-7 relative); a float64 copy of the gradients
+    (vector_norm's dtype) cost 0.2 s a step at 135M on the CPU, this 0.01."""
+    rows = g.flatten(1) if g.dim() > 1 else g.reshape(-1, 1)  # [R, C]
+    return torch.linalg.vector_norm(rows, dim=1).double()
 
 def sync_weights(model, engine, rows, pad_id, peak, check, dtype):
     """The policy's new weights into this rank's engine (stepgrpo.py's weight sync), and after this

@@ -6,6 +6,7 @@ golden trajectories, rollout.py's GoldPolicy through the real step loop and BM25
 Single-process runs call sft.main() in this process (one torch thread: on this shared 2-core machine two OMP threads
 were up to 7x slower); the 2-rank run and one error case go through the real command line."""
 import json
+import math
 import os
 import re
 import shutil
@@ -166,8 +167,8 @@ def test_rank0_load_fills_every_shard_and_keeps_the_head_tied(tiny_model):
         dist.destroy_process_group()
 
 def test_one_process_in_fp32_trains_the_plain_module_as_fsdp2_does_bit_for_bit(tiny_model, traj_dir):
-    """World size 1 in fp32 without --offload: load_sharded leaves the module unwrapped (FSDP2 would only copy it at
-    every gather and reduce); bf16 and --offload keep FSDP2. Two steps of two micro-batches each (sft.py's step:
+    """World size 1 without --offload: load_sharded leaves the module unwrapped (FSDP2 would only copy it at every
+    gather and reduce); --offload keeps FSDP2. Two steps of two micro-batches each (sft.py's step:
     accumulate, the float64 norm, clipping, AdamW) leave the plain module with FSDP2's weights bit for bit."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -175,7 +176,6 @@ def test_one_process_in_fp32_trains_the_plain_module_as_fsdp2_does_bit_for_bit(t
     rows = [(r["ids"], r["mask"]) for r in dataio.read_jsonl(traj_dir / "train.jsonl")[:4]]
     own = trainutil.init_group(1, device=cpu)
     try:
-        assert isinstance(trainutil.load_sharded(tiny_model, cpu, 1, bf16=True), FSDPModule)
         got = {}
         for offload in (False, True):
             model = trainutil.load_sharded(tiny_model, cpu, 1, bf16=False, offload=offload)
@@ -195,6 +195,54 @@ def test_one_process_in_fp32_trains_the_plain_module_as_fsdp2_does_bit_for_bit(t
     plain, fsdp = got[False], got[True]
     assert plain.keys() == fsdp.keys() and all(torch.equal(plain[k], fsdp[k]) for k in plain)
     assert max((plain[k] - load_file(tiny_model / "model.safetensors")[k]).abs().max() for k in plain) > 1e-3
+
+def test_grad_norm_rows_are_the_same_on_any_sharding_and_the_norm_float64_close():
+    """clip_grad_norm's row_norms: a gradient split by rows as FSDP2 shards it over 2 ranks gives the same row norms
+    bit for bit, and the norm is the float64 one within 1e-8 relative."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(4096, 576, generator=g) * 1e-3, torch.randn(576, generator=g), torch.randn(7, 3, 2, generator=g)]
+    exact = math.sqrt(sum(float(x.double().square().sum()) for x in grads))
+    rows = [trainutil.row_norms(x) for x in grads]
+    assert all(torch.equal(r, torch.cat([trainutil.row_norms(h) for h in x.chunk(2)])) for r, x in zip(rows, grads))
+    assert abs(torch.cat(rows).square().sum().sqrt().item() - exact) < 1e-8 * exact
+
+def test_one_process_in_bf16_computes_by_autocast_on_fp32_masters(tiny_model, traj_dir):
+    """World size 1 in bf16: the plain module too, its weights fp32 (the masters) and its forward under autocast:
+    logits in bf16, close to fp32's but not equal (the bf16 matmuls ran), gradients in fp32; a no-grad forward after
+    a training one computes the same (nothing cached between forwards). FSDP2's mixed precision (--offload here, the
+    unit a two-rank run has) rounds elsewhere, so a step of each lands close, not equal."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    cpu = torch.device("cpu")
+    ids, labels = sft.collate([(r["ids"], r["mask"]) for r in dataio.read_jsonl(traj_dir / "train.jsonl")[:1]],
+                              2, cpu)
+    own = trainutil.init_group(1, device=cpu)
+    try:
+        fp32 = trainutil.load_sharded(tiny_model, cpu, 1, bf16=False)
+        got = {}
+        for offload in (False, True):
+            model = trainutil.load_sharded(tiny_model, cpu, 1, bf16=True, offload=offload)
+            assert isinstance(model, FSDPModule) == offload
+            with torch.no_grad():
+                logits = model(ids).logits  # [1, T, V]
+            sft.loss_sum(model, ids, labels)[0].backward()
+            grads = [p.grad for p in model.parameters()]
+            assert all(trainutil.local(g).dtype == torch.float32 for g in grads)
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, logits)
+            got[offload] = (logits, trainutil.full(grads[-1]))
+            if not offload:
+                assert all(p.dtype == torch.float32 for p in model.parameters())
+                assert logits.dtype == torch.bfloat16
+                with torch.no_grad():
+                    ref = fp32(ids).logits
+                assert 0 < (logits.float() - ref).abs().max() < 0.5
+    finally:
+        if own:
+            dist.destroy_process_group()
+    (plain, gplain), (fsdp, gfsdp) = got[False], got[True]
+    assert not torch.equal(plain, fsdp) and (plain.float() - fsdp.float()).abs().max() < 0.5
+    assert torch.allclose(gplain, gfsdp, rtol=0.1, atol=1e-3)
 
 @pytest.mark.slow
 def test_two_ranks_fsdp_equal_one_process(single_run, tiny_model, traj_dir, tmp_path):
@@ -310,18 +358,20 @@ def test_resume_continues_exactly(tiny_model, traj_dir, tmp_path):
     """AdamW + warm-up + cosine, 6 steps straight vs a copy of the same run's step-3 checkpoint resumed with --resume
     (what a crash right after step 3 leaves): mid-epoch (4 steps of 8 of the 32 rows per epoch), so the rest of
     epoch 0 and the new permutation of epoch 1 are both crossed. Data order, LR, optimizer moments and log continue
-    exactly (bitwise). The resumed half runs with --offload (FSDP2's CPUOffloadPolicy: shards, gradients and the Adam
-    step in host memory): the same checkpoint loads into it and it makes the same updates."""
+    exactly (bitwise). The same checkpoint also loads into a run with --offload (FSDP2's CPUOffloadPolicy: shards,
+    gradients and the Adam step in host memory, its mixed precision rounding elsewhere than one process's autocast),
+    which lands close."""
     args = ["--model", str(tiny_model), "--data", str(traj_dir), "--grad_accum", "4", "--train_steps", "6",
             "--save_every", "3", "--eval_every", "0", "--activation_checkpointing", *FAST, "--warmup_steps", "2", "--dtype", "bf16"]
-    a, b = tmp_path / "a", tmp_path / "b"
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     sft.main([*args, "--out", str(a)])
-    b.mkdir()
-    shutil.copytree(a / "step_3", b / "step_3")
-    shutil.copy(a / "log.jsonl", b / "log.jsonl")  # holds steps 1-6: resuming drops 4-6 and writes them again
-    (b / "latest").write_text("step_3\n")
-    sft.main([*args, "--out", str(b), "--resume", "--offload"])
-    assert max_diff(a / "step_6", b / "step_6") == 0.0
+    for out, offload in ((b, []), (c, ["--offload"])):
+        out.mkdir()
+        shutil.copytree(a / "step_3", out / "step_3")
+        shutil.copy(a / "log.jsonl", out / "log.jsonl")  # holds steps 1-6: resuming drops 4-6 and writes them again
+        (out / "latest").write_text("step_3\n")
+        sft.main([*args, "--out", str(out), "--resume", *offload])
+    assert max_diff(a / "step_6", b / "step_6") == 0.0 < max_diff(a / "step_6", c / "step_6") < 1e-3
     assert max_diff(a / "step_6", a / "step_3") > 1e-5
     la, lb = read_log(a), read_log(b)
     assert [x["step"] for x in lb] == [1, 2, 3, 4, 5, 6] and len({x["lr"] for x in la}) == 6
