@@ -25,6 +25,7 @@ import report
 import reward
 from dataio import KBS  # ("text", "table", "image")
 from metrics import GOLD_LABELS, MISSING, PRED_LABELS, STOP
+from clock import CLOCK
 from report import write_report
 
 # --------------------------------------------------------------------------------------------------
@@ -453,8 +454,10 @@ def main(args):
     """Score args.methods (and the route probe) of each model in args.model with one engine: a model
     after the first has its weights swapped in (engine.sync_weights, as Step-GRPO syncs); each
     report goes to its own --out."""
-    import engines  # here, not at the top: --paired and --combine need no engine (nor torch)
-    import remote
+    CLOCK.started()
+    with CLOCK("imports"):
+        import engines  # here, not at the top: --paired and --combine need no engine (nor torch)
+        import remote
     if not args.methods and not args.probe:
         sys.exit("error: nothing to do: give --methods and/or --probe N")
     split = "+".join(args.split)
@@ -465,16 +468,19 @@ def main(args):
                            structure=args.structure, max_pairs=args.max_pairs,
                            max_rets=args.max_rets, actions=args.actions)
     check_models(args.model, names, outs, args.backend, settings, args.few_shot)
-    qs, ret = load_inputs(args.data, args.split, args.n_questions, args.retriever)
+    with CLOCK("inputs"):
+        qs, ret = load_inputs(args.data, args.split, args.n_questions, args.retriever)
     max_len = args.max_model_len or engines.MAX_LEN
-    engine = engines.make_engine(args.backend, args.model[0], seed=args.seed, max_model_len=max_len,
-                                 max_pixels=args.max_pixels, max_images=settings.max_images,
-                                 base_url=args.base_url, api_key=remote.api_key(args.api_key),
-                                 served=args.served_model, max_concurrency=args.max_concurrency,
-                                 timeout=args.timeout)
-    judge = load_judge(args.judge, args.judge_url, max_len, args.seed,
-                       remote.api_key(args.judge_api_key, remote.JUDGE_KEY_ENV),
-                       args.judge_backend)
+    with CLOCK("engine"):
+        engine = engines.make_engine(args.backend, args.model[0], seed=args.seed,
+                                     max_model_len=max_len, max_pixels=args.max_pixels,
+                                     max_images=settings.max_images, base_url=args.base_url,
+                                     api_key=remote.api_key(args.api_key),
+                                     served=args.served_model,
+                                     max_concurrency=args.max_concurrency, timeout=args.timeout)
+        judge = load_judge(args.judge, args.judge_url, max_len, args.seed,
+                           remote.api_key(args.judge_api_key, remote.JUDGE_KEY_ENV),
+                           args.judge_backend)
     shots = few_shot_prompt(engine.tok, ret, args.data, args.few_shot, settings)
     plan = Plan(methods=tuple(args.methods), probe=args.probe, data=args.data, split=split,
                 seed=args.seed, iters=args.iters, few_shot=args.few_shot, protocol=args.protocol,
@@ -482,12 +488,15 @@ def main(args):
     try:
         for i, (model, name, out) in enumerate(zip(args.model, names, outs)):
             if i:
-                engine.sync_weights(checkpoint_weights(model))
-            evaluate_model(plan, engine, ret, qs, settings, shots, model, name, out, judge)
+                with CLOCK("engine"):  # the next checkpoint's weights into the engine
+                    engine.sync_weights(checkpoint_weights(model))
+            with CLOCK("compute"):
+                evaluate_model(plan, engine, ret, qs, settings, shots, model, name, out, judge)
     finally:  # main called as a function (the tests) leaves no engine behind
         engine.close()
         if judge:
             judge.engine.close()
+    CLOCK.done()
 
 
 def evaluate_model(plan, engine, ret, qs, settings, shots, model, name, out, judge=None):

@@ -6,14 +6,16 @@ dicts and trajectory rows.
     python report.py --show out/demo/eval/sft/trajectories-routed.jsonl \
         out/demo/eval/stepgrpo/trajectories-routed.jsonl \
         --data data/mini                        # the first question whose gold steps use the most
-                                                  KBs (--qid: another)
+                                                  KBs (--qid: another; --answered right: of those
+                                                  the last file answered right)
+    python report.py --stages out/demo/stages.log   # where the main job's minutes went
 
     from metrics import score
     from report import write_report
     md = write_report({"sft/routed": score(trajs)}, "out/eval/x", title="mini-world dev")
 
 Outline: display orders -> tables -> charts -> write_report -> learning curves -> the trajectory
-view.
+view -> the stages' minutes.
 """
 import argparse
 import io
@@ -314,11 +316,15 @@ def curves_chart(log_path, title, cols=3):
 # the trajectory view
 
 
-def pick_question(trajs, qid=None):
+def pick_question(trajs, qid=None, answered=None):
     """qid, or the first question whose gold steps search the most KBs (routing decisions to
-    see)."""
+    see); answered "right" or "wrong": of those trajs answered with F1-Recall 1, or below."""
     if qid is None:
-        return max(trajs, key=lambda x: len({g["kb"] for g in x.get("gold_steps") or []}))["qid"]
+        pool = [x for x in trajs if answered is None or answered == (
+            "right" if reward.f1_recall(x["final_answer"] or "", x["answers"]) == 1 else "wrong")]
+        if not pool:
+            raise ValueError(f"no question is answered {answered}")
+        return max(pool, key=lambda x: len({g["kb"] for g in x.get("gold_steps") or []}))["qid"]
     if qid not in {x["qid"] for x in trajs}:
         raise ValueError(f"question {qid!r} is not in the trajectories")
     return qid
@@ -338,12 +344,12 @@ def step_lines(steps, titles, gold=None):
     return lines
 
 
-def show(paths, data, qid=None):
+def show(paths, data, qid=None, answered=None):
     """The question's gold steps, then each file's trajectory for it: the routed steps and the final
-    answer."""
+    answer; answered: pick_question's, judged on the last file; then the line that asks it."""
     try:
         files = [{x["qid"]: x for x in dataio.read_jsonl(p)} for p in paths]
-        qid = pick_question(list(files[0].values()), qid)
+        qid = pick_question(list(files[-1].values()), qid, answered)
         titles = {d["id"]: d["title"] for kb in KBS for d in dataio.load_kb(data, kb)}
         xs = [f[qid] for f in files]
     except KeyError as e:
@@ -359,17 +365,50 @@ def show(paths, data, qid=None):
         out += [f"{p}:", *step_lines(x["steps"], titles, x["gold_steps"]),
                 f"  final answer: {x['final_answer']}   (F1-Recall {100 * f1r:.0f}"
                 f"{'' if x['format_ok'] else ', ' + x['error']})"]
+    out.append(f"ask it yourself: python serve.py ask {json.dumps(x0['question'])}")
     return "\n".join(out)
+
+
+PHASES = ("imports", "inputs", "model", "engine", "compute", "checkpoint", "other")  # clock.py's
+
+def stage_minutes(stages_log):
+    """The main job's stages (runs/stage.sh's log: "NAME SECONDS" a line), each stage's seconds by
+    clock.py phase (times.jsonl beside the log, the scripts' CLOCK.done lines; a stage of several
+    processes sums them) as a markdown table, and the phases' share of the whole."""
+    took = dict(line.split() for line in Path(stages_log).read_text().splitlines()[1:])
+    times = Path(stages_log).with_name("times.jsonl")
+    by = defaultdict(lambda: defaultdict(float))
+    for rec in dataio.read_jsonl(times) if times.is_file() else []:
+        for k in rec.keys() & set(PHASES):
+            by[rec["stage"]][k] += rec[k]
+    rows, sums = [], defaultdict(float)
+    for name, sec in took.items():
+        phases = by.get(name, {})
+        for k in PHASES:
+            sums[k] += phases.get(k, 0.0)
+        rows.append([name, f"{int(sec) / 60:.1f}", *(f"{phases[k] / 60:.1f}" if k in phases
+                                                       else "" for k in PHASES)])
+    total = sum(int(v) for v in took.values())
+    rows.append(["all", f"{total / 60:.1f}", *(f"{sums[k] / 60:.1f}" for k in PHASES)])
+    share = ", ".join(f"{k} {sums[k] / max(total, 1):.0%}" for k in PHASES)
+    return "\n".join(_table(["stage", "minutes", *PHASES], rows) +
+                     [f"(the phases by the scripts' own clock, clock.py: {share})"])
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--show", nargs="+", required=True, metavar="TRAJECTORIES",
+    ap.add_argument("--show", nargs="+", metavar="TRAJECTORIES",
                     help="evaluate.py's trajectories-*.jsonl")
+    ap.add_argument("--stages", metavar="LOG", help="runs/stage.sh's log: the stages' minutes")
     ap.add_argument("--data", default="data/mini",
                     help="the world the questions come from (its KB titles)")
     ap.add_argument("--qid", default=None,
                     help="the question (default: the first whose gold steps search the most KBs)")
+    ap.add_argument("--answered", choices=["right", "wrong"],
+                    help="pick a question the last file answered right (F1-Recall 1) or wrong")
     args = ap.parse_args()
-    print(show(args.show, args.data, args.qid))
+    if bool(args.show) == bool(args.stages):
+        ap.error("give one of --show and --stages")
+    print(show(args.show, args.data, args.qid, args.answered) if args.show
+          else stage_minutes(args.stages))

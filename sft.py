@@ -32,6 +32,7 @@ import memory
 import trainutil
 import transcript
 import vision
+from clock import CLOCK
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -338,7 +339,7 @@ def train(t, r, rows, dev, step, resuming, record):
             seeded = torch.Generator().manual_seed(r.seed + epoch)
             perm, perm_epoch = torch.randperm(len(rows), generator=seeded).tolist(), epoch
         mine = perm[pos * G:(pos + 1) * G][t.rank * G // t.world:(t.rank + 1) * G // t.world]
-        with peak("step"), torch.profiler.record_function("sft.train_step"):  # bench.plain
+        with peak("step"), CLOCK("compute"), torch.profiler.record_function("sft.train_step"):
             lr = lr_at(step, r.schedule, r.train_steps)
             numbers = train_step(t, [rows[i] for i in mine], lr, r)
         rec = dict(step=step + 1, epoch=epoch, **numbers)
@@ -350,14 +351,17 @@ def train(t, r, rows, dev, step, resuming, record):
             bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}",
                             gnorm=f"{rec['grad_norm']:.2f}", tok_s=f"{rec['tok_s']:.0f}")
         if r.eval_every and (step % r.eval_every == 0 or step == r.train_steps):
-            ev = evaluate(t, dev, r.batch_size)
+            with CLOCK("compute"):
+                ev = evaluate(t, dev, r.batch_size)
             record(dict(step=step, eval_loss=ev))
             t.print0(f"\nstep {step}: dev loss {ev:.4f}")
         if (r.save_every and step % r.save_every == 0) or step == r.train_steps:
-            save_checkpoint(t, r, step, steps_per_epoch)
+            with CLOCK("checkpoint"):
+                save_checkpoint(t, r, step, steps_per_epoch)
             saved_at = step
     if saved_at != step:  # resumed a finished run, or train_steps == 0
-        save_checkpoint(t, r, step, steps_per_epoch)
+        with CLOCK("checkpoint"):
+            save_checkpoint(t, r, step, steps_per_epoch)
     if t.rank == 0:
         bar.close()
     return step
@@ -365,6 +369,7 @@ def train(t, r, rows, dev, step, resuming, record):
 #### main
 
 def main(argv=None):
+    CLOCK.started()
     args = get_args(argv)
     rank, world, device, print0 = trainutil.env_rank(args.device)
     lora = trainutil.lora_of(args.lora_r, args.quant, args.lora_alpha, args.lora_dropout,
@@ -376,8 +381,9 @@ def main(argv=None):
     start, weights, resuming = trainutil.resolve_start(args.model, out, args.resume,
                                                        lora is not None)
     dev_split = args.dev_split if args.eval_every else None
-    tok, fmt, train_rows, dev = load_inputs(weights, args.data, args.train_splits, dev_split,
-                                            args.max_len, print0)
+    with CLOCK("inputs"):
+        tok, fmt, train_rows, dev = load_inputs(weights, args.data, args.train_splits, dev_split,
+                                                args.max_len, print0)
     dev = dev[:args.eval_rows or None]
     G = args.batch_size * args.grad_accum * world  # rows per optimizer step, over all ranks
     steps_per_epoch = len(train_rows) // G
@@ -396,13 +402,15 @@ def main(argv=None):
         sys.exit("error: --pack_tokens: a VL policy's position ids are 3-D and computed from its "
                  "pictures; train it without (padded micro-batches)")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing,
-                                   bf16=args.dtype == "bf16", lora=lora, offload=args.offload)
-    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    opt = make_optimizer(params, args.optim, args.lr, args.weight_decay)
+    with CLOCK("model"):
+        model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing,
+                                       bf16=args.dtype == "bf16", lora=lora, offload=args.offload)
+        params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        opt = make_optimizer(params, args.optim, args.lr, args.weight_decay)
+        # a resume: the weights came from the checkpoint folder; now the optimizer, step and RNG
+        state = trainutil.load_trainer_state(model, opt, start, args, print0) if resuming else None
     step = 0
-    if resuming:  # weights came from the checkpoint folder; now the optimizer, the step and the RNG
-        state = trainutil.load_trainer_state(model, opt, start, args, print0)
+    if resuming:
         step = state["step"]
         if state["args"]["seed"] != args.seed or state["global_batch"] != G:
             print0("warning: seed or global batch size changed: the data order does not continue "
@@ -425,6 +433,7 @@ def main(argv=None):
         trainutil.link_step(out, step, "final")
     record.close()
     print0(f"done: {step} steps; final checkpoint {out / f'step_{step}'} (also {out / 'final'})")
+    CLOCK.done(print0, rank)
     if own_group:
         dist.destroy_process_group()
 

@@ -38,6 +38,7 @@ import steprewards
 import trainutil
 import transcript
 import vision
+from clock import CLOCK
 from report import curves_chart
 
 KEEP = 3           # newest checkpoints kept (and <out>/best's)
@@ -217,38 +218,45 @@ def setup_policy(args, start, weights, resuming, lora, rank, world, device, prin
     every decoding step would be a collective all ranks run in lockstep)."""
     tree = args.rollout != "onpolicy"  # packed groups: 4D attention masks (SDPA, not flash-attn)
     bf16 = args.dtype == "bf16"
-    model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing, bf16=bf16,
-                                   tree_mask=tree, lora=lora, offload=args.offload,
-                                   flex=args.flex_attention)
-    kl = (args.kl_coef > 0 or args.kl_in_reward > 0) and not lora  # LoRA's: its adapters off
-    ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=bf16, tree_mask=tree,
-                                 offload=args.offload, flex=args.flex_attention) if kl else None
-    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    crit = critic.load(args.model, args.critic_lr, device, world, lora, bf16,
-                       args.activation_checkpointing, args.offload) \
-        if args.adv_estimator == "gae" else None
-    step, dev_hist = 0, {}  # dev_hist: step -> dev score (--eval_questions)
-    if resuming:
-        state = trainutil.load_trainer_state(model, opt, start, args, print0, crit)
-        step, dev_hist = state["step"], state.get("dev", {})
-    if args.backend == "hf":
-        engine = engines.HFEngine(weights, seed=args.seed + rank, max_model_len=args.max_model_len,
-                                  max_pixels=args.max_pixels, device=device)
-    else:
-        vllm = engines.VLLMEngine
-        share = vllm.OFFLOAD_FRACTION if args.offload else vllm.GPU_FRACTION
-        run = rollout_config(args)  # a micro-batch's most policy tokens: within its token budget
-        tokens = (max(args.micro_tokens, run.update_tokens(1)) if args.micro_tokens
-                  else run.update_tokens(args.micro_batch))
-        memory.check_gpu_budget(model, opt, share, world, tokens, crit, args.max_model_len, bf16)
-        engine = vllm(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
-                      max_images=rollout_config(args).steps.max_images, seed=args.seed + rank,
-                      device=device, gpu_memory_utilization=share,
-                      sleep=True)  # each rank owns one engine, asleep during the update
-    if lora:  # the engine holds the base: give it the policy (resumed adapters, a quantised base)
-        engine.sync_weights(trainutil.policy_params(model))
+    with CLOCK("model"):
+        model = trainutil.load_sharded(weights, device, world, args.activation_checkpointing,
+                                       bf16=bf16, tree_mask=tree, lora=lora, offload=args.offload,
+                                       flex=args.flex_attention)
+        kl = (args.kl_coef > 0 or args.kl_in_reward > 0) and not lora  # LoRA's: its adapters off
+        ref = trainutil.load_sharded(args.model, device, world, train=False, bf16=bf16,
+                                     tree_mask=tree, offload=args.offload,
+                                     flex=args.flex_attention) if kl else None
+        params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        crit = critic.load(args.model, args.critic_lr, device, world, lora, bf16,
+                           args.activation_checkpointing, args.offload) \
+            if args.adv_estimator == "gae" else None
+        step, dev_hist = 0, {}  # dev_hist: step -> dev score (--eval_questions)
+        if resuming:
+            state = trainutil.load_trainer_state(model, opt, start, args, print0, crit)
+            step, dev_hist = state["step"], state.get("dev", {})
+    with CLOCK("engine"):
+        engine = start_engine(args, weights, model, opt, crit, rank, world, device)
+        if lora:  # the engine holds the base: give it the policy (resumed adapters, quantised base)
+            engine.sync_weights(trainutil.policy_params(model))
     return Policy(model, ref, opt, crit, engine), step, dev_hist
+
+def start_engine(args, weights, model, opt, crit, rank, world, device):
+    """This rank's inference engine: --backend hf, an unsharded transformers copy; else vLLM, its
+    share of the GPU checked against what the trainer will hold (memory.check_gpu_budget)."""
+    if args.backend == "hf":
+        return engines.HFEngine(weights, seed=args.seed + rank, max_model_len=args.max_model_len,
+                                max_pixels=args.max_pixels, device=device)
+    vllm = engines.VLLMEngine
+    share = vllm.OFFLOAD_FRACTION if args.offload else vllm.GPU_FRACTION
+    run = rollout_config(args)  # a micro-batch's most policy tokens: within its token budget
+    tokens = (max(args.micro_tokens, run.update_tokens(1)) if args.micro_tokens
+              else run.update_tokens(args.micro_batch))
+    memory.check_gpu_budget(model, opt, share, world, tokens, crit, args.max_model_len,
+                            args.dtype == "bf16")
+    return vllm(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
+                max_images=run.steps.max_images, seed=args.seed + rank, device=device,
+                gpu_memory_utilization=share, sleep=True)  # each rank's, asleep in the update
 
 def load_inputs(args, weights, device, print0):
     """The training questions (a --prefixes store's alone), the dev questions, the retriever, what
@@ -283,7 +291,9 @@ def load_inputs(args, weights, device, print0):
 def main(argv=None, close=True):
     """close: shut the engine and the process group down at the end, for a caller in the same
     process (the command line leaves through engines.exit_now instead)."""
-    import retrievers  # faiss: not at import (the tests import this module)
+    CLOCK.started()
+    with CLOCK("imports"):
+        import retrievers  # faiss: not at import (the tests import this module)
     args = get_args(argv)
     rank, world, device, print0 = trainutil.env_rank(args.device)
     check_args(args, world, device)
@@ -292,10 +302,12 @@ def main(argv=None, close=True):
     out = Path(args.out)
     start, weights, resuming = trainutil.resolve_start(args.model, out, args.resume,
                                                        lora is not None)
-    questions, dev_qs, ret, files, pad_id, store = load_inputs(args, weights, device, print0)
+    with CLOCK("inputs"):
+        questions, dev_qs, ret, files, pad_id, store = load_inputs(args, weights, device, print0)
     own_group = trainutil.init_group(world, device=device)
-    judge = load_judge(args, out / f"judge-{rank}.jsonl") if any(args.w_rag) else None
-    encode = retrievers.Encoder(device=device).encode  # the sub-question cosine's encoder
+    with CLOCK("model"):
+        judge = load_judge(args, out / f"judge-{rank}.jsonl") if any(args.w_rag) else None
+        encode = retrievers.Encoder(device=device).encode  # the sub-question cosine's encoder
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     p, step, dev_hist = setup_policy(args, start, weights, resuming, lora, rank, world, device,
@@ -310,7 +322,8 @@ def main(argv=None, close=True):
     bar = trainutil.progress(rank, args.train_steps, step, "step-grpo")
     peak, peaks = memory.PeakMemory(device), {}  # peaks: phase -> each rank's highest GiB
     if dev_qs and step == 0:  # the starting policy's dev score: what the checkpoints have to beat
-        log_start(dev, log, len(dev_qs), print0)
+        with CLOCK("compute"):
+            log_start(dev, log, len(dev_qs), print0)
     bad = 0  # steps in a row whose update was skipped for a non-finite gradient norm
 
     #### training loop
@@ -323,7 +336,7 @@ def main(argv=None, close=True):
         warmup = p.crit is not None and step <= args.critic_warmup  # PPO: the critic learns alone
         # rollout groups, their step rewards and advantages: the training rows
         t = time.perf_counter()
-        with peak("rollout"):
+        with peak("rollout"), CLOCK("compute"):
             rows, stats, samples = groups.rollout_rows(p.engine, ret, batch, run, encode, w, seed,
                                                        store, questions)
         timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"),
@@ -331,22 +344,25 @@ def main(argv=None, close=True):
                       rollout_generated=stats.pop("rollout_generated"))
         p.engine.sleep()  # GPU: the engine's memory goes to the update until the sync wakes it
         # the update: the clipped loss over the rows (PPO: GAE from the critic first)
-        micro, sums, grad_norm = learner.learn(p.model, p.ref, p.opt, p.crit, rows, upd, pad_id,
-                                               device, getattr(p.engine, "vis", None), seed, warmup,
-                                               peak, timing)
+        with CLOCK("compute"):
+            micro, sums, grad_norm = learner.learn(p.model, p.ref, p.opt, p.crit, rows, upd,
+                                                   pad_id, device, getattr(p.engine, "vis", None),
+                                                   seed, warmup, peak, timing)
         lengths = [n for m in micro for n in m.lengths]
         timing.update(update_rows=len(lengths), update_tokens=sum(lengths),  # (bench/flops.py)
                       update_policy=sum(len(m.logp_sampler) for m in micro if m.weight))
         bad = learner.check_finite(bad, timing["nonfinite"], step, args.max_nonfinite)
         # the weight sync: the engine samples from the updated policy
-        timing.update(trainutil.sync_weights(p.model, p.engine, rows, pad_id, peak, saving,
-                                             args.dtype))
+        with CLOCK("compute"):
+            timing.update(trainutil.sync_weights(p.model, p.engine, rows, pad_id, peak, saving,
+                                                 args.dtype))
         # the log (with the dev score at a checkpoint) and the checkpoint
         rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd)
         rec["memory_gib"] = memory.gather_peaks(peak.gib, world)  # per phase since the last record
         dev_samples = []
         if saving and dev_qs:
-            scores, dev_samples = timed(dev)
+            with CLOCK("compute"):
+                scores, dev_samples = timed(dev)
             rec.update(scores)
             dev_hist[step] = rec["dev_score"]
         log(rec)
@@ -354,12 +370,13 @@ def main(argv=None, close=True):
         peaks = memory.highest(peaks, rec["memory_gib"])
         show(bar, rec)
         if saving:
-            with peak("checkpoint"):
+            with peak("checkpoint"), CLOCK("checkpoint"):
                 checkpoint(p, files, out, step, args, dev_hist, rank)
         if args.adv_estimator == "gae":
             critic.check_warmup(rec, step, args.critic_warmup)  # after the checkpoint: it is kept
     peaks = memory.highest(peaks, memory.gather_peaks(peak.gib, world))  # the last checkpoint's
     finish(out, step, peaks, dev_hist, world, rank, bar, log, print0)
+    CLOCK.done(print0, rank)
     if close:
         p.engine.close()  # vLLM's teardown destroys the default process group too (it shares it)
         if own_group and dist.is_initialized():

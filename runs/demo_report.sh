@@ -16,6 +16,8 @@ echo; echo "One test question, routed by SFT and by Step-GRPO (ok / x: the gold 
 $PY report.py --show $OUT/eval/{sft,stepgrpo}/$T --data $DATA
 w=$(awk '/^  f1_recall:/ { for (i = 1; i < NF; i++) if ($i == "interval") { print $(i + 3) - $(i + 1); exit } }' \
   $OUT/results/paired-sft-cont.txt)  # the question-level interval: hi - lo
+echo; echo "Where the main job's minutes went (this CPU; a stage made earlier and skipped is not in it):"
+$PY report.py --stages $OUT/stages.log
 cat <<TXT
 
 What this table can show: the whole procedure, run end to end, and what each arm does on these $N test questions.

@@ -13,7 +13,11 @@ REF=(5 38 18 797 278 487 800 10)
 mkdir -p "$(dirname $log)"
 test -s $log || echo "start $(date +%s)" > $log
 t=$(date +%s)
-"$@"
+# the scripts' own clock (clock.py): each process's phases as a JSON line, for the report's table
+# (a stage run again replaces its lines)
+times=$(dirname $log)/times.jsonl
+if test -f $times; then { grep -v "\"stage\": \"$name\"" $times || true; } > $times.tmp; mv $times.tmp $times; fi
+STAGE_TIMES=$times STAGE_NAME=$name "$@"
 now=$(date +%s)
 echo "$name $(( now - t ))" >> $log
 awk -v name=$name -v now=$now -v order="${ORDER[*]}" -v ref="${REF[*]}" '

@@ -478,8 +478,9 @@ def test_gold_steps_ceiling_takes_only_the_final_answer_from_the_model(tiny_inde
 
 
 def test_trajectory_view_shows_gold_and_each_models_steps_with_titles(tiny_world, tmp_path):
-    """report.show: the first question whose gold steps use the most KBs, its gold steps with their documents' titles,
-    each file's routed steps marked against the gold KB, and the final answer's F1-Recall; bad input: one line."""
+    """report.show: the first question whose gold steps use the most KBs (--answered: of those the last file answered
+    right, or wrong), its gold steps with their documents' titles, each file's routed steps marked against the gold KB,
+    the final answer's F1-Recall and the line that asks it; bad input: one line."""
     import report
     qs = dataio.load_questions(tiny_world, "test")
     titles = {d["id"]: d["title"] for kb in dataio.KBS for d in dataio.load_kb(tiny_world, kb)}
@@ -505,6 +506,14 @@ def test_trajectory_view_shows_gold_and_each_models_steps_with_titles(tiny_world
     assert a.count(" ok] ") == len(g) and " x] " not in a and "(F1-Recall 100)" in a
     assert b.count(" x] ") == len(g) and " ok] " not in b and "final answer: nobody   (F1-Recall 0)" in b
     assert report.pick_question(right, one_kb[1]["id"]) == one_kb[1]["id"]
+    assert text.splitlines()[-1] == f"ask it yourself: python serve.py ask {json.dumps(first['question'])}"
+    # --answered: judged on the last file, which answered one_kb[0] right and `first` wrong
+    dataio.write_jsonl(tmp_path / "m.jsonl", [right[0], wrong[2]])
+    for answered, q in (("right", one_kb[0]), ("wrong", first)):
+        text = report.show([tmp_path / "a.jsonl", tmp_path / "m.jsonl"], tiny_world, answered=answered)
+        assert text.startswith(f"question {q['id']} ")
+    with pytest.raises(SystemExit, match="error: --show: no question is answered right"):
+        report.show([tmp_path / "b.jsonl"], tiny_world, answered="right")
     with pytest.raises(SystemExit, match="error: --show: question 'q-none' is not in the trajectories"):
         report.show([tmp_path / "a.jsonl"], tiny_world, "q-none")
     (tmp_path / "c.jsonl").write_text("{broken\n")
