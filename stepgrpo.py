@@ -307,7 +307,10 @@ def main(argv=None, close=True):
     own_group = trainutil.init_group(world, device=device)
     with CLOCK("model"):
         judge = load_judge(args, out / f"judge-{rank}.jsonl") if any(args.w_rag) else None
-        encode = retrievers.Encoder(device=device).encode  # the sub-question cosine's encoder
+        # the sub-question cosine's encoder: the dense retriever's where it is the same model
+        own = getattr(ret, "encoder", None)
+        encode = (own if own and own.path == retrievers.default_encoder_path()
+                  else retrievers.Encoder(device=device)).encode
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     p, step, dev_hist = setup_policy(args, start, weights, resuming, lora, rank, world, device,
