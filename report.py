@@ -386,14 +386,13 @@ def stage_minutes(stages_log):
         phases = by.get(name, {})
         for k in PHASES:
             sums[k] += phases.get(k, 0.0)
-        rows.append([name, f"{int(sec) / 60:.1f}", *(f"{phases[k] / 60:.1f}" if k in phases
-                                                       else "" for k in PHASES)])
+        rows.append([name, f"{int(sec) / 60:.1f}",
+                     *(f"{phases[k]:.0f}" if k in phases else "" for k in PHASES)])
     total = sum(int(v) for v in took.values())
-    rows.append(["all", f"{total / 60:.1f}", *(f"{sums[k] / 60:.1f}" for k in PHASES)])
+    rows.append(["all", f"{total / 60:.1f}", *(f"{sums[k]:.0f}" for k in PHASES)])
     share = ", ".join(f"{k} {sums[k] / max(total, 1):.0%}" for k in PHASES)
-    return "\n".join(_table(["stage", "minutes", *PHASES], rows) +
+    return "\n".join(_table(["stage", "minutes", *(f"{k} s" for k in PHASES)], rows) +
                      [f"(the phases by the scripts' own clock, clock.py: {share})"])
-
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__,

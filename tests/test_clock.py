@@ -35,9 +35,10 @@ def test_stage_minutes_sums_a_stages_processes_by_phase(tmp_path):
             dict(stage="eval", imports=6, engine=24, compute=100), dict(stage="eval", imports=6, compute=140)]
     (tmp_path / "times.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     table = report.stage_minutes(log).splitlines()
-    assert table[0] == "| stage | minutes | imports | inputs | model | engine | compute | checkpoint | other |"
+    assert table[0] == ("| stage | minutes | imports s | inputs s | model s | engine s | compute s | checkpoint s | "
+                        "other s |")
     assert table[2] == "| world | 0.1 |  |  |  |  |  |  |  |"
-    assert table[3] == "| sft | 10.0 | 0.1 |  | 0.1 |  | 9.5 | 0.2 | 0.1 |"
-    assert table[4] == "| eval | 5.0 | 0.2 |  |  | 0.4 | 4.0 |  |  |"
-    assert table[5] == "| all | 15.1 | 0.3 | 0.0 | 0.1 | 0.4 | 13.5 | 0.2 | 0.1 |"
+    assert table[3] == "| sft | 10.0 | 6 |  | 3 |  | 570 | 12 | 9 |"
+    assert table[4] == "| eval | 5.0 | 12 |  |  | 24 | 240 |  |  |"
+    assert table[5] == "| all | 15.1 | 18 | 0 | 3 | 24 | 810 | 12 | 9 |"
     assert "compute 89%" in table[6]
