@@ -7,7 +7,7 @@ dicts and trajectory rows.
         out/demo/eval/stepgrpo/trajectories-routed.jsonl \
         --data data/mini                        # the first question whose gold steps use the most
                                                   KBs (--qid: another; --answered right: of those
-                                                  the last file answered right)
+                                                  the last file answered right through the gold KBs)
     python report.py --stages out/demo/stages.log   # where the main job's minutes went
 
     from metrics import score
@@ -316,12 +316,20 @@ def curves_chart(log_path, title, cols=3):
 # the trajectory view
 
 
+def answered_as(x):
+    """"right": the final answer's F1-Recall is 1 and each step searched its gold step's KB;
+    "wrong": F1-Recall below 1; else "lucky" (right through other KBs)."""
+    if reward.f1_recall(x["final_answer"] or "", x["answers"]) < 1:
+        return "wrong"
+    gold = [g["kb"] for g in x.get("gold_steps") or []]
+    return "right" if [s["kb"] for s in x["steps"]] == gold else "lucky"
+
+
 def pick_question(trajs, qid=None, answered=None):
     """qid, or the first question whose gold steps search the most KBs (routing decisions to
-    see); answered "right" or "wrong": of those trajs answered with F1-Recall 1, or below."""
+    see); answered "right" or "wrong": of those trajs answered so (answered_as)."""
     if qid is None:
-        pool = [x for x in trajs if answered is None or answered == (
-            "right" if reward.f1_recall(x["final_answer"] or "", x["answers"]) == 1 else "wrong")]
+        pool = [x for x in trajs if answered in (None, answered_as(x))]
         if not pool:
             raise ValueError(f"no question is answered {answered}")
         return max(pool, key=lambda x: len({g["kb"] for g in x.get("gold_steps") or []}))["qid"]
@@ -405,7 +413,8 @@ if __name__ == "__main__":
     ap.add_argument("--qid", default=None,
                     help="the question (default: the first whose gold steps search the most KBs)")
     ap.add_argument("--answered", choices=["right", "wrong"],
-                    help="pick a question the last file answered right (F1-Recall 1) or wrong")
+                    help="pick a question the last file answered right (F1-Recall 1, the gold "
+                         "steps' KBs) or wrong")
     args = ap.parse_args()
     if bool(args.show) == bool(args.stages):
         ap.error("give one of --show and --stages")

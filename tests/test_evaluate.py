@@ -479,7 +479,7 @@ def test_gold_steps_ceiling_takes_only_the_final_answer_from_the_model(tiny_inde
 
 def test_trajectory_view_shows_gold_and_each_models_steps_with_titles(tiny_world, tmp_path):
     """report.show: the first question whose gold steps use the most KBs (--answered: of those the last file answered
-    right, or wrong), its gold steps with their documents' titles, each file's routed steps marked against the gold KB,
+    right through the gold KBs, or wrong), its gold steps with their documents' titles, each file's routed steps marked against the gold KB,
     the final answer's F1-Recall and the line that asks it; bad input: one line."""
     import report
     qs = dataio.load_questions(tiny_world, "test")
@@ -507,9 +507,12 @@ def test_trajectory_view_shows_gold_and_each_models_steps_with_titles(tiny_world
     assert b.count(" x] ") == len(g) and " ok] " not in b and "final answer: nobody   (F1-Recall 0)" in b
     assert report.pick_question(right, one_kb[1]["id"]) == one_kb[1]["id"]
     assert text.splitlines()[-1] == f"ask it yourself: python serve.py ask {json.dumps(first['question'])}"
-    # --answered: judged on the last file, which answered one_kb[0] right and `first` wrong
-    dataio.write_jsonl(tmp_path / "m.jsonl", [right[0], wrong[2]])
-    for answered, q in (("right", one_kb[0]), ("wrong", first)):
+    # --answered: judged on the last file, which answered one_kb[0] right, `first` right through the wrong KBs (not
+    # "right") and one_kb[1] wrong
+    lucky = row(first, ["table" if s["kb"] != "table" else "text" for s in first["steps"]], first["answers"][0])
+    dataio.write_jsonl(tmp_path / "m.jsonl", [right[0], lucky, wrong[1]])
+    assert [report.answered_as(x) for x in (right[0], lucky, wrong[1])] == ["right", "lucky", "wrong"]
+    for answered, q in (("right", one_kb[0]), ("wrong", one_kb[1])):
         text = report.show([tmp_path / "a.jsonl", tmp_path / "m.jsonl"], tiny_world, answered=answered)
         assert text.startswith(f"question {q['id']} ")
     with pytest.raises(SystemExit, match="error: --show: no question is answered right"):
