@@ -262,8 +262,8 @@ def test_the_gpu_launch_commands_run_as_written():
 
 def test_no_grad_forwards_leave_the_root_sharded(tiny_model_dir):
     # FSDP2 reshards a root after its backward only: the KL reference (never a backward) and the policy after the sync
-    # check (a no-grad forward, then the rollout) must not keep the embeddings and head gathered (bf16: in fp32 a world
-    # of one is the plain module)
+    # check (a no-grad forward, then the rollout) must not keep the embeddings and head gathered (--offload: one
+    # process's model is FSDP2's only with it, the plain module without; 2+ ranks' root acts alike)
     from torch.distributed.tensor import DTensor
 
     own = trainutil.init_group(1)
@@ -271,11 +271,11 @@ def test_no_grad_forwards_leave_the_root_sharded(tiny_model_dir):
         cpu = torch.device("cpu")
         ids = torch.tensor([[5, 6, 7, 8]])
         sel, attn = torch.ones(1, 3, dtype=torch.bool), torch.ones(1, 4)
-        ref = trainutil.load_sharded(tiny_model_dir, cpu, 1, train=False, bf16=True)
+        ref = trainutil.load_sharded(tiny_model_dir, cpu, 1, train=False, bf16=True, offload=True)
         with torch.no_grad():
             grpo.token_logprobs(ref, ids, attn, sel)
         assert all(isinstance(p, DTensor) for p in ref.parameters())
-        model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=True)
+        model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=True, offload=True)
         trainutil.trainer_logprobs(model, dict(ids=[5, 6, 7, 8]))
         assert all(isinstance(p, DTensor) for p in model.parameters())
     finally:

@@ -80,8 +80,9 @@ def test_step_grpo_builds_a_sleeping_policy_engine(monkeypatch):
 
 def test_the_sync_check_scores_the_trainer_before_the_engine_wakes(tiny_model_dir, group, monkeypatch):
     # the weights are final after the optimizer step: the trainer's forward runs while the engine sleeps, and what it
-    # gathered (bf16 at world size 1: every block) is let go before the engine's weights come back
-    model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=True)
+    # gathered (FSDP2's root: --offload, one process's FSDP2 model; 2+ ranks' acts alike) is let go before the engine's
+    # weights come back
+    model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=True, offload=True)
     engine, seen = engines.HFEngine(tiny_model_dir), []
     model.register_forward_pre_hook(lambda *a: seen.append("trainer forward"))
     sync, score = engine.sync_weights, engine.prompt_logprobs
@@ -155,13 +156,13 @@ def test_the_reference_keeps_the_policys_training_flag_under_flex_attention(tiny
         trainutil.load_sharded(tmp_path, cpu, 1, train=False, bf16=False, tree_mask=True, flex=True)
 
 def test_a_critic_warmup_leaves_the_policy_sharded(tiny_model_dir, group):
-    # PPO's warm-up (bf16, one process, --kl_in_reward): score_old's no-grad forwards gather the policy's blocks and no
-    # policy backward follows to reshard them; they are let go before the sync and the rollout
+    # PPO's warm-up (bf16, --kl_in_reward): score_old's no-grad forwards gather the policy's root and no policy backward
+    # follows to reshard it; it is let go before the sync and the rollout (--offload: one process's FSDP2 model)
     import critic
     cpu = torch.device("cpu")
-    model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=True)
-    ref = trainutil.load_sharded(tiny_model_dir, cpu, 1, train=False, bf16=True)
-    crit = critic.load(str(tiny_model_dir), 1e-3, cpu, 1, None, bf16=True)
+    model = trainutil.load_sharded(tiny_model_dir, cpu, 1, bf16=True, offload=True)
+    ref = trainutil.load_sharded(tiny_model_dir, cpu, 1, train=False, bf16=True, offload=True)
+    crit = critic.load(str(tiny_model_dir), 1e-3, cpu, 1, None, bf16=True, offload=True)
     rows = [dict(ids=[5, 6, 7, 8, 9, 10], mask=[0, 0, 1, 1, 1, 1], old=[0.0] * 6, adv=[0.0] * 6, reward=[0.0] * 6)]
     cfg = learner.UpdateConfig(gae=True, kl_in_reward=0.1)
     learner.learn(model, ref, torch.optim.AdamW(model.parameters()), crit, rows, cfg, 0, cpu, None, 0, True,
