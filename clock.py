@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 import psutil
 
+PHASES = ("imports", "inputs", "model", "engine", "compute", "checkpoint", "other")  # table order
+
 class Clock:
     def __init__(self):
         self.t0 = psutil.Process().create_time()  # the process's start (seconds since the epoch)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import dataio
 import reward
+from clock import PHASES
 from dataio import KBS  # ("text", "table", "image")
 
 TYPES = ("none", "1hop", "2hop", "3hop", "comparison", "visual")  # display order; other types
@@ -376,8 +377,6 @@ def show(paths, data, qid=None, answered=None):
     out.append(f"ask it yourself: python serve.py ask {json.dumps(x0['question'])}")
     return "\n".join(out)
 
-
-PHASES = ("imports", "inputs", "model", "engine", "compute", "checkpoint", "other")  # clock.py's
 
 def stage_minutes(stages_log):
     """The main job's stages (runs/stage.sh's log: "NAME SECONDS" a line), each stage's seconds by
