@@ -233,27 +233,29 @@ def test_two_ranks_train_the_critic_as_one_process(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 def test_a_killed_rank_restarts_a_ppo_job(tmp_path, tiny_model_dir, tiny_index):
-    # kill -9 one worker of a 2-rank PPO job after its first checkpoint: torchrun restarts both ranks, --resume auto
-    # picks up the checkpoint, critic included, and the job ends with an uninterrupted run's weights. The killed job
-    # runs with --offload (FSDP2's CPUOffloadPolicy for the policy and the critic: their shards, gradients and Adam
-    # steps in host memory, here the same memory), so the same weights also say offloading changes no update. Both
-    # jobs sample with the HF engine: a vLLM engine across a restart is the Step-GRPO killed-rank test's, and vLLM's
-    # start-up would be most of these six processes' time
+    # kill -9 one worker of a 2-rank PPO job after its first checkpoint: torchrun --max-restarts 1 restarts both
+    # ranks, --resume auto picks up the newest whole checkpoint, critic included, each rank starts its vLLM engine
+    # again from it, and the job ends with an uninterrupted run's weights. The killed job runs with --offload
+    # (FSDP2's CPUOffloadPolicy for the policy and the critic: their shards, gradients and Adam steps in host memory,
+    # here the same memory), so the same weights also say offloading changes no update. One job for what a GRPO
+    # job's restart needs (the policy, its engine) and what PPO's adds (the critic)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     plain = tmp_path / "plain"
     r = subprocess.run(launch + [str(ROOT / "stepgrpo.py")] +
-                       ppo_args(tiny_model_dir, tiny_index, plain, "--train_steps", 2, "--backend", "hf"),
+                       ppo_args(tiny_model_dir, tiny_index, plain, "--train_steps", 2),
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     killed = tmp_path / "killed"
     cmd = launch[:-2] + ["--nproc_per_node", "2", "--max-restarts", "1", str(ROOT / "stepgrpo.py")] + \
-        ppo_args(tiny_model_dir, tiny_index, killed, "--train_steps", 2, "--backend", "hf", "--resume", "auto", "--offload")
+        ppo_args(tiny_model_dir, tiny_index, killed, "--train_steps", 2, "--resume", "auto", "--offload")
     text = kill_a_rank(cmd, killed, tmp_path / "job.log", ROOT)
-    assert "exitcode: -9" in text and "resuming from" in text
+    assert "exitcode: -9" in text and "resuming from" in text and "at step 2" not in text  # restarted mid-run
     a, b = load_file(plain / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     ca, cb = critic_state(plain / "step_2"), critic_state(killed / "step_2")
     assert all(torch.equal(ca[k], cb[k]) for k in ca)
+    assert [r["step"] for r in records(killed)] == [1, 2]
+    assert all(r["sync_max_diff"] < 1e-4 for r in records(killed))  # the restarted engine scores like the trainer
 
 def test_ppo_flags_that_cannot_work_exit_with_one_line(tmp_path):
     released = tmp_path / "released"  # a policy trained on R1-Router's released structure (its transcript.json)
