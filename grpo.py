@@ -11,6 +11,7 @@ from collections import Counter
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 import trainutil
 from transcript import truncate
@@ -138,16 +139,38 @@ def token_logprobs(model, ids, attn, sel, pos=None, temperature=1.0, entropy_gra
     `suppress`ed tokens (a VL policy's image tokens, which the engines never sample).
     attn: [B, T] padding mask, or [B, 1, T, T] tree mask with position ids pos [B, T] for packed
     groups; pix: a VL batch's image inputs. entropy_grad: keep the entropy's graph
-    (--entropy_coef; one more [N, V] tensor)."""
-    # [N, V]
-    logits = trainutil.selected_logits(model, ids, sel, attn, pos, pix).float() / temperature
+    (--entropy_coef). The fp32 softmax work runs LOGIT_CHUNK rows at a time (chunk_logprobs)."""
+    # [N, V] in the compute dtype
+    logits = trainutil.selected_logits(model, ids, sel, attn, pos, pix)
+    target = ids[:, 1:][sel]  # [N]
+    parts = [chunk_logprobs(x, t, temperature, suppress, entropy_grad)
+             for x, t in zip(logits.split(LOGIT_CHUNK), target.split(LOGIT_CHUNK))]
+    return torch.cat([lp for lp, _ in parts]), torch.cat([h for _, h in parts])
+
+LOGIT_CHUNK = 512  # rows of the [N, V] logits whose fp32 softmax work is alive at once (verl
+                   # chunks its entropy by 2,048 rows)
+
+def chunk_logprobs(logits, target, temperature, suppress, entropy_grad):
+    """token_logprobs' fp32 part for one chunk of rows: logits [C, V], target [C] -> ([C], [C]).
+    Under autograd it is checkpointed (torch.utils.checkpoint): its fp32 [C, V] tensors are
+    recomputed in the backward instead of kept, so the update holds the compute-dtype logits and
+    their gradient, not memory.py's LOSS_COPIES fp32 copies of all of them. The same operations on
+    each row as on the whole [N, V]: the same values and gradients, bit for bit."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return torch.utils.checkpoint.checkpoint(softmax_part, logits, target, temperature,
+                                                 suppress, entropy_grad, use_reentrant=False)
+    return softmax_part(logits, target, temperature, suppress, entropy_grad)
+
+def softmax_part(logits, target, temperature, suppress, entropy_grad):
+    """(log softmax(logits / temperature)[target], its entropy), [C] each."""
+    x = logits.float() / temperature  # [C, V]
     if len(suppress):
-        logits[:, suppress] = float("-inf")
-    logp = logits.log_softmax(-1)  # [N, V]
+        x[:, suppress] = float("-inf")
+    logp = x.log_softmax(-1)  # [C, V]
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        # [N]; 0 log 0 = 0
+        # [C]; 0 log 0 = 0
         entropy = -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(-1)
-    return logp.gather(-1, ids[:, 1:][sel].unsqueeze(-1)).squeeze(-1), entropy
+    return logp.gather(-1, target.unsqueeze(-1)).squeeze(-1), entropy
 
 def policy_ratio(logp, old, seq=None):
     """The importance ratio [N] of the clipped loss. seq None (--ratio token, PPO's):

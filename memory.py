@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from grpo import LOGIT_CHUNK
 from trainutil import GIB, SYNC_CHUNK, blocks, compute_device, is_quantized, local
 
 # What a rank's GPU holds outside torch's allocator, in every phase (estimates;
@@ -25,9 +26,16 @@ NCCL_BUFFERS = GIB  # the trainer's NCCL communicator on 2+ ranks (FSDP2's 1-D m
                     # default group: torch/distributed/device_mesh.py, "Append the default pg"):
                     # 688 MB for one over 4 A100s' NVLink (NVIDIA/nccl#964), linear in the
                     # channels, which NCCL opens more of on H100s (NVIDIA/nccl#986)
-LOSS_COPIES = 5  # fp32 [N, V] tensors alive at once in grpo.token_logprobs' forward: logits /
-                 # temperature, log_softmax, and the entropy's exp, masked_fill and their product
-                 # (a backward holds 3; measured by tests/test_gpu_path.py)
+LOSS_COPIES = 5  # fp32 [C, V] tensors of one chunk alive at once in grpo.chunk_logprobs: logits /
+                 # temperature, log_softmax, and the entropy's exp, masked_fill and their product;
+                 # beside them the whole [N, V] logits and their gradient in the compute dtype
+                 # (measured by tests/test_gpu_path.py)
+
+def loss_bytes(tokens, vocab, compute_bytes):
+    """Bytes the update's loss holds at its peak for a micro-batch of `tokens` policy tokens: the
+    [N, V] logits and their gradient in the compute dtype (compute_bytes a value), and LOSS_COPIES
+    fp32 copies of one LOGIT_CHUNK-row chunk (grpo.token_logprobs)."""
+    return (2 * compute_bytes * tokens + LOSS_COPIES * 4 * min(tokens, LOGIT_CHUNK)) * vocab
 
 def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab, offload=False,
                row_tokens=0, gathered=0, compute_bytes=2):
@@ -37,8 +45,8 @@ def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, voca
     trainer keeps: what is `allocated` at start-up (the policy's fp32 shards, a reference) and the
     Adam state of the `trainable` shard bytes. update (the engine asleep, its graph pool offloaded
     too: vllm/device_allocator/sleep_mode_backend.py, CuMemBackend.suspend): that, the fp32
-    gradients and the loss's LOSS_COPIES fp32 [tokens, vocab] logits (tokens: a micro-batch's
-    policy tokens); the layers' activations and FSDP2's gathered bf16 units are not counted. Both:
+    gradients and the loss's logits (loss_bytes; tokens: a micro-batch's policy tokens); the
+    layers' activations and FSDP2's gathered bf16 units are not counted. Both:
     the CUDA context and NCCL's buffers, in use before the engine starts, so outside its share
     (vLLM counts what it allocates after its start-up snapshot: vllm/v1/worker/gpu_worker.py,
     init_device). offload (--offload): the shards, gradients and Adam state are in host memory,
@@ -53,8 +61,8 @@ def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, voca
     phases = {"rollout": {f"vLLM engine ({engine_fraction:.0%})": engine_fraction * total, **kept,
                           **outside},
               "update": {**kept, "gradients": 0 if offload else trainable,
-                         f"fp32 logits ({LOSS_COPIES} x {tokens} tokens x {vocab})":
-                             LOSS_COPIES * 4 * tokens * vocab,
+                         f"logits ({tokens} tokens x {vocab})":
+                             loss_bytes(tokens, vocab, compute_bytes),
                          **outside}}
     if row_tokens:
         phases["sync check"] = {**kept, "gathered weights": gathered,

@@ -202,8 +202,8 @@ def update_peak(model_dir, device):
     (bf16, one rank, the second step: Adam's state allocated) of one micro-batch of RolloutConfig.update_tokens' size (2
     packed groups of 8 routing completions, 1024 policy tokens), against memory.gpu_budget's update phase less the
     parts outside torch's allocator. The budget leaves out the activations and FSDP2's gathered bf16 units and counts
-    the gradients, which never coexist with the loss's fp32 copies: with a vocabulary of ~50k the copies dominate, and
-    one copy more or less is ~19% of the whole."""
+    the gradients whole beside the loss's bf16 logits, their gradient and one chunk's fp32 copies (memory.loss_bytes),
+    though the gradients fill in during the backward: with a vocabulary of ~50k the logits dominate."""
     import grpo
     import learner
     import memory

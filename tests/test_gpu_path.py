@@ -320,8 +320,8 @@ def test_the_memory_check_gives_the_same_verdict_fresh_and_resumed(tiny_model_di
             torch.distributed.destroy_process_group()
 
 def logits(budget):
-    """The update phase's fp32 logits part of a memory.gpu_budget."""
-    return next(v for k, v in budget["update"].items() if k.startswith("fp32 logits"))
+    """The update phase's logits part of a memory.gpu_budget."""
+    return next(v for k, v in budget["update"].items() if k.startswith("logits ("))
 
 def test_each_part_of_the_gpu_budget_decides_at_its_edge(monkeypatch):
     # the parts torch's allocator does not see (CUDA context, NCCL), the loss's fp32 logits, vLLM's CUDA graphs: each
@@ -329,7 +329,8 @@ def test_each_part_of_the_gpu_budget_decides_at_its_edge(monkeypatch):
     gib = 2**30
     kw = dict(allocated=2 * gib, trainable=gib, engine_fraction=0.5, world=2, tokens=1024, vocab=152064)
     parts = memory.gpu_budget(80 * gib, **kw)
-    assert logits(parts) == 1024 * 152064 * 4 * memory.LOSS_COPIES
+    # bf16 logits and their gradient, 5 fp32 copies of one 512-row chunk
+    assert logits(parts) == (2 * 2 * 1024 + 5 * 4 * 512) * 152064 and memory.LOSS_COPIES == 5
     edge = 2 * (sum(parts["rollout"].values()) - 40 * gib)  # the engine takes half: twice what is beside it
     error = lambda total, **k: memory.gpu_budget_error(total, **dict(kw, **k))  # noqa: E731
     assert error(edge) is None and error(edge - 2).startswith(f"error: GPU 0 ({(edge - 2) / gib:.1f} GiB) cannot hold "
@@ -342,35 +343,44 @@ def test_each_part_of_the_gpu_budget_decides_at_its_edge(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(memory, "CUDA_CONTEXT", 0)
         assert error(context) is None
-    # 4096 tokens a micro-batch: the update phase is the larger; it fits with its logits at its sum, not a byte less
-    update = sum(memory.gpu_budget(0, **dict(kw, tokens=4096))["update"].values())
-    assert error(update, tokens=4096) is None and error(update - 1, tokens=0) is None
-    assert "cannot hold the update phase" in error(update - 1, tokens=4096)
-    assert "or a smaller --micro_batch" in error(update - 1, tokens=4096)
+    # 8192 tokens a micro-batch: the update phase is the larger; it fits with its logits at its sum, not a byte less
+    update = sum(memory.gpu_budget(0, **dict(kw, tokens=8192))["update"].values())
+    assert error(update, tokens=8192) is None and error(update - 1, tokens=0) is None
+    assert "cannot hold the update phase" in error(update - 1, tokens=8192)
+    assert "or a smaller --micro_batch" in error(update - 1, tokens=8192)
     monkeypatch.setenv("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "0")  # graphs outside vLLM's share: refused
     assert "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0" in memory.model_budget_error(None, None, edge, 0, 0.5, 1, 1)
 
-def test_the_budgets_logits_are_the_fp32_copies_the_loss_holds(wide_model_dir):
-    # memory.LOSS_COPIES, measured: torch's profiler records every allocation and free on the CPU, in order; the
-    # live bytes of grpo.token_logprobs, grpo_loss and their backward peak at LOSS_COPIES fp32 [N, V] tensors, plus
-    # the tiny model's own activations (hidden size 64 against a 49152 vocabulary: under a quarter of a copy)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_budgets_logits_are_what_the_chunked_loss_holds(wide_model_dir, monkeypatch, dtype):
+    # memory.loss_bytes, measured: torch's profiler records every allocation and free on the CPU, in order; the live
+    # bytes of grpo.token_logprobs, grpo_loss and their backward peak at the [N, V] logits and their gradient in the
+    # compute dtype plus at most LOSS_COPIES fp32 copies of one chunk's rows, plus the tiny model's own activations (hidden
+    # size 64 against a 49152 vocabulary: a few hundredths of a copy); the whole [N, V] in one chunk held 6 fp32 copies
     import itertools
 
     import grpo
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(wide_model_dir, dtype=torch.float32)
-    N, V = 256, model.config.vocab_size
+    model = AutoModelForCausalLM.from_pretrained(wide_model_dir, dtype=dtype)
+    N, V, width = 512, model.config.vocab_size, torch.finfo(dtype).bits // 8
     ids = torch.randint(5, V, (1, N + 1), generator=torch.Generator().manual_seed(0))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        logp, entropy = grpo.token_logprobs(model, ids, torch.ones(1, N + 1), torch.ones(1, N, dtype=torch.bool))
-        loss = grpo.grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(N), (0.2, 0.2), 0.0, N, entropy)[0]
-        loss.backward()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())  # nbytes: + an allocation, - a free
-    copies = max(itertools.accumulate(e.nbytes() for e in events)) / (N * V * 4)
-    assert memory.LOSS_COPIES <= copies < memory.LOSS_COPIES + 0.25, copies
-    assert logits(memory.gpu_budget(0, 0, 0, 0.5, 1, N, V)) == memory.LOSS_COPIES * N * V * 4
+    def peak(chunk):  # in fp32 [N, V] copies
+        monkeypatch.setattr(grpo, "LOGIT_CHUNK", chunk)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            logp, entropy = grpo.token_logprobs(model, ids, torch.ones(1, N + 1), torch.ones(1, N, dtype=torch.bool))
+            loss = grpo.grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(N), (0.2, 0.2), 0.0, N, entropy)[0]
+            loss.backward()
+        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())  # nbytes: + an allocation, - a free
+        return max(itertools.accumulate(e.nbytes() for e in events)) / (N * V * 4)
+    for chunk in (32, 64):
+        monkeypatch.setattr(memory, "LOGIT_CHUNK", chunk)
+        budget = logits(memory.gpu_budget(0, 0, 0, 0.5, 1, N, V, compute_bytes=width)) / (N * V * 4)
+        assert budget == memory.loss_bytes(N, V, width) / (N * V * 4) == 2 * width / 4 + 5 * chunk / N
+        # within one fp32 copy of the chunk below the budget (4 or 5 copies at its peak), the activations above
+        assert budget - chunk / N - 0.05 < peak(chunk) < budget + 0.1, (chunk, peak(chunk), budget)
+    assert peak(N) > 5  # one chunk of every row: the fp32 copies of all of them
 
 def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_dir, monkeypatch):
     # the loss's N: --micro_batch rows of n packed completions (teacher_prefix) or of whole trajectories (onpolicy), at

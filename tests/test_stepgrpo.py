@@ -211,6 +211,28 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
     assert old_gap.item() == pytest.approx((mine - old).abs().sum().item(), rel=1e-6)
     assert sums["clip_low"].item() == sums["clip_high"].item() == 0  # ratio exp(logp - logp) = 1, although the sampler's logprobs are far off
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_equal_the_whole_ones_bit_for_bit(tiny_model_dir, monkeypatch, dtype):
+    # grpo.token_logprobs' fp32 softmax work a chunk of rows at a time (checkpointed under autograd): the logprobs,
+    # the entropies and every weight's gradient equal those of all rows in one chunk, exactly, with a temperature,
+    # suppressed tokens and the entropy's gradient; without autograd too (the old and the reference logprobs)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
+    ids = torch.randint(5, model.config.vocab_size, (2, 97), generator=torch.Generator().manual_seed(0))
+    sel = torch.rand(2, 96, generator=torch.Generator().manual_seed(1)) < 0.7  # 2 x 96 positions, ~134 selected
+    def scored(chunk):
+        monkeypatch.setattr(grpo, "LOGIT_CHUNK", chunk)
+        model.zero_grad()
+        logp, ent = grpo.token_logprobs(model, ids, torch.ones_like(ids), sel, temperature=0.7, entropy_grad=True,
+                                        suppress=[3, 7])
+        (logp.sum() + 0.1 * ent.sum()).backward()
+        with torch.no_grad():
+            nograd = grpo.token_logprobs(model, ids, torch.ones_like(ids), sel, temperature=0.7, suppress=[3, 7])
+        return [logp, ent, *nograd] + [p.grad.clone() for p in model.parameters()]
+    whole, chunked = scored(10**6), scored(13)
+    assert whole[0].shape == (int(sel.sum()),)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
 def test_only_policy_tokens_reach_the_loss(tiny_model_dir):
     # token_logprobs gives exactly the logprobs of the selected (policy) tokens, as a full forward would
     from transformers import AutoModelForCausalLM
