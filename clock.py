@@ -7,9 +7,11 @@ and, where runs/stage.sh sets STAGE_TIMES, appends it there as a JSON line
 Phases the scripts name: imports, inputs (data, index, tokenizer), model (weights into the
 trainer), engine (an inference engine's start-up, a checkpoint's weights swapped in), compute
 (the work itself: training steps, rollouts, the update, the sync, generation), checkpoint (saves).
+The line also gives the process's peak resident memory (its in-process engine's included).
 """
 import json
 import os
+import resource
 import time
 from contextlib import contextmanager
 
@@ -37,18 +39,20 @@ class Clock:
             self.phases[phase] = self.phases.get(phase, 0.0) + time.time() - t
 
     def done(self, print0=print, rank=0):
-        """{phase: seconds} since the process started, printed in one line and (rank 0) appended to
-        $STAGE_TIMES."""
+        """{phase: seconds} since the process started, printed in one line with the process's peak
+        resident memory, and (rank 0) appended to $STAGE_TIMES with it as peak_gib."""
         now = time.time()
         parts = {"imports": (self.main or now) - self.t0}
         parts.update({k: v + parts.get(k, 0.0) for k, v in self.phases.items()})
         parts["other"] = max(0.0, now - self.t0 - sum(parts.values()))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
         print0("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()) +
-               f" (total {now - self.t0:.1f} s)")
+               f" (total {now - self.t0:.1f} s; peak {peak:.1f} GiB resident)")
         path = os.environ.get("STAGE_TIMES")
         if path and rank == 0:
             with open(path, "a") as f:
-                f.write(json.dumps({"stage": os.environ.get("STAGE_NAME", ""), **parts}) + "\n")
+                f.write(json.dumps({"stage": os.environ.get("STAGE_NAME", ""), **parts,
+                                    "peak_gib": round(peak, 2)}) + "\n")
         return parts
 
 CLOCK = Clock()

@@ -381,25 +381,31 @@ def show(paths, data, qid=None, answered=None):
 def stage_minutes(stages_log):
     """The main job's stages (runs/stage.sh's log: "NAME SECONDS" a line), each stage's seconds by
     clock.py phase (times.jsonl beside the log, the scripts' CLOCK.done lines; a stage of several
-    processes sums them) as a markdown table, and the phases' share of the whole."""
+    processes sums them) and its largest process's peak resident memory, as a markdown table, and
+    the phases' share of the whole."""
     took = dict(line.split() for line in Path(stages_log).read_text().splitlines()[1:])
     times = Path(stages_log).with_name("times.jsonl")
-    by = defaultdict(lambda: defaultdict(float))
+    by, peak = defaultdict(lambda: defaultdict(float)), {}
     for rec in dataio.read_jsonl(times) if times.is_file() else []:
         for k in rec.keys() & set(PHASES):
             by[rec["stage"]][k] += rec[k]
+        if "peak_gib" in rec:
+            peak[rec["stage"]] = max(peak.get(rec["stage"], 0.0), rec["peak_gib"])
     rows, sums = [], defaultdict(float)
     for name, sec in took.items():
         phases = by.get(name, {})
         for k in PHASES:
             sums[k] += phases.get(k, 0.0)
         rows.append([name, f"{int(sec) / 60:.1f}",
-                     *(f"{phases[k]:.0f}" if k in phases else "" for k in PHASES)])
+                     *(f"{phases[k]:.0f}" if k in phases else "" for k in PHASES),
+                     f"{peak[name]:.1f}" if name in peak else ""])
     total = sum(int(v) for v in took.values())
-    rows.append(["all", f"{total / 60:.1f}", *(f"{sums[k]:.0f}" for k in PHASES)])
+    rows.append(["all", f"{total / 60:.1f}", *(f"{sums[k]:.0f}" for k in PHASES),
+                 f"{max(peak.values()):.1f}" if peak else ""])
     share = ", ".join(f"{k} {sums[k] / max(total, 1):.0%}" for k in PHASES)
-    return "\n".join(_table(["stage", "minutes", *(f"{k} s" for k in PHASES)], rows) +
-                     [f"(the phases by the scripts' own clock, clock.py: {share})"])
+    return "\n".join(_table(["stage", "minutes", *(f"{k} s" for k in PHASES), "peak GiB"], rows) +
+                     [f"(the phases by the scripts' own clock, clock.py: {share}; peak GiB: the "
+                      "stage's largest process's peak resident memory)"])
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__,

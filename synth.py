@@ -30,6 +30,7 @@ import reward
 import rollout
 import transcript
 import vision
+from clock import CLOCK
 
 #### teacher-mode filters
 
@@ -443,8 +444,11 @@ def import_r1router(path, out, tok, settings, fmt, max_pixels):
 
 if __name__ == "__main__":
     import retrievers
+    CLOCK.started()
     try:
-        main(get_args())
+        with CLOCK("compute"):
+            main(get_args())
     except retrievers.RetrievalError as e:
         sys.exit(f"error: {e}")
+    CLOCK.done()  # the main job's data stage: its seconds and peak memory (runs/stage.sh)
     engines.exit_now()

@@ -25,20 +25,23 @@ def test_clock_sums_each_phase_counts_imports_from_the_process_start_and_writes_
     assert parts["other"] >= 0.1 and abs(sum(parts.values()) - (time.time() - c.t0)) < 0.05
     rec = json.loads(times.read_text())
     assert rec["stage"] == "sft" and rec["compute"] == parts["compute"]
+    import psutil  # the peak resident memory: at least what this process holds now
+    assert rec["peak_gib"] >= psutil.Process().memory_info().rss / 2**30 - 0.01 > 0
 
 def test_stage_minutes_sums_a_stages_processes_by_phase(tmp_path):
-    """A stage of two processes sums their phases; a stage without a clock shows its minutes alone; the last row is
-    the whole job."""
+    """A stage of two processes sums their phases and takes the larger peak memory; a stage without a clock shows its
+    minutes alone; the last row is the whole job."""
     log = tmp_path / "stages.log"
     log.write_text("start 0\nworld 6\nsft 600\neval 300\n")
-    recs = [dict(stage="sft", imports=6, model=3, compute=570, checkpoint=12, other=9),
-            dict(stage="eval", imports=6, engine=24, compute=100), dict(stage="eval", imports=6, compute=140)]
+    recs = [dict(stage="sft", imports=6, model=3, compute=570, checkpoint=12, other=9, peak_gib=3.21),
+            dict(stage="eval", imports=6, engine=24, compute=100, peak_gib=5.5),
+            dict(stage="eval", imports=6, compute=140, peak_gib=4.0)]
     (tmp_path / "times.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     table = report.stage_minutes(log).splitlines()
     assert table[0] == ("| stage | minutes | imports s | inputs s | model s | engine s | compute s | checkpoint s | "
-                        "other s |")
-    assert table[2] == "| world | 0.1 |  |  |  |  |  |  |  |"
-    assert table[3] == "| sft | 10.0 | 6 |  | 3 |  | 570 | 12 | 9 |"
-    assert table[4] == "| eval | 5.0 | 12 |  |  | 24 | 240 |  |  |"
-    assert table[5] == "| all | 15.1 | 18 | 0 | 3 | 24 | 810 | 12 | 9 |"
+                        "other s | peak GiB |")
+    assert table[2] == "| world | 0.1 |  |  |  |  |  |  |  |  |"
+    assert table[3] == "| sft | 10.0 | 6 |  | 3 |  | 570 | 12 | 9 | 3.2 |"
+    assert table[4] == "| eval | 5.0 | 12 |  |  | 24 | 240 |  |  | 5.5 |"
+    assert table[5] == "| all | 15.1 | 18 | 0 | 3 | 24 | 810 | 12 | 9 | 5.5 |"
     assert "compute 89%" in table[6]
