@@ -110,8 +110,8 @@ class VLLMEngine:
                  kv_tokens=CPU_KV_TOKENS, sleep=False):
         """max_model_len: tokens of a request (prompt + new), max_pixels: the processor's cap on a
         picture's pixels (VisionIO; None: the processor's), the same for the transcripts' image
-        expansions and for vLLM's. kv_tokens: the CPU's KV cache, in tokens (one request of
-        max_model_len needs max_model_len + CPU_BLOCK: vLLM keeps a block out of use). device: the
+        expansions and for vLLM's. kv_tokens: the CPU's KV cache, in tokens, at least one request of
+        max_model_len (max_model_len + CPU_BLOCK: vLLM keeps a block out of use). device: the
         trainer's (None: CUDA when there is one); vLLM's CUDA build runs on the GPU, so a CPU
         trainer on a GPU host needs the HF engine. sleep: on a GPU the engine hands its memory to
         the trainer between rollouts (stepgrpo.py's policy engine: self.sleep). vLLM's sleep mode
@@ -157,6 +157,7 @@ class VLLMEngine:
         # the CPU's KV cache is allocated (and zeroed) whole at start: sized in tokens, not bytes,
         # so a tiny model's engine starts without zeroing GiBs (VLLM_CPU_KVCACHE_SPACE, in GiB,
         # still overrides it)
+        kv_tokens = max(kv_tokens, max_model_len + CPU_BLOCK)  # at least one whole request
         kv = (dict(kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(model, self.dtype))
               if on_cpu else {})
         self.vis = VisionIO.load(model, max_pixels)  # None: a text-only policy
@@ -195,6 +196,17 @@ class VLLMEngine:
         self.pending, self.n_requests = {}, 0  # vLLM request id -> (caller's key, stop strings)
         # tokens the model actually ran (prompt tokens not in the prefix cache)
         self.computed = dict(prefill=0, decode=0)
+        # the in-process scheduler (VLLM_ENABLE_V1_MULTIPROCESSING=0): its KV blocks' use
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        self.kv_manager = core.scheduler.kv_cache_manager if core else None
+        self.kv_peak = 0.0  # the highest share of the KV cache in use since kv_used()
+
+    def kv_used(self):
+        """The highest share of the KV cache's blocks in use at once since the last call (1.0: it
+        was full, so requests waited or were recomputed), None where the scheduler is in another
+        process."""
+        peak, self.kv_peak = self.kv_peak, 0.0
+        return round(peak, 4) if self.kv_manager else None
 
     def tokens_prompt(self, ids, images=()):
         """vLLM's input for transcript ids: a VL prompt's images go back to bare placeholders +
@@ -227,7 +239,10 @@ class VLLMEngine:
         pending)."""
         engine, res = self.llm.llm_engine, []
         while not res and engine.has_unfinished_requests():
-            for o in engine.step():
+            outs = engine.step()
+            if self.kv_manager:
+                self.kv_peak = max(self.kv_peak, self.kv_manager.usage)
+            for o in outs:
                 if o.finished:
                     key, stop = self.pending.pop(o.request_id)
                     ids = list(o.outputs[0].token_ids)

@@ -52,6 +52,14 @@ class RolloutConfig:
             return micro_batch * (s.max_steps * route + s.answer_tokens)
         return micro_batch * self.n * max(route, s.answer_tokens)
 
+    def kv_tokens(self, questions, dev_questions=0):
+        """The KV cache (tokens) that holds a rank's step at once: its `questions` x n trajectories
+        (a teacher-prefix group's completions share their prefix's blocks), or the dev
+        evaluation's `dev_questions` if more, at most steps.max_active in flight, each
+        rollout.TRAJECTORY_TOKENS (the engine adds room for one max_model_len request)."""
+        active = min(max(questions * self.n, dev_questions), self.steps.max_active)
+        return active * rollout.TRAJECTORY_TOKENS
+
 STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "format_ok",
          "overflow", "retrievals", "tokens", "reask", "cut", "refilled", "informative", "rag",
          "actions")  # the rollout's logged means

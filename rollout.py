@@ -336,6 +336,10 @@ class ReleasedSteps:
     def remind(self, live, text):
         live.tr.add_context(self.route.ids(next_turn(self.route, text)))
 
+TRAJECTORY_TOKENS = 1024  # the KV cache a trajectory in flight is given (Step-GRPO's engine):
+                          # the mini-world's golden ones hold 504 tokens on average, 786 at most
+                          # (one passage a search); past the cache vLLM queues, never refuses
+
 @dataclass
 class Settings:
     max_steps: int = 3          # sub-questions before the final answer is forced (paper: 3)

@@ -157,9 +157,10 @@ def reward_weights(args, questions, judge=None):
 
 #### the log
 
-def log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd):
+def log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd, kv_used=None):
     """One log.jsonl record: means over all ranks of the rollout stats, the update's per-token sums,
-    the timings."""
+    the timings; kv_used: this rank's engine's highest share of its KV cache in use in the rollout
+    (VLLMEngine.kv_used; 1.0: full, so requests waited), the fullest rank's logged."""
     sums = dict(sums)
     # PPO's: value_loss, vf_clipfrac, explained_var
     ppo = critic.record(sums.pop("critic")) if "critic" in sums else {}
@@ -184,7 +185,15 @@ def log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd):
                 old_gap=tot["old_gap"] / n_tok if upd.old_logprobs == "trainer" else None,
                 entropy=tot["entropy"] / n_tok, grad_norm=grad_norm,
                 adv_abs=float(np.mean(adv or [0.0])),
-                **ppo, **{k: tot[k] / world for k in timing})
+                **ppo, **{k: tot[k] / world for k in timing}, **fullest(kv_used, vec.device))
+
+def fullest(kv_used, device):
+    """{"kv_used": the largest of the ranks' values} ({} where the engine does not say)."""
+    if kv_used is None:
+        return {}
+    top = torch.tensor(kv_used, dtype=torch.float64, device=device)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return dict(kv_used=top.item())
 
 def log_samples(log, step, **tables):
     """The first SAMPLES rollout.Samples of each table (name=samples) as that wandb table at `step`:
@@ -254,9 +263,12 @@ def start_engine(args, weights, model, opt, crit, rank, world, device):
               else run.update_tokens(args.micro_batch))
     memory.check_gpu_budget(model, opt, share, world, tokens, crit, args.max_model_len,
                             args.dtype == "bf16")
+    per_rank = lambda n: -(-n // world)  # noqa: E731  (ceil)
     return vllm(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
                 max_images=run.steps.max_images, seed=args.seed + rank, device=device,
-                gpu_memory_utilization=share, sleep=True)  # each rank's, asleep in the update
+                gpu_memory_utilization=share, sleep=True,  # each rank's, asleep in the update
+                kv_tokens=run.kv_tokens(per_rank(args.batch_questions),
+                                        per_rank(args.eval_questions)))  # the CPU's
 
 def load_inputs(args, weights, device, print0):
     """The training questions (a --prefixes store's alone), the dev questions, the retriever, what
@@ -345,6 +357,7 @@ def main(argv=None, close=True):
         timing = dict(rollout_s=time.perf_counter() - t, retrieve_s=stats.pop("retrieve_s"),
                       rollout_tokens=stats.pop("rollout_tokens"),  # this rank's (bench/flops.py)
                       rollout_generated=stats.pop("rollout_generated"))
+        kv_used = getattr(p.engine, "kv_used", lambda: None)()  # vLLM's KV cache in the rollout
         p.engine.sleep()  # GPU: the engine's memory goes to the update until the sync wakes it
         # the update: the clipped loss over the rows (PPO: GAE from the critic first)
         with CLOCK("compute"):
@@ -360,7 +373,7 @@ def main(argv=None, close=True):
             timing.update(trainutil.sync_weights(p.model, p.engine, rows, pad_id, peak, saving,
                                                  args.dtype))
         # the log (with the dev score at a checkpoint) and the checkpoint
-        rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd)
+        rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd, kv_used)
         rec["memory_gib"] = memory.gather_peaks(peak.gib, world)  # per phase since the last record
         dev_samples = []
         if saving and dev_qs:

@@ -31,6 +31,7 @@ import branches
 import dataio
 import prepare
 import reward
+import rollout
 import groups
 import grpo
 import learner
@@ -402,7 +403,6 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
     import dataio
     import engines
     import retrievers
-    import rollout
     import trainutil
     args = stepgrpo.get_args(["--model", str(tiny_model_dir), "--backend", "hf", "--dtype", "fp32", "--micro_batch", "4"])
     own, cpu = trainutil.init_group(1), torch.device("cpu")
@@ -589,7 +589,6 @@ def teacher_setup(tiny_index, spans="route"):
 
     import dataio
     import retrievers
-    import rollout
     tok = AutoTokenizer.from_pretrained(prepare.DEFAULT_MODEL)
     qs = dataio.load_questions(tiny_index, "train")[:6]
     ret = retrievers.Retriever(tiny_index, "bm25")
@@ -602,7 +601,6 @@ def teacher_setup(tiny_index, spans="route"):
 def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
     # GoldPolicy as the engine writes the gold step at every golden prefix: one packed group per span kept, each
     # completion parses and routes to the gold KB with the full route reward, so every advantage is 0
-    import rollout
     for spans in ("all", "route"):
         tok, qs, ret, args, prefixes = teacher_setup(tiny_index, spans)
         n_route = sum(sp["kind"] == "route" for _, sp, _, _ in prefixes)
@@ -619,6 +617,31 @@ def test_teacher_prefix_groups_with_the_gold_policy(tiny_index, encoder):
         assert (spans == "route") == all("</ret>" in c and "<answer>" not in c for c in completions)
         # unanimous groups: no spread in the KB choice, no group with mixed choices
         assert st["kb_entropy"] == [0.0] * n_route and st["kb_mixed"] == [0.0] * n_route
+
+def test_the_policy_engines_kv_cache_holds_a_steps_rollouts_at_once(tiny_model_dir, tiny_index, encoder):
+    # stepgrpo.py sizes its vLLM engine's KV cache for a rank's step (RolloutConfig.kv_tokens): here the main job's 3
+    # questions x 8 completions of every golden prefix, the tiny random policy writing each to its token limit (the
+    # most a step can hold); the cache never fills, so no request waited or was recomputed
+    import engines
+    import retrievers
+    args = stepgrpo.get_args(["--batch_questions", "3"])
+    run = stepgrpo.rollout_config(args)
+    assert run.n == 8 and run.kv_tokens(3) == 3 * 8 * rollout.TRAJECTORY_TOKENS
+    assert run.kv_tokens(3, dev_questions=40) == 40 * rollout.TRAJECTORY_TOKENS  # the dev evaluation's, if more
+    assert run.kv_tokens(30) == run.steps.max_active * rollout.TRAJECTORY_TOKENS  # at most max_active in flight
+    qs = dataio.load_questions(tiny_index, "train")[:3]
+    engine = engines.VLLMEngine(tiny_model_dir, kv_tokens=run.kv_tokens(len(qs)))
+    try:
+        cache = engine.kv_manager.block_pool.num_gpu_blocks * engines.CPU_BLOCK
+        assert cache >= run.kv_tokens(len(qs)) and engine.kv_used() == 0.0
+        _, st, _ = stepgrpo.groups.teacher_prefix_batch(engine, retrievers.Retriever(tiny_index, "bm25"), qs, run,
+                                                        encoder.encode, steprewards.Weights(), seed=0)
+        used = engine.kv_used()
+        assert st["rollout_generated"] > 0.9 * 8 * 96 * len(st["route_r"]) / 8  # completions at their limit
+        assert 0.0 < used < 1.0, used
+        print(f"KV cache {cache} tokens, {used:.0%} of it used at most; the step's tokens {st['rollout_tokens']}")
+    finally:
+        engine.close()
 
 def test_split_credit_puts_the_kb_half_on_the_ret_tokens_only():
     # two completions that differ only in the KB: the wording's reward is equal, so the tokens before <ret> get 0 and
@@ -650,7 +673,6 @@ def test_choice_entropy_of_a_group_in_bits():
 def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, encoder):
     # an engine whose context holds about half the route prefixes plus a routing step: only those make groups (each
     # completion parses, full reward), the others are logged as overflows and never sent
-    import rollout
     tok, qs, ret, args, prefixes = teacher_setup(tiny_index)
     lens = sorted(len(p) for _, sp, p, _ in prefixes if sp["kind"] == "route")
     eng = rollout.GoldPolicy(tok, qs)
@@ -668,7 +690,6 @@ def test_teacher_prefix_leaves_out_golden_prefixes_that_do_not_fit(tiny_index, e
 def test_released_structure_trains_on_one_row_a_chat(tiny_index, encoder):
     # onpolicy rows and teacher-prefix groups of the released structure: every row is one single-turn chat that opens
     # with its own system prompt, and the rows hold exactly the trajectories' policy tokens
-    import rollout
     tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
     args.structure, args.rollout, args.reward = "released", "onpolicy", "step"
     w = steprewards.Weights()
@@ -685,7 +706,6 @@ def test_released_structure_trains_on_one_row_a_chat(tiny_index, encoder):
 def test_teacher_prefix_logs_re_asks_of_a_gold_prefix_sub_question(tiny_index, encoder):
     # an engine that, past the first step, re-asks the previous gold sub-question: exactly those route completions are
     # logged as re-asks and score below the gold's 1.2 (wrong sub-question and KB for this step)
-    import rollout
 
     class Reasker(rollout.GoldPolicy):
         def step_text(self, q, turn, phase):
@@ -784,7 +804,6 @@ def test_wandb_tables_hold_the_steps_trajectories_and_the_dev_ones(tmp_path, tin
     # an offline wandb run (the default): at step 1 a table of the step's trajectories (onpolicy, 2 questions x 2
     # samples: all of them, stepgrpo.SAMPLES = 4), at each dev evaluation (steps 0 and 1) one of the dev trajectories;
     # their rewards and scores are the ones log.jsonl's means are of, and log.jsonl keeps its scalars alone
-    import rollout
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
     stepgrpo.main(common(tiny_model_dir, tiny_index, out) + ["--train_steps", "1", "--backend", "hf", "--rollout",
@@ -894,7 +913,6 @@ def test_both_rollout_modes_score_gold_multi_query_steps_in_full(tiny_index, enc
     # route completion is the gold step (full reward 1.2, right KBs, ends at the end of turn); on-policy, every
     # trajectory earns its full outcome and each comparison asks its two lookups in one routing step
     import dataio
-    import rollout
     tok, _, ret, args, _ = teacher_setup(tiny_index, "all")
     qs = dataio.load_questions(tiny_index, "train")
     qs = [q for q in qs if q["type"] == "comparison"][:3] + [q for q in qs if q["type"] == "2hop"][:3]
@@ -915,7 +933,6 @@ def test_teacher_written_prefixes_score_against_the_teacher(tiny_index, encoder)
     # a teacher that sends every first sub-question to a wrong KB writes the stored trajectories; GoldPolicy as the
     # engine writes the gold step at each of their prefixes. R1-Router's step reward scores that gold step against
     # the teacher's, so the right KB loses its half
-    import rollout
 
     class WrongFirstKB(rollout.GoldPolicy):
         def step_text(self, q, turn, phase):
@@ -949,7 +966,6 @@ class HalfWrong:
     """GoldPolicy's steps, except that on the questions in `mixed` every second routing completion of a batch names
     another KB: their route groups are mixed, every other question's unanimous."""
     def __init__(self, tok, qs, mixed):
-        import rollout
         self.gold, self.tok, self.vis, self.mixed = rollout.GoldPolicy(tok, qs), tok, None, set(mixed)
 
     def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), seed=None, top_k=0, images=None,
@@ -966,7 +982,6 @@ class HalfWrong:
         return out
 
 def rollout_think():
-    import rollout
     return rollout.GoldPolicy.THINK
 
 def test_dynamic_sampling_keeps_the_groups_with_a_gradient_and_draws_more_questions(tiny_index, encoder):
@@ -992,7 +1007,6 @@ def test_dynamic_sampling_keeps_the_groups_with_a_gradient_and_draws_more_questi
 def test_overlong_steps_are_masked_or_penalised(tiny_index, encoder):
     # a routing step cut at the budget: --overlong mask leaves its tokens out of the loss, penalty lowers its reward
     # by DAPO's soft punishment (-1 at the budget), none leaves both alone
-    import rollout
     tok, qs, ret, args, _ = teacher_setup(tiny_index)
 
     class Rambles(rollout.GoldPolicy):  # every second completion: the budget's worth of text, never </ret>
@@ -1089,7 +1103,6 @@ def scripted_policy():
     import random
     import zlib
 
-    import rollout
 
     class Scripted(rollout.GoldPolicy):
         mix = False
@@ -1117,7 +1130,6 @@ def branch_setup(tiny_index, structure="transcript", mix=False):
     """The teacher-prefix tests' tokenizer, questions and retriever, --rollout branch -n 2 --branch_steps 2 (r - mean,
     no KB balance) in `structure`, and the scripted policy; the base trajectories, the picks and the branches as
     groups.branch_batch makes them."""
-    import rollout
     tok, qs, ret, args, _ = teacher_setup(tiny_index)
     args.rollout, args.structure, args.adv_std = "branch", structure, False
     policy = scripted_policy()(tok, qs)
@@ -1144,7 +1156,6 @@ def test_branch_groups_share_their_prefix_token_for_token(tiny_index, encoder, s
     # the scripted policy routes to random KBs: each branch replays its base trajectory up to the branched span (ids,
     # logprobs, evidence, spans equal), then goes its own way; the packed row of a group is that prefix once, then
     # per branch the prefix's last token and the branch's new step
-    import rollout
     tok, qs, ret, args, policy, s, trajs, picks, ys = branch_setup(tiny_index, structure, mix=True)
     assert len(ys) == 2 * len(picks) and {len(x["spans"]) for x in trajs} - {1, 2}  # some trajectories have > 2 spans
     assert {trajs[j]["spans"][b]["kind"] for j, b in picks} == {"route", "answer", "final"}
@@ -1228,7 +1239,6 @@ def test_samples_are_the_scored_trajectories_a_line_a_step(tiny_index, encoder):
     # the wandb tables' rows (rollout.Sample) of every rollout mode's groups: a readable line a step the policy wrote,
     # beside it the reward its advantage is of (the one log.jsonl's means are of) and that advantage, the final answer
     # and its outcome; a teacher's prefix steps and a branch's other steps have none
-    import rollout
     tok, qs, ret, args, _ = teacher_setup(tiny_index, "all")
     by_q = {q["question"]: q for q in qs}
     w = steprewards.Weights()
