@@ -181,7 +181,8 @@ bench-serve: $(OUT)/stepgrpo/final/config.json
 	$(PY) -m bench.serve --model $(OUT)/stepgrpo/final --data $(DATA) -n 8
 
 # Peak memory of each Step-GRPO phase (rollout, update, sync, checkpoint) per rank: 2 gloo ranks, 2 steps from the main
-# job's SFT checkpoint; the closing line prints it (on GPUs, the same stepgrpo.py command under torchrun there)
+# job's SFT checkpoint; the closing lines print it, and on the CPU rank 0's peaks beside what it holds, part by part
+# (memory.breakdown; each step's parts in log.jsonl's memory_parts_gib). On GPUs: the same command under torchrun there
 bench-memory: $(OUT)/sft/final/config.json
 	rm -rf out/bench-memory
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 stepgrpo.py --model $(OUT)/sft/final --data $(DATA) \

