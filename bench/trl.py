@@ -1,7 +1,8 @@
 """
 bench/trl.py: peer benchmark. One single-step GRPO setting run by this repo's own parts ("ours": engines.VLLMEngine,
 grpo.py's loss, trainutil's world of one, engine.sync_weights) and by TRL's GRPOTrainer, on this machine.
-Reports seconds per step of each and the ratio ours/TRL (target <= 1.0).
+Reports seconds per step of each and the ratio ours/TRL (target <= 1.0), and each side's peak resident memory beside
+what it holds, part by part (memory.breakdown: ours by phase, TRL's whole run).
 
     python -m bench.trl                               # the measurement: 8 prompts x 4, 64 tokens, 3 timed steps + 1 warm-up
     python -m bench.trl --prompts 4 --steps 2         # a quick end-to-end check
@@ -71,18 +72,20 @@ def workload():
 def run_ours():
     import numpy as np
     import torch
-    import grpo, trainutil
+    import grpo, memory, trainutil
     tok, qs, prompts, score = workload()
+    before, peak = memory.resident(), memory.PeakMemory("cpu")  # the process before its models; phase peaks
     trainutil.init_group(1)  # a world of one, before the engine (as stepgrpo.py)
     model = trainutil.load_sharded(args.model, torch.device("cpu"), 1, bf16=False)  # fp32, as the TRL side (bf16=False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     engine = engines.VLLMEngine(args.model, seed=args.seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    rec = []
+    rec, most, peaks = [], 0, {}  # most: the largest micro-batch's policy tokens; peaks: GiB a phase
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
-        outs = engine.generate([p for p in prompts for _ in range(args.group_size)], args.max_tokens, 1.0, 1.0,
-                               ["</ret>"], seed=args.seed + step)
+        with peak("rollout"):
+            outs = engine.generate([p for p in prompts for _ in range(args.group_size)], args.max_tokens, 1.0, 1.0,
+                                   ["</ret>"], seed=args.seed + step)
         t1 = time.perf_counter()
         r = [score(qs[k // args.group_size], tok.decode(ids, skip_special_tokens=True)) for k, (ids, _) in enumerate(outs)]
         adv = np.concatenate([grpo.norm(r[g:g + args.group_size]) for g in range(0, N, args.group_size)])
@@ -90,29 +93,39 @@ def run_ours():
                 for p, (ids, lps), a in zip([p for p in prompts for _ in range(args.group_size)], outs, adv)]
         t2 = time.perf_counter()
         denom = sum(len(ids) for ids, _ in outs)  # token normalisation over the whole batch
-        for i in range(0, N, M):
-            ids, attn, _, sel, old, a = grpo.collate(seqs[i:i + M], pad, torch.device("cpu"))  # unpacked, as TRL
-            logp, _ = grpo.token_logprobs(model, ids, attn, sel)
-            loss = grpo.grpo_loss(logp, old, logp.detach(), a, (grpo.CLIP_LOW, 0.2), 0.0, denom)[0]
-            loss.backward()
-        trainutil.clip_grad_norm(model, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with peak("update"):
+            for i in range(0, N, M):
+                ids, attn, _, sel, old, a = grpo.collate(seqs[i:i + M], pad, torch.device("cpu"))  # unpacked, as TRL
+                most = max(most, int(sel.sum()))
+                logp, _ = grpo.token_logprobs(model, ids, attn, sel)
+                loss = grpo.grpo_loss(logp, old, logp.detach(), a, (grpo.CLIP_LOW, 0.2), 0.0, denom)[0]
+                loss.backward()
+            trainutil.clip_grad_norm(model, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
-        engine.sync_weights(trainutil.policy_params(model))
+        with peak("sync"):
+            engine.sync_weights(trainutil.policy_params(model))
+        peaks = {k: max(v, peaks.get(k, 0.0)) for k, v in peak.gib.items()}  # over the steps
         t4 = time.perf_counter()
         rec.append(dict(total=t4 - t0, generate=t1 - t0, reward=t2 - t1, update=t3 - t2, sync=t4 - t3, tokens=denom,
                         reward_mean=float(np.mean(r))))
         print(f"[bench] ours step {step}{' (warm-up)' if step == 0 else ''}: " + " ".join(f"{k} {v:.2f}" for k, v in rec[-1].items()), flush=True)
-    return dict(mode="ours: vLLM in-process fp32 + FSDP2 (world 1)", steps=rec[1:])
+    parts = memory.held_parts(model, opt, None, None, engine, most, False, before)
+    for line in memory.breakdown(peaks, parts):
+        print(f"[bench] ours {line}", flush=True)
+    return dict(mode="ours: vLLM in-process fp32 (world 1)", steps=rec[1:], peaks_gib=peaks,
+                parts_gib={k: v / 2**30 for k, v in parts.items()})
 
 def run_trl():
     import torch
     from datasets import Dataset
+    import memory
     from transformers import AutoModelForCausalLM, TrainerCallback
     import trl
     from trl import GRPOConfig, GRPOTrainer
     tok, qs, prompts, score = workload()
+    before = memory.resident()  # the process before its models
     texts = [tok.decode(p) for p in prompts]  # TRL tokenizes plain-string prompts as is (no chat template): check it
     assert tok(text=texts)["input_ids"] == prompts, "TRL would not see the same prompt tokens"
     ds = Dataset.from_dict(dict(prompt=texts, qi=list(range(len(qs)))))
@@ -153,6 +166,11 @@ def run_trl():
     how = (f"vLLM colocate{' + CPU weight-sync patch' if args.trl_mode == 'vllm_patched' else ''} "
            f"({str(trainer.vllm_generation.llm.llm_engine.model_config.dtype).split('.')[-1]})") if vllm else "HF generate (fp32)"
     trainer.train()
+    parts = {"before the models": before, "policy weights": memory.tensor_bytes(model.parameters()),
+             "gradients": memory.tensor_bytes(model.parameters()),
+             "Adam state": memory.optimizer_bytes(trainer.optimizer)}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"[bench] TRL, the run's peak: {memory.breakdown(dict(update=peak), parts)[0]}", flush=True)
     return dict(mode=f"TRL {trl.__version__} GRPOTrainer: {how}", trl_mode=args.trl_mode,
                 steps=[dict(total=t, tokens=n) for t, n in zip(times[1:], tokens[1:])],
                 is_correction=bool(vllm and cfg.vllm_importance_sampling_correction), loss_type=cfg.loss_type)
