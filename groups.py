@@ -21,6 +21,7 @@ import reward
 import rollout
 import steprewards
 import vision
+from engines import CPU_BLOCK
 from learner import TEMPERATURE
 
 DYNAMIC_TRIES = 4  # --dynamic_sampling: rounds of questions drawn at most a step (the first too)
@@ -53,12 +54,19 @@ class RolloutConfig:
         return micro_batch * self.n * max(route, s.answer_tokens)
 
     def kv_tokens(self, questions, dev_questions=0):
-        """The KV cache (tokens) that holds a rank's step at once: its `questions` x n trajectories
-        (a teacher-prefix group's completions share their prefix's blocks), or the dev
-        evaluation's `dev_questions` if more, at most steps.max_active in flight, each
-        rollout.TRAJECTORY_TOKENS (the engine adds room for one max_model_len request)."""
-        active = min(max(questions * self.n, dev_questions), self.steps.max_active)
-        return active * rollout.TRAJECTORY_TOKENS
+        """The KV cache (tokens) that holds a rank's step at once, all of its requests in flight:
+        teacher_prefix, each of its `questions`' trajectories once (its golden prefixes share its
+        blocks) and the n completions at each step, each in its prefix's last, partial block and
+        its own tokens; else its questions x n trajectories, at most steps.max_active in flight; or
+        the dev evaluation's `dev_questions` if more. A trajectory: rollout.TRAJECTORY_TOKENS. (The
+        engine adds room for one max_model_len request.)"""
+        s, trajectory = self.steps, rollout.TRAJECTORY_TOKENS
+        if self.mode == "teacher_prefix":
+            completion = CPU_BLOCK + max(s.route_tokens * s.max_pairs, s.answer_tokens)
+            need = questions * (trajectory + self.n * (s.max_steps + 1) * completion)
+        else:
+            need = min(questions * self.n, s.max_active) * trajectory
+        return max(need, min(dev_questions, s.max_active) * trajectory)
 
 STATS = ("route_r", "kb_acc", "kb_entropy", "kb_mixed", "answer_r", "outcome", "format_ok",
          "overflow", "retrievals", "tokens", "reask", "cut", "refilled", "informative", "rag",

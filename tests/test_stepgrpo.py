@@ -625,10 +625,11 @@ def test_the_policy_engines_kv_cache_holds_a_steps_rollouts_at_once(tiny_model_d
     import engines
     import retrievers
     args = stepgrpo.get_args(["--batch_questions", "3"])
-    run = stepgrpo.rollout_config(args)
-    assert run.n == 8 and run.kv_tokens(3) == 3 * 8 * rollout.TRAJECTORY_TOKENS
-    assert run.kv_tokens(3, dev_questions=40) == 40 * rollout.TRAJECTORY_TOKENS  # the dev evaluation's, if more
-    assert run.kv_tokens(30) == run.steps.max_active * rollout.TRAJECTORY_TOKENS  # at most max_active in flight
+    run, T = stepgrpo.rollout_config(args), rollout.TRAJECTORY_TOKENS
+    assert run.n == 8 and run.kv_tokens(3) == 3 * (T + 8 * 4 * (32 + 96))  # a trajectory, 8 completions a step
+    assert run.kv_tokens(3, dev_questions=40) == 40 * T  # the dev evaluation's, if more
+    onpolicy = stepgrpo.rollout_config(stepgrpo.get_args(["--rollout", "onpolicy"]))
+    assert onpolicy.kv_tokens(3) == 3 * 8 * T and onpolicy.kv_tokens(30) == 64 * T  # at most max_active in flight
     qs = dataio.load_questions(tiny_index, "train")[:3]
     engine = engines.VLLMEngine(tiny_model_dir, kv_tokens=run.kv_tokens(len(qs)))
     try:
