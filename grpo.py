@@ -162,15 +162,18 @@ def chunk_logprobs(logits, target, temperature, suppress, entropy_grad):
     return softmax_part(logits, target, temperature, suppress, entropy_grad)
 
 def softmax_part(logits, target, temperature, suppress, entropy_grad):
-    """(log softmax(logits / temperature)[target], its entropy), [C] each."""
+    """(log softmax(logits / temperature)[target], its entropy), [C] each. The gather comes first:
+    the checkpoint's recomputation stops at the last tensor the backward needs, so a no-grad
+    entropy is not computed again there."""
     x = logits.float() / temperature  # [C, V]
     if len(suppress):
         x[:, suppress] = float("-inf")
     logp = x.log_softmax(-1)  # [C, V]
+    picked = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [C]
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         # [C]; 0 log 0 = 0
         entropy = -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(-1)
-    return logp.gather(-1, target.unsqueeze(-1)).squeeze(-1), entropy
+    return picked, entropy
 
 def policy_ratio(logp, old, seq=None):
     """The importance ratio [N] of the clipped loss. seq None (--ratio token, PPO's):

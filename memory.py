@@ -28,10 +28,10 @@ NCCL_BUFFERS = GIB  # the trainer's NCCL communicator on 2+ ranks (FSDP2's 1-D m
                     # default group: torch/distributed/device_mesh.py, "Append the default pg"):
                     # 688 MB for one over 4 A100s' NVLink (NVIDIA/nccl#964), linear in the
                     # channels, which NCCL opens more of on H100s (NVIDIA/nccl#986)
-LOSS_COPIES = 5  # fp32 [C, V] tensors of one chunk alive at once in grpo.chunk_logprobs: logits /
-                 # temperature, log_softmax, and the entropy's exp, masked_fill and their product;
-                 # beside them the whole [N, V] logits and their gradient in the compute dtype
-                 # (measured by tests/test_gpu_path.py)
+LOSS_COPIES = 3  # fp32 [C, V] tensors of one chunk alive at the loss's peak, in the backward (the
+                 # chunk's logits / temperature and log_softmax recomputed, its gradient; measured
+                 # 2 in fp32, 2.5 in bf16), beside the whole [N, V] logits and their gradient in
+                 # the compute dtype (grpo.chunk_logprobs; tests/test_gpu_path.py)
 
 def loss_bytes(tokens, vocab, compute_bytes):
     """Bytes the update's loss holds at its peak for a micro-batch of `tokens` policy tokens: the
