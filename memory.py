@@ -154,6 +154,16 @@ def check_gpu_budget(model, opt, engine_fraction, world, tokens, crit=None, row_
         if error:
             sys.exit(error)
 
+def return_freed():
+    """Hand the memory this process has freed back to the system (glibc's malloc_trim: the heap
+    keeps freed chunks, and a phase's peak would sit on the last phase's leftovers); a no-op
+    where the C library has no malloc_trim."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
 def tensor_bytes(tensors):
     """Bytes of this rank's part of `tensors` (an FSDP2 shard's local tensor)."""
     return sum(local(t).numel() * t.element_size() for t in tensors)

@@ -361,6 +361,7 @@ def main(argv=None, close=True):
                       rollout_generated=stats.pop("rollout_generated"))
         kv_used = getattr(p.engine, "kv_used", lambda: None)()  # vLLM's KV cache in the rollout
         p.engine.sleep()  # GPU: the engine's memory goes to the update until the sync wakes it
+        memory.return_freed()  # the rollout's leftovers, before the update's peak
         # the update: the clipped loss over the rows (PPO: GAE from the critic first)
         with CLOCK("compute"):
             micro, sums, grad_norm = learner.learn(p.model, p.ref, p.opt, p.crit, rows, upd,
@@ -375,6 +376,7 @@ def main(argv=None, close=True):
         with CLOCK("compute"):
             timing.update(trainutil.sync_weights(p.model, p.engine, rows, pad_id, peak, saving,
                                                  args.dtype))
+        memory.return_freed()  # the update's leftovers, before the next rollout
         # the log (with the dev score at a checkpoint) and the checkpoint
         rec = log_record(step, epoch, stats, sums, grad_norm, timing, rows, upd, kv_used)
         rec["memory_gib"] = memory.gather_peaks(peak.gib, world)  # per phase since the last record

@@ -411,6 +411,18 @@ def test_each_phases_peak_is_broken_into_the_parts_alive_in_it(tiny_model_dir):
         "update 8.00 GiB = before the models 2.00 + policy weights 1.00 + gradients 1.00 + Adam state 2.00 + the "
         "loss's logits 0.50 + the rest 1.50"]
 
+def test_freed_memory_goes_back_to_the_system_between_phases():
+    # stepgrpo.py calls memory.return_freed after the rollout and after the update: glibc keeps freed chunks of its
+    # heap (a fragmented one cannot shrink from the top), so a phase's resident peak sat on the last phase's leftovers
+    import psutil
+    rss = lambda: psutil.Process().memory_info().rss  # noqa: E731
+    chunks = [torch.ones(4096) for _ in range(32768)]  # 512 MiB in 16 KiB pieces: the heap, not their own mappings
+    keep = chunks[::16]  # noqa: F841  (every 16th piece stays: the 480 MiB freed lie between them)
+    del chunks
+    held = rss()  # freed, still resident
+    memory.return_freed()
+    assert held - rss() > 240 * 2**20  # at least half of it handed back
+
 def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_dir, monkeypatch):
     # the loss's N: --micro_batch rows of n packed completions (teacher_prefix) or of whole trajectories (onpolicy), at
     # the step budgets evaluation gives (rollout.Settings: 96 new tokens a route, 96 an answer)
