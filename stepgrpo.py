@@ -383,7 +383,7 @@ def main(argv=None, close=True):
         if device.type == "cpu":  # what the resident peaks hold, part by part (rank 0's logged)
             parts = memory.held_parts(p.model, p.opt, p.ref, p.crit, p.engine, most,
                                       args.dtype == "bf16", before)
-            rec["memory_parts_gib"] = {k: round(v / 2**30, 3) for k, v in parts.items()}
+            rec["memory_parts_gib"] = {k: round(v / memory.GIB, 3) for k, v in parts.items()}
         dev_samples = []
         if saving and dev_qs:
             with CLOCK("compute"):
