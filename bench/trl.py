@@ -37,8 +37,8 @@ import engines
 import transcript
 
 for k, v in dict(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0", WANDB_MODE="disabled",
-                 VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}").items():
-    os.environ.setdefault(k, v)  # vLLM CPU settings for both sides; KV 1 GiB (32 x 300 tokens of SmolLM2 need ~0.45)
+                 VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}").items():
+    os.environ.setdefault(k, v)  # vLLM CPU settings for both sides
 
 ap = argparse.ArgumentParser(prog="python -m bench.trl", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +82,10 @@ def run_ours():
     model = trainutil.load_sharded(args.model, torch.device("cpu"), 1, not args.no_checkpointing,
                                    bf16=False)  # fp32, as the TRL side (bf16=False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    engine = engines.VLLMEngine(args.model, seed=args.seed)
+    # the KV cache holds the step at once, as stepgrpo.py sizes its own (groups.RolloutConfig.kv_tokens): each
+    # prompt once (its group's completions share its blocks) and each completion in blocks of its own
+    kv = len(prompts) * max(map(len, prompts)) + N * (args.max_tokens + 2 * engines.CPU_BLOCK)
+    engine = engines.VLLMEngine(args.model, seed=args.seed, kv_tokens=kv)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rec, most, peaks = [], 0, {}  # most: the largest micro-batch's policy tokens; peaks: GiB a phase
     for step in range(args.steps + 1):
@@ -90,6 +93,7 @@ def run_ours():
         with peak("rollout"):
             outs = engine.generate([p for p in prompts for _ in range(args.group_size)], args.max_tokens, 1.0, 1.0,
                                    ["</ret>"], seed=args.seed + step)
+        memory.return_freed()  # the rollout's leftovers, before the update (as stepgrpo.py)
         t1 = time.perf_counter()
         r = [score(qs[k // args.group_size], tok.decode(ids, skip_special_tokens=True)) for k, (ids, _) in enumerate(outs)]
         adv = np.concatenate([grpo.norm(r[g:g + args.group_size]) for g in range(0, N, args.group_size)])
@@ -107,6 +111,7 @@ def run_ours():
             trainutil.clip_grad_norm(model, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+        memory.return_freed()
         t3 = time.perf_counter()
         with peak("sync"):
             engine.sync_weights(trainutil.policy_params(model))
@@ -124,15 +129,19 @@ def run_ours():
 def run_trl():
     import torch
     from datasets import Dataset
+    from datasets.table import InMemoryTable
     import memory
     from transformers import AutoModelForCausalLM, TrainerCallback
     import trl
     from trl import GRPOConfig, GRPOTrainer
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # TRL's vLLM modes: KV 1 GiB (the step needs ~0.4)
     tok, qs, prompts, score = workload()
     before = memory.resident()  # the process before its models
     texts = [tok.decode(p) for p in prompts]  # TRL tokenizes plain-string prompts as is (no chat template): check it
     assert tok(text=texts)["input_ids"] == prompts, "TRL would not see the same prompt tokens"
-    ds = Dataset.from_dict(dict(prompt=texts, qi=list(range(len(qs)))))
+    # a fixed fingerprint: from_dict's own hashes the Arrow table with dill, which fails on pyarrow's MonthDayNano
+    # type under this stack's pins (datasets 5.2.0, dill 0.4.1): "Can't pickle <class 'MonthDayNano'>"
+    ds = Dataset(InMemoryTable.from_pydict(dict(prompt=texts, qi=list(range(len(qs))))), fingerprint="bench-trl")
     vllm = args.trl_mode.startswith("vllm")
     if vllm and args.trl_vllm_dtype != "auto":  # GRPOConfig has no vLLM dtype knob, and vLLM's "auto" downcasts an
         import functools, vllm as vllm_lib, trl.generation.vllm_generation as vg_mod  # fp32 model to bf16 on CPU;
@@ -202,12 +211,12 @@ if __name__ == "__main__":
     args = ap.parse_args()
     N, M = args.prompts * args.group_size, args.micro_batch or args.prompts * args.group_size
     assert N % M == 0, "--micro_batch must divide prompts * group_size"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.run != "both":  # child: run one side, write its result
         res = run_ours() if args.run == "ours" else run_trl()
         res["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         (Path(args.out) / (f"{args.run}.json" if args.run == "ours" else f"trl_{args.trl_mode}.json")).write_text(json.dumps(res))
         os._exit(0)  # skip vLLM's and torch.distributed's teardown at exit
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     print(f"workload: {args.prompts} prompts x {args.group_size} completions, <= {args.max_tokens} tokens (stop at </ret>), "
           f"lr {args.lr}, {args.steps} timed steps after 1 warm-up, micro-batch {M}; model {args.model}")
     ours, err = child("ours")
@@ -230,8 +239,8 @@ if __name__ == "__main__":
     mean = lambda res, k: sum(s[k] for s in res["steps"]) / len(res["steps"])
     o = mean(ours, "total")
     fast = lambda res: min(s["total"] for s in res["steps"])
-    print("\n| side | s/step (fastest) | ratio ours/side (target <= 1.0) | tokens generated/step | peak RSS | notes |\n|---|---|---|---|---|---|")
-    print(f"| {ours['mode']} | {o:.2f} ({fast(ours):.2f}) | 1.00 | {mean(ours, 'tokens'):.0f} | {ours['peak_rss_gb']:.1f} GB | "
+    print("\n| side | s/step (fastest) | ratio ours/side (target <= 1.0) | tokens generated/step | peak RSS (GiB) | notes |\n|---|---|---|---|---|---|")
+    print(f"| {ours['mode']} | {o:.2f} ({fast(ours):.2f}) | 1.00 | {mean(ours, 'tokens'):.0f} | {ours['peak_rss_gb']:.1f} | "
           + ", ".join(f"{k} {mean(ours, k):.2f}s" for k in ("generate", "reward", "update", "sync")) + " |")
     for r in rows:
         if not r["steps"]:
@@ -243,6 +252,6 @@ if __name__ == "__main__":
         if r["trl_mode"] == "hf":
             notes.append("early-stopped rows keep 1 pad (=EOS) token after </ret>: <= +1 token/completion")
         print(f"| {r['mode']} | {t:.2f} ({fast(r):.2f}) | {o / t:.2f} ({'met' if o / t <= 1.0 else 'NOT met'}) | {mean(r, 'tokens'):.0f} | "
-              f"{r['peak_rss_gb']:.1f} GB | {'; '.join(notes)} |")
+              f"{r['peak_rss_gb']:.1f} | {'; '.join(notes)} |")
     print(f"\nBoth stop at '</ret>' (or EOS, or {args.max_tokens} tokens); a TRL step is one on_step_begin..on_step_end "
           "window (weight sync, generation, reward, update). Tokens/step differ by sampling: compare them.")
