@@ -212,6 +212,34 @@ def test_entropy_bonus_gradient_and_trainer_old_logprobs(tiny_model_dir):
     assert old_gap.item() == pytest.approx((mine - old).abs().sum().item(), rel=1e-6)
     assert sums["clip_low"].item() == sums["clip_high"].item() == 0  # ratio exp(logp - logp) = 1, although the sampler's logprobs are far off
 
+def test_recomputed_activations_give_the_same_gradients_and_the_main_job_recomputes(tiny_model_dir, tiny_index, tmp_path):
+    # --activation_checkpointing (the main job's Step-GRPO passes it: its update's peak): each layer runs again in the
+    # backward (fails with the flag ignored: one forward a layer) and every gradient is the kept activations' to the bit
+    import trainutil
+    from conftest import make_demo
+    cpu, grads, calls = torch.device("cpu"), [], []
+    rows = [dict(ids=[5, 6, 7, 8, 9], mask=[0, 1, 1, 1, 1], old=[0.0, -4.2, -4.3, -4.4, -4.5], adv=[0.0] + [0.5] * 4),
+            dict(ids=[9, 8, 7], mask=[0, 1, 1], old=[0.0, -4.1, -4.0], adv=[0.0, -0.5, -0.5])]
+    own = trainutil.init_group(1)
+    try:
+        ids, attn, pos, sel, old, adv = grpo.collate(rows, 0, cpu)
+        for recompute in (False, True):
+            model = trainutil.load_sharded(tiny_model_dir, cpu, 1, recompute, bf16=False)
+            n = []
+            model.model.layers[0].register_forward_pre_hook(lambda *a: n.append(1))  # the recomputation stops early
+            logp, ent = grpo.token_logprobs(model, ids, attn, sel, pos, entropy_grad=True)
+            grpo.grpo_loss(logp, old, logp.detach(), adv, (0.2, 0.2), 0.0, 6.0, ent, 0.1)[0].backward()
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+            calls.append(len(n))
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+    assert calls == [1, 2]
+    assert all(torch.equal(grads[0][k], grads[1][k]) and grads[0][k].abs().max() > 0 for k in grads[0])
+    plan = make_demo(tmp_path, tiny_model_dir, tiny_index, plan=True)[1]
+    assert [line for line in plan.replace("\\\n", " ").splitlines()
+            if " stepgrpo.py " in line and "--activation_checkpointing" in line]
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_logprobs_equal_the_whole_ones_bit_for_bit(tiny_model_dir, monkeypatch, dtype):
     # grpo.token_logprobs' fp32 softmax work a chunk of rows at a time (checkpointed under autograd): the logprobs,
