@@ -455,10 +455,10 @@ def hf_dtype(dtype, device):
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 def make_engine(backend, model, max_images=16, base_url=None, api_key=None, served=None,
-                max_concurrency=8, timeout=None, **kw):
+                max_concurrency=8, timeout=None, kv_tokens=CPU_KV_TOKENS, **kw):
     """backend vllm | hf | openai | chat; kw: the settings the engines take (dtype, seed,
-    max_model_len, max_pixels, device); max_images: a VL vLLM engine's pictures a prompt
-    (rollout.Settings.max_images; HF takes any number); base_url, api_key, served,
+    max_model_len, max_pixels, device); max_images, kv_tokens: a vLLM engine's pictures a prompt
+    (rollout.Settings.max_images; HF takes any number) and CPU KV cache; base_url, api_key, served,
     max_concurrency, timeout: a served model's (remote.py): its server, key, name there (None: the
     one /v1/models lists), requests in flight and seconds a try (None: remote.REQUEST_TIMEOUT)."""
     if backend in ("openai", "chat"):
@@ -471,5 +471,5 @@ def make_engine(backend, model, max_images=16, base_url=None, api_key=None, serv
                       timeout=timeout or remote.REQUEST_TIMEOUT, max_concurrency=max_concurrency,
                       seed=kw.get("seed") or 0, max_model_len=kw.get("max_model_len") or MAX_LEN,
                       **extra)
-    return (VLLMEngine(model, max_images=max_images, **kw) if backend == "vllm"
+    return (VLLMEngine(model, max_images=max_images, kv_tokens=kv_tokens, **kw) if backend == "vllm"
             else HFEngine(model, **kw))

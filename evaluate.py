@@ -343,10 +343,11 @@ def run_methods(plan, engine, ret, qs, settings, shots, model, name, out, judge=
             judge_answers(judge, trajs, out)
         label = row_label(method, plan.few_shot if shots else 0, plan.protocol)
         scores = metrics.score(trajs)
-        row = {f"{name}/{label}": dict(scores, seconds=round(time.perf_counter() - t, 1),
-                                       # a served model: which mode scored it
-                                       **({"engine": engine.mode} if hasattr(engine, "mode")
-                                          else {}))}
+        # a served model: which mode scored it; vLLM in-process: the most of its KV cache in use
+        # (1.0: full, so trajectories waited)
+        said = ({"engine": engine.mode} if hasattr(engine, "mode") else
+                {"kv_used": engine.kv_used()} if hasattr(engine, "kv_used") else {})
+        row = {f"{name}/{label}": dict(scores, seconds=round(time.perf_counter() - t, 1), **said)}
         results.update(row)
         dataio.write_jsonl(out / f"trajectories-{method}.jsonl", [without_tokens(x) for x in trajs])
         mark = {"signature": signature, "results": row}  # after its trajectories: a finished method
@@ -450,6 +451,19 @@ def few_shot_prompt(tok, ret, data, k, settings):
     return shots
 
 
+def engine_kv_tokens(model, methods, probe, few_shot, settings, questions):
+    """The vLLM engine's KV cache (tokens) for model's evaluation: a text policy's zero-shot step
+    loop, rollout.kv_tokens (the baselines search every KB); else engines.CPU_KV_TOKENS (a VL
+    policy's pictures, worked examples and the route probe's samples are not in rollout's count)."""
+    import engines
+    import rollout
+    from transformers import AutoConfig
+    if few_shot or probe or hasattr(AutoConfig.from_pretrained(model), "vision_config"):
+        return engines.CPU_KV_TOKENS
+    one_kb = set(methods) <= {"routed", "oracle", "gold_steps"}
+    return rollout.kv_tokens(settings, questions, 1 if one_kb else len(KBS))
+
+
 def main(args):
     """Score args.methods (and the route probe) of each model in args.model with one engine: a model
     after the first has its weights swapped in (engine.sync_weights, as Step-GRPO syncs); each
@@ -471,10 +485,13 @@ def main(args):
     with CLOCK("inputs"):
         qs, ret = load_inputs(args.data, args.split, args.n_questions, args.retriever)
     max_len = args.max_model_len or engines.MAX_LEN
+    kv = engine_kv_tokens(args.model[0], args.methods, args.probe, args.few_shot, settings,
+                          len(qs)) if args.backend == "vllm" else None
     with CLOCK("engine"):
         engine = engines.make_engine(args.backend, args.model[0], seed=args.seed,
                                      max_model_len=max_len, max_pixels=args.max_pixels,
-                                     max_images=settings.max_images, base_url=args.base_url,
+                                     max_images=settings.max_images, kv_tokens=kv,
+                                     base_url=args.base_url,
                                      api_key=remote.api_key(args.api_key),
                                      served=args.served_model,
                                      max_concurrency=args.max_concurrency, timeout=args.timeout)

@@ -58,7 +58,7 @@ import torch
 
 import reward
 from dataio import KB_OF, KBS
-from engines import Batched, make_engine
+from engines import CPU_KV_TOKENS, Batched, make_engine
 from prepare import DEFAULT_MODEL
 from prompts import (ACTIONS_NOTE, LAST_STEP_NOTE, RELEASED_ANSWER_PROMPT, RELEASED_FINAL_PROMPT,
                      RELEASED_REMINDER, RELEASED_ROUTE_PROMPT, SYSTEM_PROMPT)
@@ -339,6 +339,16 @@ class ReleasedSteps:
 TRAJECTORY_TOKENS = 1024  # the KV cache a trajectory in flight is given (Step-GRPO's engine):
                           # the mini-world's golden ones hold 504 tokens on average, 786 at most
                           # (one passage a search); past the cache vLLM queues, never refuses
+EVIDENCE_TOKENS = 128  # a further document a search returns (the mini-world's, numbered: text 45
+                       # tokens on average, tables 105, captions 34; 171 at most)
+
+def kv_tokens(s, trajectories, kbs=1):
+    """The KV cache (tokens) for `trajectories` of a text policy, at most s.max_active in flight:
+    each TRAJECTORY_TOKENS with one document a search and EVIDENCE_TOKENS a step more for each
+    further one (topk x max_pairs x max_rets from each of `kbs` KBs); at most CPU_KV_TOKENS."""
+    docs = s.topk * s.max_pairs * s.max_rets * kbs
+    each = TRAJECTORY_TOKENS + (docs - 1) * s.max_steps * EVIDENCE_TOKENS
+    return min(min(trajectories, s.max_active) * each, CPU_KV_TOKENS)
 
 @dataclass
 class Settings:

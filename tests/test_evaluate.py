@@ -545,3 +545,30 @@ def test_curves_plot_the_fixed_panels_of_the_keys_logged(tmp_path):
     png = curves_chart(tmp_path / "log.jsonl", "curves")
     assert png[:4] == b"\x89PNG"
     assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1260, 648)
+
+
+@pytest.mark.slow
+def test_the_evaluations_kv_cache_is_sized_to_its_trajectories_and_holds_them(tiny_model_dir, tiny_index, tmp_path):
+    # evaluate.py's engine holds max_active trajectories in flight (rollout.kv_tokens): TRAJECTORY_TOKENS each with one
+    # document a search, EVIDENCE_TOKENS a step for each further one (the baselines search every KB), at most
+    # CPU_KV_TOKENS; worked examples, the route probe and a VL policy's pictures keep CPU_KV_TOKENS
+    from dataclasses import replace
+    import engines
+    import rollout
+    s, T, E = rollout.Settings(topk=1, max_active=8), rollout.TRAJECTORY_TOKENS, rollout.EVIDENCE_TOKENS
+    kv = lambda methods, questions=16, settings=s, probe=0, shots=0: evaluate.engine_kv_tokens(  # noqa: E731
+        tiny_model_dir, methods, probe, shots, settings, questions)
+    assert kv(["routed", "oracle", "gold_steps"]) == 8 * T and kv(["routed"], questions=3) == 3 * T
+    assert kv(["routed"], settings=replace(s, topk=3)) == 8 * (T + 2 * 3 * E)
+    assert kv(["routed", "single_rag"]) == 8 * (T + 2 * 3 * E)  # one document from each of the three KBs
+    assert kv(["routed"], 200, replace(s, max_active=64)) == 64 * T
+    assert kv(["routed"], 200, replace(s, max_active=64, topk=3)) == engines.CPU_KV_TOKENS
+    assert kv(["routed"], probe=4) == kv(["routed"], shots=2) == engines.CPU_KV_TOKENS
+    # the gold steps (golden-length trajectories, the tiny model's answer written to its limit), 8 at a time, never
+    # fill the cache: no trajectory waited
+    out = tmp_path / "ev"
+    evaluate.main(evaluate.get_args(["--model", str(tiny_model_dir), "--data", str(tiny_index), "--split", "test",
+                                     "--n_questions", "16", "--methods", "gold_steps", "--topk", "1", "--max_active",
+                                     "8", "--retriever", "bm25", "--out", str(out)]))
+    row = next(iter(json.loads((out / "results.json").read_text()).values()))
+    assert row["n"] == 16 and 0 < row["kv_used"] < 1.0, row
