@@ -53,6 +53,16 @@ class RolloutConfig:
             return micro_batch * (s.max_steps * route + s.answer_tokens)
         return micro_batch * self.n * max(route, s.answer_tokens)
 
+    def update_positions(self, micro_batch, max_len):
+        """The most tokens, prompts included, a micro-batch can hold (the update's activations:
+        memory.activation_bytes): micro_batch rows, each a trajectory within max_len or a packed
+        group, its prefix (within max_len) and n completions after the prefix's last token."""
+        s = self.steps
+        if self.mode == "onpolicy":
+            return micro_batch * max_len
+        return micro_batch * (max_len + self.n * (1 + max(s.route_tokens * s.max_pairs,
+                                                          s.answer_tokens)))
+
     def kv_tokens(self, questions, dev_questions=0):
         """The KV cache (tokens) that holds a rank's step at once, all of its requests in flight:
         teacher_prefix, each of its `questions`' trajectories once (its golden prefixes share its

@@ -39,16 +39,35 @@ def loss_bytes(tokens, vocab, compute_bytes):
     fp32 copies of one LOGIT_CHUNK-row chunk (grpo.token_logprobs)."""
     return (2 * compute_bytes * tokens + LOSS_COPIES * 4 * min(tokens, LOGIT_CHUNK)) * vocab
 
+def activation_bytes(config, tokens, compute_bytes, recomputed):
+    """Bytes the update's forward keeps for its backward over a micro-batch of `tokens` positions,
+    for a decoder of transformers' Llama / Qwen2 layers (config: its text config), as autograd's
+    saved tensors count them (tests/test_gpu_phases.py): a layer keeps, a token, (8 + 6c)h +
+    2c kv + 4c i + 4 heads + 8 bytes (c compute_bytes; h hidden, kv the keys' width, i the MLP's:
+    the two norms' fp32 inputs and rsqrt, their outputs, q, k, v and the attention's output with
+    its fp32 log-sum-exp, the MLP's gate, up, activation and product), the rest (4 + c)h + 2c
+    head_dim + 12 (the final norm, the rotary cos and sin, the position ids). recomputed
+    (--activation_checkpointing): each layer keeps its input alone (c h), and the backward holds
+    one layer's whole again while it recomputes it. A VL policy's vision tower is not counted."""
+    h, i, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    c = compute_bytes
+    layer = (8 + 6 * c) * h + 2 * c * kv + 4 * c * i + 4 * heads + 8
+    kept = c * h if recomputed else layer  # a layer's, a token, from its forward to its backward
+    rest = (4 + c) * h + 2 * c * head_dim + 12  # the final norm, rotary cos and sin, positions
+    return tokens * (config.num_hidden_layers * kept + (layer if recomputed else 0) + rest)
+
 def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, vocab, offload=False,
-               row_tokens=0, gathered=0, compute_bytes=2):
+               row_tokens=0, gathered=0, compute_bytes=2, activations=0):
     """{phase: {part: bytes}} of one rank's GPU of `total` bytes in Step-GRPO beside an in-process
     vLLM engine. rollout: the engine's share (gpu_memory_utilization: its weights, KV cache and
     CUDA graphs, whose pool vLLM 0.32 estimates into the share: model_budget_error) beside what the
     trainer keeps: what is `allocated` at start-up (the policy's fp32 shards, a reference) and the
     Adam state of the `trainable` shard bytes. update (the engine asleep, its graph pool offloaded
     too: vllm/device_allocator/sleep_mode_backend.py, CuMemBackend.suspend): that, the fp32
-    gradients and the loss's logits (loss_bytes; tokens: a micro-batch's policy tokens); the
-    layers' activations and FSDP2's gathered bf16 units are not counted. Both:
+    gradients, the loss's logits (loss_bytes; tokens: a micro-batch's policy tokens), the layers'
+    `activations` (activation_bytes) and FSDP2's `gathered` bf16 units (gathered_bytes). Both:
     the CUDA context and NCCL's buffers, in use before the engine starts, so outside its share
     (vLLM counts what it allocates after its start-up snapshot: vllm/v1/worker/gpu_worker.py,
     init_device). offload (--offload): the shards, gradients and Adam state are in host memory,
@@ -65,7 +84,7 @@ def gpu_budget(total, allocated, trainable, engine_fraction, world, tokens, voca
               "update": {**kept, "gradients": 0 if offload else trainable,
                          f"logits ({tokens} tokens x {vocab})":
                              loss_bytes(tokens, vocab, compute_bytes),
-                         **outside}}
+                         "activations": activations, "gathered weights": gathered, **outside}}
     if row_tokens:
         phases["sync check"] = {**kept, "gathered weights": gathered,
                                 f"logits ({row_tokens} tokens x {vocab})":
@@ -91,7 +110,7 @@ def gathered_bytes(model, world, offload, compute_bytes):
 def gpu_budget_error(total, allocated, trainable, engine_fraction, world, tokens, vocab, device=0,
                      offload=False, **sync):
     """The one-line error naming a phase of gpu_budget that does not fit and its parts, else
-    None. sync: gpu_budget's row_tokens, gathered and compute_bytes."""
+    None. sync: gpu_budget's row_tokens, gathered, compute_bytes and activations."""
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     for phase, parts in gpu_budget(total, allocated, trainable, engine_fraction, world, tokens,
                                    vocab, offload, **sync).items():
@@ -101,7 +120,8 @@ def gpu_budget_error(total, allocated, trainable, engine_fraction, world, tokens
                     ", ".join(f"{k} {gib(v)}" for k, v in parts.items() if v) +
                     "); use more GPUs (the shards shrink with the world size)" +
                     ("" if offload else ", --offload") +
-                    (" or a smaller --micro_batch" if phase == "update" else "") +
+                    (" or a smaller --micro_batch (or --activation_checkpointing)"
+                     if phase == "update" else "") +
                     (" or a smaller --max_model_len" if phase == "sync check" else ""))
     return None
 
@@ -112,7 +132,7 @@ def optimizer_bytes(opt):
                for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
 
 def model_budget_error(model, opt, total, allocated, engine_fraction, world, tokens, device=0,
-                       crit=None, row_tokens=0, bf16=True):
+                       crit=None, row_tokens=0, bf16=True, positions=0):
     """gpu_budget_error for this rank's sharded `model` and its `opt` on a GPU of `total` bytes of
     which torch has `allocated` (check_gpu_budget reads both from CUDA). The Adam state a resume has
     loaded is taken out of `allocated`, since the budget adds it: the same verdict fresh and
@@ -122,7 +142,9 @@ def model_budget_error(model, opt, total, allocated, engine_fraction, world, tok
     the KV cache's room); with the variable 0 their pool would come on top, of a size known only
     once captured. A model loaded with --offload (its shards on the CPU, computing on the GPU)
     keeps its Adam state and gradients in host memory: the budget leaves them out. row_tokens,
-    bf16: the sync check's longest row (the engine's context) and the compute dtype."""
+    bf16: the sync check's longest row (the engine's context) and the compute dtype; positions: a
+    micro-batch's most tokens, prompts included, whose activations the update keeps
+    (activation_bytes; recomputed where the model checkpoints its layers)."""
     if not int(os.environ.get("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "1")):
         return ("error: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 puts vLLM's CUDA graphs outside "
                 "its share of the GPU, where the trainer's memory is: unset it")
@@ -134,22 +156,25 @@ def model_budget_error(model, opt, total, allocated, engine_fraction, world, tok
     # offload: the loaded Adam state is on the host
     resumed = 0 if offload else sum(optimizer_bytes(o) for _, o in pairs)
     width = 2 if bf16 else 4
+    acts = activation_bytes(model.config.get_text_config(), positions, width,
+                            getattr(model, "is_gradient_checkpointing", False))
     return gpu_budget_error(total, allocated - resumed, trainable, engine_fraction, world, tokens,
                             vocab, device, offload, row_tokens=row_tokens, compute_bytes=width,
-                            gathered=gathered_bytes(model, world, offload, width))
+                            gathered=gathered_bytes(model, world, offload, width),
+                            activations=acts)
 
 def check_gpu_budget(model, opt, engine_fraction, world, tokens, crit=None, row_tokens=0,
-                     bf16=True):
+                     bf16=True, positions=0):
     """At start-up, before the engine exists: exit with model_budget_error's line if this rank's
     GPU is too small. Only for a policy on a GPU (--device cpu on a GPU host: nothing to check).
     crit: PPO's (critic, optimizer), whose shards are in memory already and whose Adam state comes
-    on top. row_tokens, bf16: model_budget_error's."""
+    on top. row_tokens, bf16, positions: model_budget_error's."""
     device = compute_device(model)
     if device.type == "cuda":
         error = model_budget_error(model, opt, torch.cuda.mem_get_info(device)[1],
                                    torch.cuda.memory_allocated(device),
                                    engine_fraction, world, tokens, device.index, crit,
-                                   row_tokens, bf16)
+                                   row_tokens, bf16, positions)
         if error:
             sys.exit(error)
 

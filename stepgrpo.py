@@ -258,11 +258,13 @@ def start_engine(args, weights, model, opt, crit, rank, world, device):
                                 max_pixels=args.max_pixels, device=device)
     vllm = engines.VLLMEngine
     share = vllm.OFFLOAD_FRACTION if args.offload else vllm.GPU_FRACTION
-    run = rollout_config(args)  # a micro-batch's most policy tokens: within its token budget
-    tokens = (max(args.micro_tokens, run.update_tokens(1)) if args.micro_tokens
-              else run.update_tokens(args.micro_batch))
-    memory.check_gpu_budget(model, opt, share, world, tokens, crit, args.max_model_len,
-                            args.dtype == "bf16")
+    run = rollout_config(args)
+    # a micro-batch's most: --micro_batch rows, or within its token budget (one longer row alone)
+    most = lambda rows: (max(args.micro_tokens, rows(1)) if args.micro_tokens  # noqa: E731
+                         else rows(args.micro_batch))
+    positions = most(lambda m: run.update_positions(m, args.max_model_len))  # prompts included
+    memory.check_gpu_budget(model, opt, share, world, most(run.update_tokens), crit,
+                            args.max_model_len, args.dtype == "bf16", positions)
     per_rank = lambda n: -(-n // world)  # noqa: E731  (ceil)
     return vllm(weights, max_model_len=args.max_model_len, max_pixels=args.max_pixels,
                 max_images=run.steps.max_images, seed=args.seed + rank, device=device,

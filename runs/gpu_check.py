@@ -201,8 +201,9 @@ def update_peak(model_dir, device):
     """(measured, predicted) bytes of a Step-GRPO update on `device`: torch.cuda.max_memory_allocated over a real update
     (bf16, one rank, the second step: Adam's state allocated) of one micro-batch of RolloutConfig.update_tokens' size (2
     packed groups of 8 routing completions, 1024 policy tokens), against memory.gpu_budget's update phase less the
-    parts outside torch's allocator. The budget leaves out the activations and FSDP2's gathered bf16 units and counts
-    the gradients whole beside the loss's bf16 logits, their gradient and one chunk's fp32 copies (memory.loss_bytes),
+    parts outside torch's allocator. The budget counts the layers' activations (memory.activation_bytes: a world of
+    one gathers nothing) and the gradients whole beside the loss's bf16 logits, their gradient and one chunk's fp32
+    copies (memory.loss_bytes),
     though the gradients fill in during the backward: with a vocabulary of ~50k the logits dominate."""
     import grpo
     import learner
@@ -225,8 +226,10 @@ def update_peak(model_dir, device):
         learner.update(model, opt, micro, [m.logp_sampler for m in micro], [None] * len(micro), denom, cfg)
         measured = torch.cuda.max_memory_allocated(device)
         trainable = sum(trainutil.local(p).numel() * p.element_size() for p in model.parameters())
+        positions = sum(len(r["ids"]) for r in rows)  # the micro-batch's tokens, prompts included
+        acts = memory.activation_bytes(model.config, positions, 2, model.is_gradient_checkpointing)
         parts = memory.gpu_budget(torch.cuda.mem_get_info(device)[1], allocated, trainable, 0.5, 1, 1024,
-                                     model.get_output_embeddings().weight.shape[0])["update"]
+                                  model.get_output_embeddings().weight.shape[0], activations=acts)["update"]
         return measured, sum(v for k, v in parts.items() if k not in ("CUDA context", "NCCL buffers"))
     finally:
         if own:

@@ -189,8 +189,8 @@ def test_flex_attention_beside_the_reference_compiles_once(tiny_model_dir):
 
 def test_the_budgets_update_phase_is_the_measured_peak(wide_model_dir):
     # runs/gpu_check.py's budget check (update_peak says what is measured and compared) on the tiny test model at
-    # SmolLM2's vocabulary, whose 49152 tokens make the loss's fp32 copies (~1 GB) dominate. Tolerance 10%: the budget leaves out the
-    # activations and FSDP2's gathered bf16 units (~15 MB here) and counts the gradients (~13 MB); one copy more or
+    # SmolLM2's vocabulary, whose 49152 tokens make the loss's fp32 copies (~1 GB) dominate. Tolerance 10%: the budget
+    # counts the activations and the gradients whole (~13 MB), which fill in during the backward; one copy more or
     # less is 19%.
     measured, predicted = gpu_check().update_peak(wide_model_dir, torch.device("cuda", 0))
     assert abs(measured - predicted) < 0.1 * predicted, (measured / 2**20, predicted / 2**20)

@@ -348,8 +348,54 @@ def test_each_part_of_the_gpu_budget_decides_at_its_edge(monkeypatch):
     assert error(update, tokens=8192) is None and error(update - 1, tokens=0) is None
     assert "cannot hold the update phase" in error(update - 1, tokens=8192)
     assert "or a smaller --micro_batch" in error(update - 1, tokens=8192)
+    # the layers' activations and FSDP2's gathered units count in the update: a byte of either turns it, and the line
+    # names them and the recomputation that shrinks the first
+    for part in ("activations", "gathered"):
+        line = error(update, tokens=8192, **{part: 1})
+        assert "cannot hold the update phase" in line and "(or --activation_checkpointing)" in line
+        assert ("activations 0.0 GiB" if part == "activations" else "gathered weights 0.0 GiB") in line
     monkeypatch.setenv("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "0")  # graphs outside vLLM's share: refused
     assert "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0" in memory.model_budget_error(None, None, edge, 0, 0.5, 1, 1)
+
+def saved_bytes(model, tokens):
+    """Bytes of the tensors autograd keeps from `model`'s decoder forward over `tokens` positions for its backward:
+    each storage once, the weights not."""
+    weights, kept = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(torch.arange(tokens)[None] % 100)
+    return sum(kept.values())
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_budgets_activations_are_what_autograd_keeps(tiny_model_dir, dtype):
+    # memory.activation_bytes against the saved tensors of a forward (SDPA; flash-attn keeps the same q, k, v, output
+    # and log-sum-exp) of the tiny Llama and of a Qwen2 with another MLP width and head count, 2 and 3 layers, in the
+    # compute dtype: equal to the byte; recomputing (HF's gradient checkpointing, as trainutil.load_sharded turns it
+    # on), each layer keeps its input, and the budget adds the one layer the backward rebuilds at a time (a budget
+    # without the term, or with a layer's MLP or norms miscounted, fails)
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+    llama = AutoConfig.from_pretrained(tiny_model_dir)
+    qwen2 = Qwen2Config(vocab_size=128, hidden_size=96, intermediate_size=160, num_attention_heads=3,
+                        num_key_value_heads=1)
+    for config in (llama, qwen2):
+        for layers in (2, 3):
+            config.num_hidden_layers, config._attn_implementation = layers, "sdpa"
+            model = AutoModelForCausalLM.from_config(config).to(dtype).train()
+            full = memory.activation_bytes(config, 96, dtype.itemsize, False)
+            assert saved_bytes(model, 96) == full > 0
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            fewer = copy.copy(config)
+            fewer.num_hidden_layers = layers - 1
+            one_layer = full - memory.activation_bytes(fewer, 96, dtype.itemsize, False)
+            recomputed = memory.activation_bytes(config, 96, dtype.itemsize, True)
+            # the rotary cos and sin go to each recomputed layer as keyword arguments: held, not saved tensors
+            rotary = 2 * dtype.itemsize * config.hidden_size // config.num_attention_heads * 96
+            assert saved_bytes(model, 96) + rotary == recomputed - one_layer and recomputed < full
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_budgets_logits_are_what_the_chunked_loss_holds(wide_model_dir, monkeypatch, dtype):
@@ -444,7 +490,10 @@ def test_the_memory_check_gets_the_runs_world_and_micro_batch_tokens(tiny_model_
         if own:
             torch.distributed.destroy_process_group()
     # the sync check's row: at most the engine's context; the compute dtype (--dtype auto on this CPU)
-    assert calls[0][2:-1] == (engines.VLLMEngine.GPU_FRACTION, 1, 3 * 8 * 96, None, 4096)
+    assert calls[0][2:-2] == (engines.VLLMEngine.GPU_FRACTION, 1, 3 * 8 * 96, None, 4096)
+    # the activations' positions: each packed row's prefix (within the context) and its 8 completions after the
+    # prefix's last token; a trajectory within the context; a token budget, or one row past it
+    assert [c[-1] for c in calls] == [3 * (4096 + 8 * 97), 3 * 4096, 5000, 4096 + 8 * 97]
     crit, crit_opt = calls[1][5]  # PPO: the critic, whose shards and Adam state the budget counts beside the policy's
     assert calls[1][4] == 3 * (3 * 96 + 96) and crit.get_output_embeddings().out_features == 1
     assert [c[4] for c in calls[2:]] == [5000, 8 * 96]

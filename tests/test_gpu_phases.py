@@ -201,9 +201,9 @@ def test_the_budgets_sync_check_phase_on_the_3b_and_32b_recipes(group):
     assert round(sum(check.values()) / gib, 1) == 42.2 and memory.gpu_budget_error(**kw, **sync) is None
     beside = sum(phases["rollout"].values()) + sum(v for k, v in check.items() if k not in phases["rollout"])
     assert beside > total
-    # where the sync check is the phase that does not fit (a 32k context), the line names it and the flag
-    error = memory.gpu_budget_error(**dict(kw, total=50 * gib, engine_fraction=0.25, tokens=0),
-                                    **dict(sync, row_tokens=32768))
+    # where the sync check is the phase that does not fit (a 64k context), the line names it and the flag
+    error = memory.gpu_budget_error(**dict(kw, total=53 * gib, engine_fraction=0.25, tokens=0),
+                                    **dict(sync, row_tokens=65536))
     assert "cannot hold the sync check phase" in error and error.endswith("or a smaller --max_model_len")
     # Qwen2.5-32B LoRA on 2 GPUs with --offload: the root (embeddings and untied head) and two blocks gathered
     m32 = meta_model(**QWEN_32B)
