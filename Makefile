@@ -261,7 +261,7 @@ real-eval: $(REAL)/index/meta.json $(OUT)/stepgrpo/final/config.json
 	PY=$(PY) bash runs/real_eval.sh
 
 # Peer benchmark (bench/trl.py): the same single-step GRPO setting with this repo's parts and with TRL's GRPOTrainer.
-# Run it alone on an idle machine: ours peaks near 7 GiB, TRL near 10 (17 and 20 with BENCH_TRL_FLAGS=--no_checkpointing).
+# Run it alone on an idle machine: ours peaks near 6 GiB, TRL near 10 (17 and 20 with BENCH_TRL_FLAGS=--no_checkpointing).
 BENCH_TRL_FLAGS ?=
 bench-trl: $(DATA)/world.json $(MODEL)/config.json
 	$(PY) -c "import trl" 2>/dev/null || .venv/bin/pip install -q --no-deps trl==1.16.0 datasets==5.2.0 \
