@@ -68,9 +68,10 @@ class RolloutConfig:
         teacher_prefix, each of its `questions`' trajectories once (its golden prefixes share its
         blocks) and the n completions at each step, each in its prefix's last, partial block and
         its own tokens; else its questions x n trajectories, at most steps.max_active in flight; or
-        the dev evaluation's `dev_questions` if more. A trajectory: rollout.TRAJECTORY_TOKENS. (The
+        the dev evaluation's `dev_questions` if more. A trajectory: rollout.trajectory_tokens. (The
         engine adds room for one max_model_len request.)"""
-        s, trajectory = self.steps, rollout.TRAJECTORY_TOKENS
+        s = self.steps
+        trajectory = rollout.trajectory_tokens(s)
         if self.mode == "teacher_prefix":
             completion = CPU_BLOCK + max(s.route_tokens * s.max_pairs, s.answer_tokens)
             need = questions * (trajectory + self.n * (s.max_steps + 1) * completion)

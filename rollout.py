@@ -336,19 +336,23 @@ class ReleasedSteps:
     def remind(self, live, text):
         live.tr.add_context(self.route.ids(next_turn(self.route, text)))
 
-TRAJECTORY_TOKENS = 1024  # the KV cache a trajectory in flight is given (Step-GRPO's engine):
-                          # the mini-world's golden ones hold 504 tokens on average, 786 at most
-                          # (one passage a search); past the cache vLLM queues, never refuses
+TRAJECTORY_TOKENS = 1024  # the KV cache a trajectory in flight is given, one document a search:
+                          # the mini-world's golden ones hold 504 tokens on average, 786 at most;
+                          # past the cache vLLM queues, never refuses
 EVIDENCE_TOKENS = 128  # a further document a search returns (the mini-world's, numbered: text 45
                        # tokens on average, tables 105, captions 34; 171 at most)
 
-def kv_tokens(s, trajectories, kbs=1):
-    """The KV cache (tokens) for `trajectories` of a text policy, at most s.max_active in flight:
-    each TRAJECTORY_TOKENS with one document a search and EVIDENCE_TOKENS a step more for each
-    further one (topk x max_pairs x max_rets from each of `kbs` KBs); at most CPU_KV_TOKENS."""
+def trajectory_tokens(s, kbs=1):
+    """The KV cache a text policy's trajectory in flight is given: TRAJECTORY_TOKENS with one
+    document a search, EVIDENCE_TOKENS a step more for each further one (topk x max_pairs x
+    max_rets from each of `kbs` KBs)."""
     docs = s.topk * s.max_pairs * s.max_rets * kbs
-    each = TRAJECTORY_TOKENS + (docs - 1) * s.max_steps * EVIDENCE_TOKENS
-    return min(min(trajectories, s.max_active) * each, CPU_KV_TOKENS)
+    return TRAJECTORY_TOKENS + (docs - 1) * s.max_steps * EVIDENCE_TOKENS
+
+def kv_tokens(s, trajectories, kbs=1):
+    """The KV cache (tokens) for `trajectories` of a text policy, at most s.max_active in flight
+    (trajectory_tokens each); at most CPU_KV_TOKENS (evaluate.py's engine)."""
+    return min(min(trajectories, s.max_active) * trajectory_tokens(s, kbs), CPU_KV_TOKENS)
 
 @dataclass
 class Settings:

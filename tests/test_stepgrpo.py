@@ -653,7 +653,8 @@ def test_the_policy_engines_kv_cache_holds_a_steps_rollouts_at_once(tiny_model_d
     import engines
     import retrievers
     args = stepgrpo.get_args(["--batch_questions", "3"])
-    run, T = stepgrpo.rollout_config(args), rollout.TRAJECTORY_TOKENS
+    run = stepgrpo.rollout_config(args)
+    T = rollout.TRAJECTORY_TOKENS + 2 * 3 * rollout.EVIDENCE_TOKENS  # --topk 3: two more documents a step
     assert run.n == 8 and run.kv_tokens(3) == 3 * (T + 8 * 4 * (32 + 96))  # a trajectory, 8 completions a step
     assert run.kv_tokens(3, dev_questions=40) == 40 * T  # the dev evaluation's, if more
     onpolicy = stepgrpo.rollout_config(stepgrpo.get_args(["--rollout", "onpolicy"]))
