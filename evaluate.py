@@ -457,8 +457,8 @@ def engine_kv_tokens(model, methods, probe, few_shot, settings, questions):
     policy's pictures, worked examples and the route probe's samples are not in rollout's count)."""
     import engines
     import rollout
-    from transformers import AutoConfig
-    if few_shot or probe or hasattr(AutoConfig.from_pretrained(model), "vision_config"):
+    import vision
+    if few_shot or probe or vision.has_vision(model):
         return engines.CPU_KV_TOKENS
     one_kb = set(methods) <= {"routed", "oracle", "gold_steps"}
     return rollout.kv_tokens(settings, questions, 1 if one_kb else len(KBS))

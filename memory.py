@@ -42,7 +42,7 @@ def loss_bytes(tokens, vocab, compute_bytes):
 def activation_bytes(config, tokens, compute_bytes, recomputed):
     """Bytes the update's forward keeps for its backward over a micro-batch of `tokens` positions,
     for a decoder of transformers' Llama / Qwen2 layers (config: its text config), as autograd's
-    saved tensors count them (tests/test_gpu_phases.py): a layer keeps, a token, (8 + 6c)h +
+    saved tensors count them (tests/test_gpu_path.py): a layer keeps, a token, (8 + 6c)h +
     2c kv + 4c i + 4 heads + 8 bytes (c compute_bytes; h hidden, kv the keys' width, i the MLP's:
     the two norms' fp32 inputs and rsqrt, their outputs, q, k, v and the attention's output with
     its fp32 log-sum-exp, the MLP's gate, up, activation and product), the rest (4 + c)h + 2c

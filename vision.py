@@ -60,9 +60,7 @@ class VisionIO:
     def load(model_dir, max_pixels=None):
         """VisionIO for a model folder whose config has a vision tower, else None (a text-only
         policy)."""
-        from transformers import AutoConfig
-        vl = hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
-        return VisionIO(model_dir, max_pixels) if vl else None
+        return VisionIO(model_dir, max_pixels) if has_vision(model_dir) else None
 
     def image(self, path):
         """The RGB picture of a file (None: a 224 x 224 white square, R1-Router's dummy image)."""
@@ -133,6 +131,11 @@ class VisionIO:
             one_tile = {"do_image_splitting": False} if hasattr(ip, "do_image_splitting") else {}
             self._dummy = ip([[self.image(None)]], return_tensors="pt", **one_tile)
         return {k: v.to(device) for k, v in self._dummy.items()}
+
+def has_vision(model_dir):
+    """Whether a model folder's config has a vision tower (a VL policy)."""
+    from transformers import AutoConfig
+    return hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
 
 def images_in(images, a, b):
     """The images [[start, n, path]] that lie in ids[a:b], positions made relative to a."""

@@ -140,7 +140,8 @@ def run_ours():
     parts = memory.held_parts(model, opt, None, None, engine, most, False, before)
     for line in memory.breakdown(peaks, parts):
         print(f"[bench] ours {line}", flush=True)
-    return dict(mode="ours: vLLM in-process fp32 (world 1)", steps=rec[1:], peaks_gib=peaks,
+    layout = "a row a completion" if args.ours_unpacked else "groups packed"
+    return dict(mode=f"ours: vLLM in-process fp32 (world 1), {layout}", steps=rec[1:], peaks_gib=peaks,
                 parts_gib={k: v / 2**30 for k, v in parts.items()})
 
 def run_trl():

@@ -203,8 +203,8 @@ def update_peak(model_dir, device):
     packed groups of 8 routing completions, 1024 policy tokens), against memory.gpu_budget's update phase less the
     parts outside torch's allocator. The budget counts the layers' activations (memory.activation_bytes: a world of
     one gathers nothing) and the gradients whole beside the loss's bf16 logits, their gradient and one chunk's fp32
-    copies (memory.loss_bytes),
-    though the gradients fill in during the backward: with a vocabulary of ~50k the logits dominate."""
+    copies (memory.loss_bytes), though the gradients fill in during the backward: with a vocabulary of ~50k the
+    logits dominate."""
     import grpo
     import learner
     import memory
