@@ -11,6 +11,7 @@ A served model's engines (OpenAIEngine, ChatEngine: a server's completions or ch
 remote.py; make_engine builds any of the four. A new engine goes into one of the two and into
 make_engine.
 """
+import contextlib
 import gc
 import logging
 import os
@@ -58,6 +59,23 @@ def exit_now(code=0):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+@contextlib.contextmanager
+def heap_kept_frozen(keep):
+    """vLLM freezes the whole heap once its engine has started (gc.freeze: no collection scans it
+    again), and its shutdown unfreezes it and collects it whole, twice: ~2 s of CPU an engine,
+    paid again by every engine of a process (a test process's, a script's arms one after another).
+    keep: vLLM's freezes and unfreezes are skipped inside the block, so the heap VLLMEngine froze
+    before the engine stays frozen, the engine's own objects stay collectable, and the shutdown's
+    collections scan them alone. On the CPU only: on a GPU vLLM's freeze also keeps the collector
+    off the objects its CUDA graph capture needs (vllm/utils/gc_utils.py)."""
+    freeze, unfreeze = gc.freeze, gc.unfreeze
+    if keep:
+        gc.freeze = gc.unfreeze = lambda: None
+    try:
+        yield
+    finally:
+        gc.freeze, gc.unfreeze = freeze, unfreeze
 
 def check_sent(expected, sent):
     """Exit naming the parameters a weight sync left out. vLLM's reload only warns about a missing
@@ -175,19 +193,22 @@ class VLLMEngine:
             if self.can_sleep else {}
         # vLLM's start-up collects garbage five times over the whole heap, then freezes it
         # (gc.freeze: never scanned again); freezing what already lives (torch, transformers, the
-        # trainer's model) first makes each of those passes skip it, the same heap frozen after
+        # trainer's model) first makes each of those passes skip it. On the CPU that stays the
+        # frozen heap (heap_kept_frozen: the engine's own objects are left collectable)
         gc.collect()
         gc.freeze()
+        self.keep_heap = on_cpu
         rss = psutil.Process().memory_info().rss  # what the process grows by as it starts: held()
-        self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len,
-                       enforce_eager=on_cpu, seed=seed, distributed_executor_backend=backend,
-                       gpu_memory_utilization=gpu_memory_utilization, **asleep,
-                       # sampled tokens' logprobs under the distribution they were drawn from
-                       # (logits / temperature), as the trainer computes them; vLLM's default
-                       # reports the untempered ones
-                       logprobs_mode="processed_logprobs",
-                       # CPU default 128: each step's prompt re-ran up to 127 cached tokens
-                       block_size=CPU_BLOCK if on_cpu else None, **kv, **mm)
+        with heap_kept_frozen(self.keep_heap):
+            self.llm = LLM(model=str(model), dtype=self.dtype, max_model_len=max_model_len,
+                           enforce_eager=on_cpu, seed=seed, distributed_executor_backend=backend,
+                           gpu_memory_utilization=gpu_memory_utilization, **asleep,
+                           # sampled tokens' logprobs under the distribution they were drawn from
+                           # (logits / temperature), as the trainer computes them; vLLM's default
+                           # reports the untempered ones
+                           logprobs_mode="processed_logprobs",
+                           # CPU default 128: each step's prompt re-ran up to 127 cached tokens
+                           block_size=CPU_BLOCK if on_cpu else None, **kv, **mm)
         VLLMEngine.sleepers += self.can_sleep
         self.grew = psutil.Process().memory_info().rss - rss
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
@@ -338,7 +359,8 @@ class VLLMEngine:
     def close(self):
         """Shut the engine down now. NB: vLLM's teardown also destroys torch.distributed's default
         process group."""
-        self.llm.llm_engine.engine_core.shutdown()
+        with heap_kept_frozen(self.keep_heap):
+            self.llm.llm_engine.engine_core.shutdown()
         VLLMEngine.sleepers -= self.can_sleep
 
 class HFEngine(Batched):
