@@ -5,16 +5,14 @@ equals the adapted model, Step-GRPO from an SFT-LoRA checkpoint keeps its engine
 
 Policy: the tiny random Llama (tied embeddings); data: the tiny world's golden trajectories (conftest.py)."""
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from conftest import interrupted_copy, vllm_prompt_logprobs
+from conftest import vllm_prompt_logprobs
+from one_launch import launch
 
 import engines
 import prepare
@@ -22,7 +20,6 @@ import sft
 import stepgrpo
 import trainutil
 
-ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--max_len", "512", "--batch_size", "2", "--warmup_steps", "0", "--dtype", "fp32",
         "--lora_r", "4", "--lora_dropout", "0", "--eval_every", "0"]
 ADAPTERS = "adapter/adapter_model.safetensors"
@@ -160,15 +157,24 @@ def test_an_adapter_whose_merge_is_not_w_plus_scaling_b_a_is_refused_with_one_li
 
 #### sft.py: 2 ranks, resume, the checkpoints
 
+@pytest.fixture(scope="module")
+def lora_ranks(lora_run, tiny_model_dir, traj_dir, tiny_index, tmp_path_factory):
+    """The 2-rank runs, in one launch (tests/one_launch.py): LoRA SFT as lora_run's global batches (2 rows x 2
+    micro-batches a rank, activation checkpointing), then Step-GRPO from lora_run's checkpoint for 2 steps, the engine
+    checked after every sync, and the same resumed from its step-1 checkpoint. -> (folders by name, stdout)."""
+    root = tmp_path_factory.mktemp("lora-ranks")
+    sft_args = ["--model", tiny_model_dir, "--data", traj_dir, "--out", root / "ddp", "--grad_accum", "2",
+                "--train_steps", "2", "--save_every", "1", "--lr", "1e-2", "--activation_checkpointing", *FAST]
+    grpo = lambda out, *extra: ("stepgrpo", grpo_args(lora_run / "final", tiny_index, out, "--train_steps", "2", *extra))
+    stdout = launch([("sft", sft_args), grpo(root / "grpo"), ("copy", (root / "grpo", 1, root / "resumed")),
+                     grpo(root / "resumed", "--resume")])
+    return {name: root / name for name in ("ddp", "grpo", "resumed")}, stdout
+
 @pytest.mark.slow
-def test_two_ranks_lora_sft_equal_one_process(lora_run, tiny_model_dir, traj_dir, tmp_path):
-    out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "sft.py",
-           "--model", str(tiny_model_dir), "--data", str(traj_dir), "--out", str(out), "--grad_accum", "2",
-           "--train_steps", "2", "--save_every", "1", "--lr", "1e-2", "--activation_checkpointing", *FAST]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "world 2" in r.stdout and "M trained" in r.stdout
+def test_two_ranks_lora_sft_equal_one_process(lora_run, lora_ranks, tiny_model_dir):
+    runs, stdout = lora_ranks
+    out = runs["ddp"]
+    assert "M trained), world 2" in stdout
     for step in (1, 2):
         assert adapter_diff(out / f"step_{step}", lora_run / f"step_{step}") < 1e-5
     cfg = json.loads((out / "step_2" / "adapter" / "adapter_config.json").read_text())  # peft's writer on rank 0
@@ -237,29 +243,20 @@ def test_merged_export_loads_in_transformers_and_vllm_and_equals_the_adapted_mod
 
 #### stepgrpo.py: from the SFT-LoRA checkpoint, engine = trainer after each sync, exact resume; QLoRA
 
-def grpo(model, data, out, *extra, nproc=1):
+def grpo_args(model, data, out, *extra):
     # the tiny random policy earns no reward: the entropy bonus moves the adapters (B = 0 gives the KL no gradient at
     # the start), then the KL to the base with adapters off is > 0
-    args = ["--model", str(model), "--data", str(data), "--out", str(out), "--batch_questions", "2", "-n", "2",
+    return ["--model", str(model), "--data", str(data), "--out", str(out), "--batch_questions", "2", "-n", "2",
             "--retriever", "bm25", "--eval_questions", "0", "--lr", "1e-2", "--kl_coef", "0.1", "--entropy_coef", "0.5",
-            "--save_every", "1", "--dtype", "fp32", "--lora_r", "4", *extra]
-    if nproc == 1:  # in this process: no start-up to pay
-        stepgrpo.main(args)
-    else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-        r = subprocess.run(launcher + [str(ROOT / "stepgrpo.py")] + args, capture_output=True, text=True, cwd=ROOT)
-        assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads(l) for l in open(Path(out) / "log.jsonl")]
+            "--save_every", "1", "--dtype", "fp32", "--lora_r", "4", *map(str, extra)]
 
-@pytest.fixture(scope="module")
-def lora_grpo(lora_run, tiny_index, tmp_path_factory):
-    """2-rank Step-GRPO from the SFT-LoRA checkpoint, 2 steps, the engine checked after every sync: (folder, log)."""
-    out = tmp_path_factory.mktemp("lora-grpo") / "run"
-    return out, grpo(lora_run / "final", tiny_index, out, "--train_steps", "2", nproc=2)
+def records(out):
+    return [json.loads(line) for line in open(Path(out) / "log.jsonl")]
 
 @pytest.mark.slow
-def test_lora_step_grpo_from_an_sft_lora_checkpoint_keeps_the_engine_equal_to_the_trainer(lora_run, lora_grpo):
-    out, recs = lora_grpo
+def test_lora_step_grpo_from_an_sft_lora_checkpoint_keeps_the_engine_equal_to_the_trainer(lora_run, lora_ranks):
+    out = lora_ranks[0]["grpo"]
+    recs = records(out)
     assert [r["step"] for r in recs] == [1, 2]
     assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # the engine samples from the merged adapted policy
     assert recs[1]["kl"] > 0  # moved away from the start (the SFT-LoRA checkpoint's merged weights, adapters off)
@@ -267,9 +264,9 @@ def test_lora_step_grpo_from_an_sft_lora_checkpoint_keeps_the_engine_equal_to_th
     assert max((start[k] - final[k]).abs().max().item() for k in start) > 1e-4
 
 @pytest.mark.slow
-def test_lora_step_grpo_resumes_exactly(lora_run, lora_grpo, tiny_index, tmp_path):
-    (straight, a), resumed = lora_grpo, interrupted_copy(lora_grpo[0], 1, tmp_path / "resumed")
-    b = grpo(lora_run / "final", tiny_index, resumed, "--train_steps", "2", "--resume", nproc=2)
+def test_lora_step_grpo_resumes_exactly(lora_ranks):
+    straight, resumed = lora_ranks[0]["grpo"], lora_ranks[0]["resumed"]
+    a, b = records(straight), records(resumed)
     assert adapter_diff(straight / "step_2", resumed / "step_2") == 0.0
     assert adapter_diff(straight / "step_2", straight / "step_1") > 1e-4
     assert [r["step"] for r in b] == [1, 2]
@@ -279,7 +276,8 @@ def test_lora_step_grpo_resumes_exactly(lora_run, lora_grpo, tiny_index, tmp_pat
 @pytest.mark.slow
 def test_qlora_nf4_base_on_cpu_trains_adapters_and_syncs_the_dequantised_policy(tiny_model_dir, tiny_index, tmp_path):
     pytest.importorskip("bitsandbytes")
-    recs = grpo(tiny_model_dir, tiny_index, tmp_path / "q", "--train_steps", "1", "--quant", "nf4")
+    stepgrpo.main(grpo_args(tiny_model_dir, tiny_index, tmp_path / "q", "--train_steps", "1", "--quant", "nf4"))
+    recs = records(tmp_path / "q")
     assert recs[0]["sync_max_diff"] < 1e-4
     base, final = load_file(tiny_model_dir / "model.safetensors"), load_file(tmp_path / "q" / "final" / "model.safetensors")
     # the export is the dequantised nf4 base plus the adapters: bitsandbytes' own round trip of the base weight

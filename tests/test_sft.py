@@ -4,7 +4,8 @@ resume, the saved checkpoint (transformers, tied embeddings, equal to the traine
 Policy: a tiny random Llama (tied embeddings) with the tests' tokenizer (SmolLM2's, cut to 4,096 ids). Data: real
 golden trajectories, rollout.py's GoldPolicy through the real step loop and BM25 retrieval on the tiny world.
 Single-process runs call sft.main() in this process (one torch thread: on this shared 2-core machine two OMP threads
-were up to 7x slower); the 2-rank run and one error case go through the real command line."""
+were up to 7x slower); the 2-rank runs share one torchrun launch (tests/one_launch.py); sft.py's command line runs
+in the continuation and error cases."""
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from one_launch import launch
 from conftest import vllm_prompt_logprobs
 
 import dataio
@@ -127,7 +129,6 @@ def test_bf16_step_is_close_to_fp32(single_run, tiny_model, traj_dir, tmp_path):
 def test_lr_schedule_by_hand():
     """Warm-up, cosine to lr * min_lr_ratio at the last step; with --decay_steps D the cosine ends at step D - 1 and
     the LR stays there: a 36-step run resumed at a constant lr * min_lr_ratio is one run of --decay_steps 36."""
-    import math
     schedule = lambda args: sft.Schedule(args.lr, args.warmup_steps, args.min_lr_ratio, args.decay_steps)
     a = schedule(sft.get_args(["--lr", "2e-4", "--warmup_steps", "2", "--min_lr_ratio", "0.1"]))
     assert [sft.lr_at(k, a, 36) for k in (0, 1)] == pytest.approx([2e-4 / 3, 2 * 2e-4 / 3])
@@ -245,18 +246,23 @@ def test_one_process_in_bf16_computes_by_autocast_on_fp32_masters(tiny_model, tr
     assert not torch.equal(plain, fsdp) and (plain.float() - fsdp.float()).abs().max() < 0.5
     assert torch.allclose(gplain, gfsdp, rtol=0.1, atol=1e-3)
 
+@pytest.fixture(scope="module")
+def sft_ranks(tiny_model, traj_dir, tmp_path_factory):
+    """The 2-rank runs, in one launch (tests/one_launch.py): padded micro-batches (2 a rank, activation
+    checkpointing) as single_run's global batches, then packed ones (packed_args). -> (the launch's folder, stdout)."""
+    root = tmp_path_factory.mktemp("sft-ranks")
+    stdout = launch([("sft", ["--model", tiny_model, "--data", traj_dir, "--out", root / "ddp", "--grad_accum", "2",
+                              "--activation_checkpointing", *FAST, *SGD]),
+                     ("sft", [*packed_args(tiny_model, traj_dir), "--grad_accum", "2", "--out", root / "packed"])])
+    return root, stdout
+
 @pytest.mark.slow
-def test_two_ranks_fsdp_equal_one_process(single_run, tiny_model, traj_dir, tmp_path):
+def test_two_ranks_fsdp_equal_one_process(single_run, sft_ranks):
     """torchrun, 2 gloo ranks x 2 micro-batches (and activation checkpointing) vs 1 process x 4: the same global
     batches. Plain SGD, so the weights compare tightly (measured ~1e-8; AdamW's first step lr*g/(|g|+eps) would
     amplify reduction-order noise in near-zero gradients; Adam would also hide a wrong gradient scale)."""
-    out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "sft.py",
-           "--model", str(tiny_model), "--data", str(traj_dir), "--out", str(out), "--grad_accum", "2",
-           "--activation_checkpointing", *FAST, *SGD]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "world 2" in r.stdout and "global batch 8 = 2 x 2 x 2" in r.stdout
+    out, stdout = sft_ranks[0] / "ddp", sft_ranks[1]
+    assert "M trained), world 2" in stdout and "global batch 8 = 2 x 2 x 2" in stdout
     for step in (1, 2):
         assert max_diff(out / f"step_{step}", single_run / f"step_{step}") < 1e-6
     assert max_diff(out / "step_2", single_run / "step_1") > 1e-3  # step 2 did something
@@ -323,25 +329,26 @@ def test_packed_logprobs_equal_padded_within_bf16_rounding(tiny_model, traj_dir)
     bf16_rounding = (pad16 - pad32).abs().max()
     assert 0 < (pack16 - pad16).abs().max() <= bf16_rounding
 
-@pytest.mark.slow
-def test_packed_two_ranks_equal_one_process_and_resume_exactly(tiny_model, traj_dir, tmp_path):
-    """--pack_tokens B: 2 gloo ranks x 4 rows a step against 1 process x 8 (SGD: the same weights to 1e-6), B picked
-    so the ranks pack their rows in different numbers of micro-batches (the one with fewer adds weight-0 copies:
-    FSDP gathers inside every forward); then the 1-process run resumed from its step-1 checkpoint ends bitwise where
-    it ended."""
+def packed_args(tiny_model, traj_dir):
+    """--pack_tokens B, B picked so that 2 ranks x 4 rows a step pack their rows in different numbers of
+    micro-batches."""
     rows = sft.load_rows(traj_dir / "train.jsonl", 2048, 10**9)  # uncut: rows of unequal length
     first = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()[:8]]
     size = lambda row: len(row[0])
     budget = next(b for b in range(600, 3000, 50) if len(trainutil.pack(first[:4], b, size)) !=
                   len(trainutil.pack(first[4:], b, size)))
-    args = ["--model", str(tiny_model), "--data", str(traj_dir), *FAST, *SGD, "--max_len", "2048",
+    return ["--model", str(tiny_model), "--data", str(traj_dir), *FAST, *SGD, "--max_len", "2048",
             "--pack_tokens", str(budget)]
-    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+
+@pytest.mark.slow
+def test_packed_two_ranks_equal_one_process_and_resume_exactly(sft_ranks, tiny_model, traj_dir, tmp_path):
+    """--pack_tokens B: 2 gloo ranks x 4 rows a step against 1 process x 8 (SGD: the same weights to 1e-6), B picked
+    so the ranks pack their rows in different numbers of micro-batches (the one with fewer adds weight-0 copies:
+    FSDP gathers inside every forward); then the 1-process run resumed from its step-1 checkpoint ends bitwise where
+    it ended."""
+    args = packed_args(tiny_model, traj_dir)
+    one, two, resumed = tmp_path / "one", sft_ranks[0] / "packed", tmp_path / "resumed"
     sft.main([*args, "--grad_accum", "4", "--out", str(one)])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "sft.py", *args,
-           "--grad_accum", "2", "--out", str(two)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
     for step in (1, 2):
         assert max_diff(two / f"step_{step}", one / f"step_{step}") < 1e-6
     losses = lambda out: [x.get("loss", x.get("eval_loss")) for x in read_log(out)]

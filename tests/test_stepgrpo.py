@@ -26,6 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from conftest import interrupted_copy
+from one_launch import launch
 
 import branches
 import dataio
@@ -466,16 +467,10 @@ def test_an_update_from_hf_samples_equals_the_one_from_the_same_samples_scored_b
     gap = lambda x, y: max((x[k] - y[k]).abs().max().item() for k in base)
     assert gap(a, base) > 1e-3 and gap(a, b) < 1e-5 and gap(b, c) > 1e-4
 
-#### end to end: 2-rank torchrun with vLLM sync and restarts (subprocesses, the real command line); exact resume and
-#### the dev pick (single-process runs, in this process)
+#### end to end: 2-rank torchrun runs with vLLM sync (sharing their launches: tests/one_launch.py), torchrun's refused
+#### restarts (the real command line); exact resume and the dev pick (single-process runs, in this process)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-def run(args, nproc=1, env=None):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
-    r = subprocess.run(launcher + [str(ROOT / "stepgrpo.py")] + args, capture_output=True, text=True, cwd=ROOT, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
 
 def common(model, data, out):
     # the tiny random policy cannot write the step format, so every reward and advantage is 0: the entropy bonus and
@@ -487,16 +482,33 @@ def common(model, data, out):
 def records(out):
     return [json.loads(l) for l in open(Path(out) / "log.jsonl")]
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, tiny_model_dir, tiny_index):
-    """One 2-rank teacher_prefix run of 2 steps (fp32, a checkpoint a step, so the engine is checked against the
-    trainer after every sync): the sync test's teacher_prefix case. (A killed rank restarting a job with a vLLM
-    engine: tests/test_ppo.py's killed PPO job, whose critic is restored too.)"""
-    out = tmp_path_factory.mktemp("two-ranks") / "run"
-    run(common(tiny_model_dir, tiny_index, out) + TWO_RANKS, nproc=2)
-    return out
+MODES = [("teacher_prefix", "transcript", "vllm"), ("onpolicy", "transcript", "vllm"), ("onpolicy", "released", "hf"),
+         ("branch", "transcript", "vllm")]
 
-TWO_RANKS = ["--train_steps", "2", "--dtype", "fp32"]
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, tiny_model_dir, tiny_index):
+    """The 2-rank runs of 2 steps (fp32, a checkpoint a step, so the engine is checked against the trainer after every
+    sync) of the sync test's cases and the zero-advantage test, in two launches (tests/one_launch.py): the vLLM
+    engine's, then the HF engine's where vllm cannot be imported (--backend hf needs none of it). -> {case: run folder}.
+    (A killed rank restarting a job with a vLLM engine: tests/test_ppo.py's killed PPO job, whose critic is restored
+    too.)"""
+    root = tmp_path_factory.mktemp("two-ranks")
+    runs = {}
+    for mode, structure, engine in MODES:
+        policy = tiny_model_dir  # teacher_prefix, the default rollout: the model as it is
+        if mode != "teacher_prefix":  # the tiny model, marked as trained on `structure` (stepgrpo.py takes its format)
+            policy = root / f"policy-{structure}"
+            if not policy.exists():
+                shutil.copytree(tiny_model_dir, policy)
+                (policy / "transcript.json").write_text(json.dumps(dict(structure=structure, max_pairs=1, max_rets=1)))
+        runs[mode, structure, engine] = common(policy, tiny_index, root / f"{mode}-{structure}-{engine}") + [
+            "--rollout", mode, "--train_steps", "2", "--dtype", "fp32", "--backend", engine]
+    skip = common(tiny_model_dir, tiny_index, root / "skip") + ["--train_steps", "2", "--dtype", "fp32", "--backend", "hf"]
+    skip[skip.index("--kl_coef") + 1], skip[skip.index("--entropy_coef") + 1] = "0", "0"
+    runs["skip"] = skip
+    for engine, env in (("vllm", None), ("hf", hidden_vllm(root))):  # a run's last flag: its --backend
+        launch([("stepgrpo", args) for args in runs.values() if args[-1] == engine], env=env)
+    return {case: Path(args[args.index("--out") + 1]) for case, args in runs.items()}
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tiny_model_dir, tiny_index):
@@ -513,21 +525,10 @@ def hidden_vllm(tmp_path):
     (hide / "__init__.py").write_text("raise ImportError('vllm is hidden in this test')\n")
     return dict(os.environ, PYTHONPATH=str(hide.parent))
 
-@pytest.mark.parametrize("mode,structure,engine", [("teacher_prefix", "transcript", "vllm"), ("onpolicy", "transcript", "vllm"),
-                                                   ("onpolicy", "released", "hf"), ("branch", "transcript", "vllm")])
+@pytest.mark.parametrize("mode,structure,engine", MODES)
 @pytest.mark.slow
-def test_two_ranks_sync_the_engine_after_every_update(tmp_path, tiny_model_dir, tiny_index, mode, structure, engine, request):
-    # the HF engine's case runs where vllm cannot be imported: --backend hf needs none of it
-    if mode == "teacher_prefix":  # the default rollout: the shared 2-rank run
-        out = request.getfixturevalue("two_ranks")
-    else:
-        out = tmp_path / "run"
-        policy = tmp_path / "policy"  # the tiny model, marked as trained on `structure` (stepgrpo.py takes its format)
-        shutil.copytree(tiny_model_dir, policy)
-        (policy / "transcript.json").write_text(json.dumps(dict(structure=structure, max_pairs=1, max_rets=1)))
-        run(common(policy, tiny_index, out) + ["--rollout", mode, "--train_steps", "2",
-                                               "--dtype", "fp32", "--backend", engine], nproc=2,
-            env=hidden_vllm(tmp_path) if engine == "hf" else None)
+def test_two_ranks_sync_the_engine_after_every_update(two_rank_runs, tiny_model_dir, mode, structure, engine):
+    out = two_rank_runs[mode, structure, engine]
     recs = records(out)
     assert [r["step"] for r in recs] == [1, 2]
     assert all(r["sync_max_diff"] < 1e-4 for r in recs)  # checked at every checkpoint: the engine scores like the trainer
@@ -548,14 +549,11 @@ def test_two_ranks_sync_the_engine_after_every_update(tmp_path, tiny_model_dir, 
     assert (out / "curves.png").stat().st_size > 10_000
 
 @pytest.mark.slow
-def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(tmp_path, tiny_model_dir, tiny_index):
+def test_two_ranks_skip_zero_advantage_rows_without_a_kl_term(two_rank_runs, tiny_model_dir):
     # the tiny random policy earns 0 advantage everywhere: with --kl_coef 0 every row is skipped, yet both ranks still
     # run one (zero-weight) micro-batch so FSDP's collectives match, and without an entropy bonus nothing moves (the
     # HF engine: the engine is not what this checks)
-    out = tmp_path / "run"
-    args = common(tiny_model_dir, tiny_index, out) + ["--train_steps", "2", "--dtype", "fp32", "--backend", "hf"]
-    args[args.index("--kl_coef") + 1], args[args.index("--entropy_coef") + 1] = "0", "0"
-    run(args, nproc=2)
+    out = two_rank_runs["skip"]
     assert [r["skipped"] for r in records(out)] == [1.0, 1.0]
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -6,18 +6,14 @@ and a tiny random Qwen2.5-VL), and on 2 gloo ranks with one row with pictures an
 equal to one process, and Step-GRPO, each rank's VL engine synced and checked after every update, resumed exactly;
 each under a timeout so that a hang fails. (2-rank runs of a VL policy live here; tests/test_vl.py, one process.)"""
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from conftest import interrupted_copy
+from one_launch import launch
 
 import dataio
 import engines
@@ -27,7 +23,6 @@ import rollout
 import sft
 import vision
 
-ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny_vl(tiny_model_dir, tmp_path_factory):
@@ -82,22 +77,6 @@ def test_a_dummy_picture_changes_nothing_for_qwen2_5_vl():
 
 #### 2 gloo ranks, one row with pictures and one without
 
-def run(cmd, timeout=300):
-    """A command line in its own process group under a timeout: a hang (NCCL's symptom) fails, and every process of
-    it (torchrun's workers too) is killed."""
-    p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        _, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... still running after {timeout} s")
-    assert p.returncode == 0, err[-3000:]
-
-def torchrun(script, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *args]
-
 def max_diff(a_dir, b_dir, part=""):
     """The largest difference between two checkpoints' weights (those whose name holds `part`)."""
     a, b = load_file(Path(a_dir) / "model.safetensors"), load_file(Path(b_dir) / "model.safetensors")
@@ -120,43 +99,55 @@ def mixed_traj(tmp_path_factory, tiny_index, tiny_vl):
         dataio.write_jsonl(out / f"{name}.jsonl", rows)
     return out
 
-@pytest.mark.slow
-def test_sft_on_two_ranks_with_and_without_pictures_equals_one_process(tiny_vl, mixed_traj, tmp_path):
-    # each step one rank's row has pictures and the other's none (dev loss too); without the dummy picture gloo
-    # failed at step 0. The same global batch on one process (2 micro-batches, one with the dummy) gives the same
-    # weights and dev loss: the dummy adds nothing
-    flags = ["--model", tiny_vl, "--data", mixed_traj, "--batch_size", "1", "--dtype", "fp32", "--optim", "sgd",
-             "--lr", "0.5", "--warmup_steps", "0", "--train_steps", "2", "--eval_every", "1", "--save_every", "1"]
-    run(torchrun("sft.py", *flags, "--grad_accum", "1", "--out", tmp_path / "two"))
-    sft.main([*map(str, flags), "--grad_accum", "2", "--out", str(tmp_path / "one")])  # in this process: no start-up
-    for step in (1, 2):
-        assert max_diff(tmp_path / "two" / f"step_{step}", tmp_path / "one" / f"step_{step}") < 1e-6
-    dev = [[r["eval_loss"] for r in records(tmp_path / run_) if "eval_loss" in r] for run_ in ("two", "one")]
-    assert len(dev[0]) == 2 and max(abs(a - b) for a, b in zip(*dev)) < 1e-5
-    assert max_diff(tmp_path / "two" / "final", tiny_vl) > 1e-4
+def sft_flags(tiny_vl, mixed_traj):
+    return ["--model", tiny_vl, "--data", mixed_traj, "--batch_size", "1", "--dtype", "fp32", "--optim", "sgd",
+            "--lr", "0.5", "--warmup_steps", "0", "--train_steps", "2", "--eval_every", "1", "--save_every", "1"]
 
-@pytest.mark.slow
-def test_step_grpo_on_two_ranks_with_and_without_pictures_syncs_and_resumes(tiny_vl, tiny_index, tmp_path):
-    # 2 questions, one a rank: a visual one (its golden prefixes hold the question image and retrieved pictures) and a
-    # text one whose gold route never searches the image KB (none); each rank's VL engine checked against the trainer
-    # after every sync; a KL term keeps every row live and runs the reference model on both too, an entropy bonus gives
-    # a gradient whatever the rewards (the tiny policy's are all 0). Then exact resume from the first checkpoint
-    data = tmp_path / "data"
+def grpo_flags(tiny_vl, data):
+    # 2 questions, one a rank: a visual one (its golden prefixes hold the question image and retrieved pictures) and
+    # a text one whose gold route never searches the image KB (none); a KL term keeps every row live and runs the
+    # reference model on both too, an entropy bonus gives a gradient whatever the rewards (the tiny policy's are all 0)
+    return ["--model", tiny_vl, "--data", data, "--split", "mixed", "--batch_questions", "2", "-n", "2", "--retriever",
+            "bm25", "--kl_coef", "0.1", "--entropy_coef", "0.1", "--lr", "1e-2", "--eval_questions", "0",
+            "--train_steps", "2", "--save_every", "1", "--dtype", "fp32"]  # every sync checked
+
+@pytest.fixture(scope="module")
+def vl_ranks(tiny_vl, tiny_index, mixed_traj, tmp_path_factory):
+    """The 2-rank runs, in one launch under a timeout, so that a hang fails (tests/one_launch.py): SFT (each step one
+    rank's row has pictures and the other's none, the dev loss too), then Step-GRPO on a visual and a text question,
+    one a rank, each rank's VL engine checked after every sync, and the same resumed from its step-1 checkpoint. ->
+    the launch's folder."""
+    root = tmp_path_factory.mktemp("vl-ranks")
+    data = root / "data"
     shutil.copytree(tiny_index, data)
     visual = (data / "questions" / "visual_train.jsonl").read_text().splitlines()[0]
     text = next(line for line in (data / "questions" / "train.jsonl").read_text().splitlines()
                 if all(s["kb"] != "image" for s in json.loads(line)["steps"]))
     (data / "questions" / "mixed.jsonl").write_text(f"{visual}\n{text}\n")
-    flags = ["--model", tiny_vl, "--data", data, "--split", "mixed", "--batch_questions", "2", "-n", "2", "--retriever",
-             "bm25", "--kl_coef", "0.1", "--entropy_coef", "0.1", "--lr", "1e-2", "--eval_questions", "0",
-             "--train_steps", "2", "--save_every", "1", "--dtype", "fp32"]  # every sync checked
-    out = tmp_path / "grpo"
-    run(torchrun("stepgrpo.py", *flags, "--out", out))
+    launch([("sft", [*sft_flags(tiny_vl, mixed_traj), "--grad_accum", "1", "--out", root / "two"]),
+            ("stepgrpo", [*grpo_flags(tiny_vl, data), "--out", root / "grpo"]),
+            ("copy", (root / "grpo", 1, root / "resumed")),
+            ("stepgrpo", [*grpo_flags(tiny_vl, data), "--out", root / "resumed", "--resume"])], timeout=300)
+    return root
+
+@pytest.mark.slow
+def test_sft_on_two_ranks_with_and_without_pictures_equals_one_process(vl_ranks, tiny_vl, mixed_traj, tmp_path):
+    # without the dummy picture gloo failed at step 0. The same global batch on one process (2 micro-batches, one
+    # with the dummy) gives the same weights and dev loss: the dummy adds nothing
+    two = vl_ranks / "two"
+    sft.main([*map(str, sft_flags(tiny_vl, mixed_traj)), "--grad_accum", "2", "--out", str(tmp_path / "one")])
+    for step in (1, 2):
+        assert max_diff(two / f"step_{step}", tmp_path / "one" / f"step_{step}") < 1e-6
+    dev = [[r["eval_loss"] for r in records(run_) if "eval_loss" in r] for run_ in (two, tmp_path / "one")]
+    assert len(dev[0]) == 2 and max(abs(a - b) for a, b in zip(*dev)) < 1e-5
+    assert max_diff(two / "final", tiny_vl) > 1e-4
+
+@pytest.mark.slow
+def test_step_grpo_on_two_ranks_with_and_without_pictures_syncs_and_resumes(vl_ranks, tiny_vl):
+    out, resumed = vl_ranks / "grpo", vl_ranks / "resumed"
     recs = records(out)
     assert [r["step"] for r in recs] == [1, 2] and all(r["sync_max_diff"] < 1e-4 for r in recs)
     assert recs[1]["kl"] > 0 and all(r["grad_norm"] > 0 and r["overflow"] == 0.0 for r in recs)
     assert max_diff(out / "final", tiny_vl) > 1e-4
     assert max_diff(out / "final", tiny_vl, "vision_model") > 1e-5  # the tower learned from the rank with pictures
-    resumed = interrupted_copy(out, 1, tmp_path / "resumed")
-    run(torchrun("stepgrpo.py", *flags, "--out", resumed, "--resume"))
     assert [r["step"] for r in records(resumed)] == [1, 2] and max_diff(out / "final", resumed / "final") == 0.0
