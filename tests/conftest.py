@@ -19,10 +19,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one thread a process
 
 # `make test` hands whole files to two pytest-xdist workers in collection order (--dist loadfile --no-loadscope-reorder):
 # the longest files first (their times with two workers, docs/LOG.md), so that the two workers end together
-LONGEST_FIRST = ("test_stepgrpo.py", "test_ppo.py", "test_chat_server.py", "test_fork.py", "test_sft.py", "test_lora.py",
-                 "test_smoke.py", "test_vl_ranks.py", "test_gpu_check.py", "test_remote.py", "test_retrievers.py",
-                 "test_actions.py", "test_serve_attack.py", "test_serve.py", "test_rollout.py", "test_vl.py",
-                 "test_gpu_path.py", "test_bench_plain.py")
+LONGEST_FIRST = ("test_stepgrpo.py", "test_remote.py", "test_ppo.py", "test_fork.py", "test_sft.py", "test_smoke.py",
+                 "test_lora.py", "test_gpu_check.py", "test_vl_ranks.py", "test_retrievers.py", "test_actions.py",
+                 "test_serve_attack.py", "test_serve.py", "test_rollout.py", "test_vl.py", "test_gpu_path.py",
+                 "test_bench_plain.py")
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}

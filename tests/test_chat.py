@@ -2,7 +2,7 @@
 baselines build reads back (transcript.ChatTurns) into chat messages that the policy's own template renders to the
 prompt's text and tokens again, a question's special-token strings stay inside its message, and a reply's stop string
 and end of turn are put back as an in-process engine writes them. Against real vLLM servers on loopback (the text
-policy, the VL one with pictures, a recording proxy, a judge with a key): tests/test_chat_server.py."""
+policy, the VL one with pictures, a recording proxy, a judge with a key): tests/test_remote.py."""
 import pytest
 
 import baselines
