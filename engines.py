@@ -63,7 +63,7 @@ def exit_now(code=0):
 @contextlib.contextmanager
 def heap_kept_frozen(keep):
     """vLLM freezes the whole heap once its engine has started (gc.freeze: no collection scans it
-    again), and its shutdown unfreezes it and collects it whole, twice: ~2 s of CPU an engine,
+    again), and its shutdown unfreezes it and collects it whole, twice: ~1.5 s of CPU an engine,
     paid again by every engine of a process (a test process's, a script's arms one after another).
     keep: vLLM's freezes and unfreezes are skipped inside the block, so the heap VLLMEngine froze
     before the engine stays frozen, the engine's own objects stay collectable, and the shutdown's
