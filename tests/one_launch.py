@@ -7,6 +7,7 @@ launch is the point: the killed rank's restart (tests/test_ppo.py), the refused 
     from one_launch import launch
     launch([("stepgrpo", argv), ("copy", (run, 1, dest)), ("stepgrpo", [*argv2, "--resume"])])
 
+("module:function", argv): that function of a test module instead of a script's main (it takes argv too).
 ("copy", (run, step, dest)): conftest.interrupted_copy on rank 0 (a run killed after that checkpoint), the ranks
 waiting for it: a resume within the same launch.
 """
@@ -21,9 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 def launch(runs, nproc=2, env=None, timeout=600):
-    """The runs ((script module, argv) or ("copy", (run folder, step, dest))) on `nproc` gloo ranks, one thread each,
-    in one torchrun launch under `timeout` seconds (a hang fails, and every process of the launch is killed); env:
-    the launch's environment (the tests' by default). Asserts that every run finished; returns the launch's stdout."""
+    """The runs ((script module or "module:function", argv) or ("copy", (run folder, step, dest))) on `nproc` gloo
+    ranks, one thread each, in one torchrun launch under `timeout` seconds (a hang fails, and every process of the
+    launch is killed); env: the launch's environment (the tests' by default). Asserts that every run finished;
+    returns the launch's stdout."""
     runs = [(script, [str(a) for a in args]) for script, args in runs]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), __file__,
            json.dumps(runs)]
@@ -54,7 +56,8 @@ def main(runs):
                 interrupted_copy(args[0], int(args[1]), args[2])
             dist.barrier()
         else:
-            importlib.import_module(script).main(args)
+            module, _, function = script.partition(":")
+            getattr(importlib.import_module(module), function or "main")(args)
         if dist.is_initialized():  # a vLLM engine's close takes it down itself
             dist.destroy_process_group()
     engines.exit_now()

@@ -2,7 +2,6 @@
 hand-made transcripts with masked evidence, the clipped value loss on hand cases, a critic that learns, 2 ranks equal
 to 1 process, exact resume and a killed rank restarting a PPO job, and one-line errors on bad input."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from conftest import interrupted_copy, kill_a_rank
+from one_launch import launch
 
 import critic
 import grpo
@@ -185,68 +185,61 @@ def test_the_policy_starts_after_the_warmup_only_above_the_explained_variance_ba
             critic.check_warmup(rec, 3, warmup)
         assert str(e.value.code).startswith("error: after --critic_warmup 3 steps") and words in str(e.value.code)
 
-TWO_RANK_CRITIC = '''
-import faulthandler, json, os, sys
-faulthandler.enable()  # a rank that aborts prints its threads' Python stacks into the stderr the assertion shows
-import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
-import critic, learner, trainutil
-from test_ppo import critic_rows
-rank, world, device, _ = trainutil.env_rank()
-trainutil.init_group(world)
-args = learner.UpdateConfig(micro_batch=2, gae=True)
-crit, opt = critic.load(sys.argv[2], 1e-3, device, world, None, bf16=False)
-rows = critic_rows(8)[rank::world]
-micro, denom, _ = learner.micro_batches(rows, args, 0, device)
-for _ in range(3):
-    critic.advantages(crit, micro, [m.logp_sampler for m in micro], [None] * len(micro))
-    rec = critic.record(critic.update(crit, opt, micro, denom)[0])
-w = {n: trainutil.full(p) for n, p in crit.named_parameters()}
-if rank == 0:
-    print(json.dumps(dict(rec=rec, head=w["lm_head.weight"].flatten()[:16].tolist(), bias=w["lm_head.bias"].tolist(),
-                          embed=w["model.embed_tokens.weight"][5:9].flatten().tolist(),
-                          adv=micro[0].adv[:8].tolist())))  # row 0's whitened advantages (over the global batch)
-del w, crit, opt
-dist.barrier()  # both ranks leave together: neither tears gloo down while the other may still be mid-collective
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)  # no interpreter teardown: a gloo thread once aborted it ("terminate called without an active exception")
-'''
+def critic_run(argv):
+    """Three critic updates on the same 8 rows, split over this launch's ranks (tests/one_launch.py) or alone in this
+    process (a world of one, trainutil.init_group): rank 0 writes what the two are compared on to argv[1] (JSON)."""
+    model, out = argv
+    rank, world, device, _ = trainutil.env_rank()
+    own = trainutil.init_group(world)
+    try:
+        args = learner.UpdateConfig(micro_batch=2, gae=True)
+        crit, opt = critic.load(model, 1e-3, device, world, None, bf16=False)
+        micro, denom, _ = learner.micro_batches(critic_rows(8)[rank::world], args, 0, device)
+        for _ in range(3):
+            critic.advantages(crit, micro, [m.logp_sampler for m in micro], [None] * len(micro))
+            rec = critic.record(critic.update(crit, opt, micro, denom)[0])
+        w = {n: trainutil.full(p) for n, p in crit.named_parameters()}
+        if rank == 0:
+            Path(out).write_text(json.dumps(dict(
+                rec=rec, head=w["lm_head.weight"].flatten()[:16].tolist(), bias=w["lm_head.bias"].tolist(),
+                embed=w["model.embed_tokens.weight"][5:9].flatten().tolist(),
+                adv=micro[0].adv[:8].tolist())))  # row 0's whitened advantages (over the global batch)
+        torch.distributed.barrier()  # the ranks leave together: neither tears gloo down mid-collective
+    finally:
+        if own:
+            torch.distributed.destroy_process_group()
+
+@pytest.fixture(scope="module")
+def ppo_ranks(tmp_path_factory, tiny_model_dir, tiny_index):
+    """One launch of 2 ranks (tests/one_launch.py): an uninterrupted PPO job of 2 steps (the killed job's reference)
+    and the critic's updates of critic_run. -> (the job's folder, critic_run's JSON)."""
+    root = tmp_path_factory.mktemp("ppo-ranks")
+    plain, crit = root / "plain", root / "critic.json"
+    launch([("stepgrpo", ppo_args(tiny_model_dir, tiny_index, plain, "--train_steps", 2)),
+            ("test_ppo:critic_run", [tiny_model_dir, crit])])
+    return plain, crit
 
 @pytest.mark.slow
-def test_two_ranks_train_the_critic_as_one_process(tmp_path, tiny_model_dir):
+def test_two_ranks_train_the_critic_as_one_process(ppo_ranks, tmp_path, tiny_model_dir):
     # the same 8 rows on one process and split over 2 gloo ranks: the same whitened advantages, value loss and weights
-    script = tmp_path / "two.py"
-    script.write_text(TWO_RANK_CRITIC)
-    out = []
-    two_ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    for launch in ([], two_ranks):  # one process alone: a world of one (trainutil.init_group), no launcher
-        r = subprocess.run([sys.executable, *launch, str(script), str(ROOT), str(tiny_model_dir)], capture_output=True,
-                           text=True, cwd=ROOT)
-        assert r.returncode == 0, r.stderr[-3000:]
-        out.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    one, two = out
+    critic_run([tiny_model_dir, tmp_path / "one.json"])
+    one, two = (json.loads(Path(p).read_text()) for p in (tmp_path / "one.json", ppo_ranks[1]))
     for k in ("value_loss", "explained_var", "vf_clipfrac"):
         assert one["rec"][k] == pytest.approx(two["rec"][k], rel=1e-5, abs=1e-7), k
     for k in ("head", "bias", "embed", "adv"):
         assert one[k] == pytest.approx(two[k], rel=1e-4, abs=1e-6), k
 
 @pytest.mark.slow
-def test_a_killed_rank_restarts_a_ppo_job(tmp_path, tiny_model_dir, tiny_index):
+def test_a_killed_rank_restarts_a_ppo_job(ppo_ranks, tmp_path, tiny_model_dir, tiny_index):
     # kill -9 one worker of a 2-rank PPO job after its first checkpoint: torchrun --max-restarts 1 restarts both
     # ranks, --resume auto picks up the newest whole checkpoint, critic included, each rank starts its vLLM engine
-    # again from it, and the job ends with an uninterrupted run's weights. The killed job runs with --offload
-    # (FSDP2's CPUOffloadPolicy for the policy and the critic: their shards, gradients and Adam steps in host memory,
-    # here the same memory), so the same weights also say offloading changes no update. One job for what a GRPO
-    # job's restart needs (the policy, its engine) and what PPO's adds (the critic)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    plain = tmp_path / "plain"
-    r = subprocess.run(launch + [str(ROOT / "stepgrpo.py")] +
-                       ppo_args(tiny_model_dir, tiny_index, plain, "--train_steps", 2),
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    killed = tmp_path / "killed"
-    cmd = launch[:-2] + ["--nproc_per_node", "2", "--max-restarts", "1", str(ROOT / "stepgrpo.py")] + \
+    # again from it, and the job ends with an uninterrupted run's weights (ppo_ranks'). The killed job runs with
+    # --offload (FSDP2's CPUOffloadPolicy for the policy and the critic: their shards, gradients and Adam steps in host
+    # memory, here the same memory), so the same weights also say offloading changes no update. One job for what a
+    # GRPO job's restart needs (the policy, its engine) and what PPO's adds (the critic)
+    plain, killed = ppo_ranks[0], tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
+           "1", str(ROOT / "stepgrpo.py")] + \
         ppo_args(tiny_model_dir, tiny_index, killed, "--train_steps", 2, "--resume", "auto", "--offload")
     text = kill_a_rank(cmd, killed, tmp_path / "job.log", ROOT)
     assert "exitcode: -9" in text and "resuming from" in text and "at step 2" not in text  # restarted mid-run

@@ -308,8 +308,10 @@ def test_packed_group_scores_like_separate_rows(tiny_model_dir):
 
 def test_flex_block_mask_scores_packed_groups_as_the_dense_tree_mask(tiny_model_dir):
     # --flex_attention: collate's BlockMask through transformers' FlexAttention gives the dense tree mask's logprobs
-    # (forward only: FlexAttention has no backward on CPU; tests/test_gpu.py compares gradients on CUDA), and it skips
-    # blocks: completions of 150 tokens, 128-token blocks, so a later branch's queries never visit an earlier branch
+    # (forward only: FlexAttention has no backward on CPU; tests/test_gpu.py compares gradients on CUDA, through the
+    # compiled kernels; here eager, its mask_mod on every pair: compiling it took ~20 s of a fresh machine's suite),
+    # and it skips blocks: completions of 150 tokens, 128-token blocks, so a later branch's queries never visit an
+    # earlier branch
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
     from transformers import AutoModelForCausalLM
     load = lambda attn: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attn)
@@ -322,7 +324,7 @@ def test_flex_block_mask_scores_packed_groups_as_the_dense_tree_mask(tiny_model_
     T = ids.shape[1]  # a causal block mask lets branches see each other
     causal = create_block_mask(lambda b, h, q, kv: kv <= q, 2, None, T, T, device="cpu")
     assert isinstance(flex, BlockMask) and flex.sparsity() > causal.sparsity() + 5  # % of blocks skipped
-    with torch.no_grad():
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         want = grpo.token_logprobs(load("sdpa"), ids, dense, sel, pos)[0]
         model = load("flex_attention")
         got = grpo.token_logprobs(model, ids, flex, sel, pos)[0]
