@@ -37,14 +37,15 @@ def free_port():
 
 
 def start_server(model, tmp_path, *extra):
-    """A vLLM OpenAI server for `model` on loopback, named "tiny", wanting KEY (three processes: ~30 s on 2 cores
-    before it answers: up() waits for it). -> (its process, its URL)."""
+    """A vLLM OpenAI server for `model` on loopback, named "tiny", wanting KEY, in fp32 as the in-process engine on
+    the CPU (left to itself vLLM takes bf16 for an fp32 model where the CPU has it): three processes, ~30 s on 2 cores
+    before it answers (up() waits for it). -> (its process, its URL)."""
     port, log = free_port(), open(tmp_path / "server.log", "w")
     kv = engines.CPU_KV_TOKENS * engines.kv_bytes_per_token(model, "float32")
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                "--served-model-name", "tiny", "--api-key", KEY, "--host", "127.0.0.1", "--port",
                                str(port), "--max-model-len", "4096", "--enforce-eager", "--seed", "0",
-                               "--kv-cache-memory-bytes", str(kv), *extra],
+                               "--dtype", "float32", "--kv-cache-memory-bytes", str(kv), *extra],
                               stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     return server, f"http://127.0.0.1:{port}/v1"
 
