@@ -8,6 +8,7 @@ key only in the Authorization header; faults on the way leave the trajectories a
 name alone, with a key; the tiny VL policy's pictures as image_url parts. One server of the tiny model serves the
 module (it wants a key). The chat messages themselves, without a server: tests/test_chat.py."""
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -42,11 +43,14 @@ def start_server(model, tmp_path, *extra):
     before it answers (up() waits for it). -> (its process, its URL)."""
     port, log = free_port(), open(tmp_path / "server.log", "w")
     kv = engines.CPU_KV_TOKENS * engines.kv_bytes_per_token(model, "float32")
+    # eager as the in-process engine on the CPU: --enforce-eager leaves vLLM's sampler's logprob ranks under
+    # torch.compile, which inductor builds in C++ (~10 s of CPU on a fresh clone) at the first request
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                "--served-model-name", "tiny", "--api-key", KEY, "--host", "127.0.0.1", "--port",
                                str(port), "--max-model-len", "4096", "--enforce-eager", "--seed", "0",
                                "--dtype", "float32", "--kv-cache-memory-bytes", str(kv), *extra],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+                              stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
     return server, f"http://127.0.0.1:{port}/v1"
 
 
