@@ -142,7 +142,7 @@ def test_the_reference_keeps_the_policys_training_flag_under_flex_attention(tiny
     assert not dense.training  # SDPA: a frozen model stays in eval mode
     rows = [grpo.pack_group([5, 6, 7, 8], [([9, 10, 11], [0.0] * 3), ([12, 13], [0.0] * 2)], [1.0, -1.0])]
     ids, attn, pos, sel, _, _ = grpo.collate(rows, 0, cpu, flex=True)
-    compiled = []  # the compiled functions transformers made: run eager (compiling took ~15 s of a fresh machine)
+    compiled = []  # the compiled functions transformers made: run eager (compiling took ~16 s on a fresh clone)
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for model in (policy, ref, policy, ref):
             grpo.token_logprobs(model, ids, attn, sel, pos)
